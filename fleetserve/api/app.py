@@ -1,0 +1,188 @@
+"""The FastAPI application: thin handlers over `Controller`, errors mapped in one place."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fleetserve import __version__
+from fleetserve.api.models import (
+    CreateService,
+    ErrorResponse,
+    EventInfo,
+    Health,
+    ReplicaInfo,
+    ServiceInfo,
+)
+from fleetserve.controller.controller import Controller
+from fleetserve.core.errors import FleetserveError, NotFound
+from fleetserve.core.types import ReplicaRecord, ServiceRecord
+
+PREFIX = "/api/v1"
+_ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorResponse} for code in (404, 409, 422)
+}
+
+
+def _pid(r: ReplicaRecord) -> int | None:
+    if not r.handle:
+        return None
+    try:
+        pid = json.loads(r.handle).get("pid")
+    except (ValueError, AttributeError):
+        return None
+    return int(pid) if isinstance(pid, int) else None
+
+
+def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
+    replicas = ctl.store.list_replicas(svc.name)
+    spec = ctl.spec_of(svc)
+    lo, hi = spec.service.replica_bounds()
+    return ServiceInfo(
+        name=svc.name,
+        status=ctl.status_of(svc, replicas).value,
+        endpoint=f"http://127.0.0.1:{svc.lb_port}" if svc.lb_port and svc.lb_pid else None,
+        active_version=svc.active_version,
+        created_at=svc.created_at,
+        failure_reason=svc.failure_reason,
+        load_balancing_policy=spec.service.load_balancing_policy,
+        min_replicas=lo,
+        max_replicas=hi,
+        replicas=[
+            ReplicaInfo(
+                replica_id=r.replica_id,
+                version=r.version,
+                status=r.status.value,
+                reason=r.reason,
+                endpoint=r.endpoint,
+                pid=_pid(r),
+                exit_code=r.exit_code,
+                created_at=r.created_at,
+                launched_at=r.launched_at,
+                first_ready_at=r.first_ready_at,
+                terminated_at=r.terminated_at,
+            )
+            for r in replicas
+        ],
+    )
+
+
+async def _file_lines(path: Path, follow: bool) -> AsyncIterator[str]:
+    if not path.exists():
+        return
+    with open(path, errors="replace") as f:
+        while True:
+            line = f.readline()
+            if line:
+                yield line
+            elif follow:
+                await asyncio.sleep(0.2)
+            else:
+                return
+
+
+def create_app(
+    controller: Controller, on_stopped: Callable[[], None] | None = None
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await controller.start()
+        yield
+        await controller.stop()
+        if on_stopped is not None:
+            on_stopped()
+
+    app = FastAPI(title="fleetserve", version=__version__, lifespan=lifespan)
+    ctl = controller
+
+    @app.exception_handler(FleetserveError)
+    async def _fleetserve_error(_req: Request, exc: FleetserveError) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"kind": exc.kind, "message": exc.message}}, status_code=exc.http_status
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_payload(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return JSONResponse(
+            {"error": {"kind": "invalid_spec", "message": f"invalid request: {problems}"}},
+            status_code=422,
+        )
+
+    @app.get(f"{PREFIX}/health", response_model=Health)
+    async def health() -> Health:
+        return Health(ok=True, version=__version__, pid=os.getpid(), home=str(ctl.settings.home))
+
+    @app.post(f"{PREFIX}/services", response_model=ServiceInfo, status_code=201, responses=_ERRORS)
+    async def create_service(body: CreateService) -> ServiceInfo:
+        svc = ctl.create_service(body.yaml, body.name, body.base_dir)
+        return service_info(ctl, svc)
+
+    @app.get(f"{PREFIX}/services", response_model=list[ServiceInfo])
+    async def list_services() -> list[ServiceInfo]:
+        return [service_info(ctl, s) for s in ctl.store.list_services()]
+
+    @app.get(f"{PREFIX}/services/{{name}}", response_model=ServiceInfo, responses=_ERRORS)
+    async def get_service(name: str) -> ServiceInfo:
+        return service_info(ctl, ctl.store.service(name))
+
+    @app.get(
+        f"{PREFIX}/services/{{name}}/events", response_model=list[EventInfo], responses=_ERRORS
+    )
+    async def events(name: str, limit: int = Query(50, ge=1, le=1000)) -> list[EventInfo]:
+        ctl.store.service(name)
+        return [
+            EventInfo(
+                at=e.at,
+                kind=e.kind,
+                message=e.message,
+                replica_id=e.replica_id,
+                status_from=e.status_from,
+                status_to=e.status_to,
+            )
+            for e in ctl.store.list_events(name, limit)
+        ]
+
+    @app.delete(
+        f"{PREFIX}/services/{{name}}",
+        response_model=ServiceInfo,
+        status_code=202,
+        responses=_ERRORS,
+    )
+    async def delete_service(name: str, purge: bool = False) -> ServiceInfo:
+        return service_info(ctl, ctl.delete_service(name, purge))
+
+    @app.post(
+        f"{PREFIX}/services/{{name}}/replicas/{{replica_id}}/terminate",
+        status_code=202,
+        responses=_ERRORS,
+    )
+    async def terminate_replica(name: str, replica_id: int, purge: bool = False) -> dict[str, str]:
+        ctl.terminate_replica(name, replica_id, purge)
+        return {"status": "terminating"}
+
+    @app.get(f"{PREFIX}/services/{{name}}/replicas/{{replica_id}}/logs", responses=_ERRORS)
+    async def replica_logs(name: str, replica_id: int, follow: bool = False) -> StreamingResponse:
+        lines = ctl.replica_logs(name, replica_id, follow)
+        return StreamingResponse(lines, media_type="text/plain")
+
+    @app.get(f"{PREFIX}/logs/{{which}}", responses=_ERRORS)
+    async def component_logs(
+        which: str, service: str | None = None, follow: bool = False
+    ) -> StreamingResponse:
+        if which not in ("controller", "load-balancer"):
+            raise NotFound(f"no log called {which!r}: use controller or load-balancer")
+        path = ctl.log_file(which, service)
+        return StreamingResponse(_file_lines(path, follow), media_type="text/plain")
+
+    return app

@@ -1,0 +1,66 @@
+"""Payloads of the REST API. The SDK parses responses into these same models."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CreateService(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    yaml: str = Field(description="The service YAML, as text.")
+    name: str | None = Field(None, description="Service name; default: the YAML's name.")
+    base_dir: str | None = Field(
+        None, description="Folder that relative workdir / file_mounts paths start from."
+    )
+
+
+class ReplicaInfo(BaseModel):
+    replica_id: int
+    version: int
+    status: str
+    reason: str | None = None
+    endpoint: str | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    created_at: float
+    launched_at: float | None = None
+    first_ready_at: float | None = None
+    terminated_at: float | None = None
+
+
+class EventInfo(BaseModel):
+    at: float
+    kind: str
+    message: str
+    replica_id: int | None = None
+    status_from: str | None = None
+    status_to: str | None = None
+
+
+class ServiceInfo(BaseModel):
+    name: str
+    status: str
+    endpoint: str | None = None
+    active_version: int
+    created_at: float
+    failure_reason: str | None = None
+    load_balancing_policy: str
+    min_replicas: int
+    max_replicas: int
+    replicas: list[ReplicaInfo] = Field(default_factory=list)
+
+
+class ErrorBody(BaseModel):
+    kind: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Health(BaseModel):
+    ok: bool
+    version: str
+    pid: int
+    home: str

@@ -1,0 +1,1 @@
+"""The `fleetserve` command line (typer + rich), built on the SDK only."""

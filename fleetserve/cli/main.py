@@ -1,0 +1,246 @@
+"""`fleetserve`: up, status, logs, down, validate and server management."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from fleetserve.api.models import ServiceInfo
+from fleetserve.cli.render import events_table, replicas_table, services_table, styled
+from fleetserve.client import Client, server_pid, start_server, stop_server
+from fleetserve.controller.settings import Settings
+from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.spec.loader import load_spec_file
+
+app = typer.Typer(
+    help="Serve any model server as a fleet of replicas behind one endpoint.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+server_app = typer.Typer(help="Manage the background controller.", no_args_is_help=True)
+app.add_typer(server_app, name="server")
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+
+def _fail(e: FleetserveError) -> typer.Exit:
+    err.print(f"[red]Error:[/] {e.message}", highlight=False, markup=True, soft_wrap=True)
+    return typer.Exit(e.exit_code)
+
+
+@app.command()
+def validate(file: Annotated[Path, typer.Argument(help="Service YAML to check.")]) -> None:
+    """Check a service YAML; print what is wrong, exit 2 if anything is."""
+    try:
+        spec, _ = load_spec_file(file)
+    except InvalidSpec as e:
+        raise _fail(e) from None
+    lo, hi = spec.service.replica_bounds()
+    probe = spec.service.readiness_probe
+    out.print(
+        f"[green]OK[/] {file}: replicas {lo}..{hi}, probe {probe.method + ' ' + probe.path if probe else '-'}, "
+        f"policy {spec.service.load_balancing_policy}"
+    )
+
+
+def _follow_up(client: Client, name: str) -> ServiceInfo:
+    """Print replica status changes until one is READY or the service fails."""
+    seen: dict[int, str] = {}
+    while True:
+        svc = client.service(name)
+        for r in svc.replicas:
+            if seen.get(r.replica_id) != r.status:
+                seen[r.replica_id] = r.status
+                extra = f" - {r.reason}" if r.reason else ""
+                out.print(f"  replica {r.replica_id}: {styled(r.status)}{extra}", highlight=False)
+        if svc.status == "READY":
+            return svc
+        if svc.status in ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"):
+            raise FleetserveError(
+                f"service {name} is {svc.status}: {svc.failure_reason or 'see `fleetserve status -v`'}"
+            )
+        time.sleep(0.5)
+
+
+@app.command()
+def up(
+    file: Annotated[Path, typer.Argument(help="Service YAML (SkyServe format).")],
+    name: Annotated[str | None, typer.Option("-n", "--name", help="Service name.")] = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once accepted.")] = False,
+) -> None:
+    """Start a service: its replicas and a load balancer; print the endpoint."""
+    try:
+        load_spec_file(file)  # a clear local error before anything starts
+        client = Client()
+        svc = client.up_file(file, name)
+        out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
+        if detach:
+            out.print(f"Check it with `fleetserve status {svc.name}`.")
+            return
+        try:
+            svc = _follow_up(client, svc.name)
+        except KeyboardInterrupt:
+            out.print(f"\nStopped watching; {svc.name} keeps launching (`fleetserve status`).")
+            return
+    except FleetserveError as e:
+        raise _fail(e) from None
+    out.print(f"Service [bold]{svc.name}[/] is READY.")
+    out.print(f"Endpoint: {svc.endpoint}", highlight=False)
+    print(f"curl {svc.endpoint}/", file=sys.stderr)
+
+
+@app.command()
+def status(
+    name: Annotated[str | None, typer.Argument(help="One service (default: all).")] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Add recent events.")] = False,
+    endpoint: Annotated[bool, typer.Option("--endpoint", help="Print the endpoint only.")] = False,
+) -> None:
+    """Services and their replicas, with failure reasons."""
+    try:
+        client = Client()
+        services = client.status(name)
+        if endpoint:
+            if name is None:
+                raise InvalidSpec("--endpoint needs a service name")
+            if not services[0].endpoint:
+                raise FleetserveError(f"service {name} has no endpoint yet ({services[0].status})")
+            print(services[0].endpoint)
+            return
+        if not services:
+            out.print("No services. Start one with `fleetserve up service.yaml`.")
+            return
+        out.print(services_table(services))
+        for s in services:
+            if s.failure_reason:
+                out.print(f"[red]{s.name}:[/] {s.failure_reason}", highlight=False)
+        out.print(replicas_table(services))
+        if verbose:
+            for s in services:
+                out.print(events_table(s.name, client.events(s.name, 30)))
+    except FleetserveError as e:
+        raise _fail(e) from None
+
+
+@app.command()
+def logs(
+    name: Annotated[str | None, typer.Argument(help="Service name.")] = None,
+    replica_id: Annotated[int | None, typer.Argument(help="Replica id.")] = None,
+    controller: Annotated[bool, typer.Option("--controller", help="The controller's log.")] = False,
+    load_balancer: Annotated[
+        bool, typer.Option("--load-balancer", help="The service's load-balancer log.")
+    ] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing.")] = False,
+) -> None:
+    """Print a replica's output (setup and run), or the controller's or load balancer's log."""
+    try:
+        client = Client()
+        if controller:
+            lines = client.component_logs("controller", follow=follow)
+        elif load_balancer:
+            if name is None:
+                raise InvalidSpec("--load-balancer needs a service name")
+            lines = client.component_logs("load-balancer", name, follow)
+        else:
+            if name is None or replica_id is None:
+                raise InvalidSpec(
+                    "give NAME and REPLICA_ID, or --controller, or NAME --load-balancer"
+                )
+            lines = client.replica_logs(name, replica_id, follow)
+        for line in lines:
+            print(line, flush=True)
+    except KeyboardInterrupt:
+        return
+    except FleetserveError as e:
+        raise _fail(e) from None
+
+
+@app.command()
+def down(
+    names: Annotated[list[str] | None, typer.Argument(help="Services to take down.")] = None,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Every service.")] = False,
+    purge: Annotated[
+        bool, typer.Option("--purge", help="Remove rows even if some teardown failed.")
+    ] = False,
+    replica_id: Annotated[
+        int | None, typer.Option("--replica-id", help="Terminate one replica (it is replaced).")
+    ] = None,
+) -> None:
+    """Stop services (replicas, load balancer) and remove them; or terminate one replica."""
+    try:
+        client = Client()
+        if replica_id is not None:
+            if not names or len(names) != 1:
+                raise InvalidSpec("--replica-id needs exactly one service name")
+            client.terminate_replica(names[0], replica_id, purge)
+            out.print(f"Terminating replica {replica_id} of {names[0]}.")
+            return
+        if all_:
+            names = [s.name for s in client.status()]
+        if not names:
+            raise InvalidSpec("name the services to take down, or use --all")
+        for n in names:
+            client.down(n, purge)
+        failed = False
+        for n in names:
+            out.print(f"Taking down {n}...")
+            left = client.wait_gone(n)
+            if left is None:
+                out.print(f"Service [bold]{n}[/] is down.")
+            else:
+                failed = True
+                err.print(f"[red]{n}:[/] {left.failure_reason or left.status}", highlight=False)
+        if failed:
+            raise typer.Exit(1)
+    except FleetserveError as e:
+        raise _fail(e) from None
+
+
+@server_app.command("start")
+def server_start() -> None:
+    """Start the controller in the background (the CLI also does it on demand)."""
+    settings = Settings.from_env()
+    try:
+        if Client(settings=settings, auto_start=False).healthy():
+            out.print(f"Controller already running on 127.0.0.1:{settings.api_port}.")
+            return
+        pid = start_server(settings)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    out.print(f"Controller started (pid {pid}) on 127.0.0.1:{settings.api_port}.")
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop the controller. Replicas and load balancers keep serving; a restart adopts them."""
+    if stop_server(Settings.from_env()):
+        out.print("Controller stopped.")
+    else:
+        out.print("No controller is running.")
+
+
+@server_app.command("status")
+def server_status() -> None:
+    """Whether the controller runs, and where."""
+    settings = Settings.from_env()
+    pid = server_pid(settings)
+    try:
+        healthy = Client(settings=settings, auto_start=False).healthy()
+    except FleetserveError as e:
+        raise _fail(e) from None
+    if pid is None and not healthy:
+        out.print("Controller: not running.")
+        raise typer.Exit(1)
+    out.print(
+        f"Controller: {'running' if healthy else 'not answering'} (pid {pid}) on "
+        f"127.0.0.1:{settings.api_port}, home {settings.home}"
+    )
+
+
+def main() -> None:
+    app()

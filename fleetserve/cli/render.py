@@ -1,0 +1,90 @@
+"""Tables and lines the CLI prints."""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+
+from fleetserve.api.models import EventInfo, ServiceInfo
+
+_STYLE = {
+    "READY": "green",
+    "STARTING": "cyan",
+    "PROVISIONING": "cyan",
+    "PENDING": "dim",
+    "NOT_READY": "yellow",
+    "SHUTTING_DOWN": "yellow",
+    "REPLICA_INIT": "cyan",
+    "CONTROLLER_INIT": "cyan",
+    "NO_REPLICA": "yellow",
+}
+
+
+def styled(status: str) -> str:
+    style = _STYLE.get(status, "red" if "FAIL" in status or status == "PREEMPTED" else "")
+    return f"[{style}]{status}[/]" if style else status
+
+
+def ago(ts: float | None, now: float | None = None) -> str:
+    if ts is None:
+        return "-"
+    secs = max(0, int((now or time.time()) - ts))
+    if secs < 60:
+        return f"{secs}s ago"
+    if secs < 3600:
+        return f"{secs // 60}m {secs % 60}s ago"
+    return f"{secs // 3600}h {(secs % 3600) // 60}m ago"
+
+
+def services_table(services: list[ServiceInfo]) -> Table:
+    t = Table(title="Services", title_justify="left")
+    for col in ("NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "ENDPOINT", "POLICY"):
+        t.add_column(col)
+    for s in services:
+        ready = sum(1 for r in s.replicas if r.status == "READY")
+        alive = sum(1 for r in s.replicas if "FAIL" not in r.status and r.status != "PREEMPTED")
+        t.add_row(
+            s.name,
+            str(s.active_version),
+            ago(s.created_at).removesuffix(" ago"),
+            styled(s.status),
+            f"{ready}/{alive}",
+            s.endpoint or "-",
+            s.load_balancing_policy,
+        )
+    return t
+
+
+def replicas_table(services: list[ServiceInfo]) -> Table:
+    t = Table(title="Service Replicas", title_justify="left")
+    for col in ("SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "PID", "LAUNCHED", "STATUS", "REASON"):
+        t.add_column(col)
+    for s in services:
+        for r in s.replicas:
+            t.add_row(
+                s.name,
+                str(r.replica_id),
+                str(r.version),
+                r.endpoint or "-",
+                str(r.pid) if r.pid else "-",
+                ago(r.launched_at),
+                styled(r.status),
+                r.reason or "",
+            )
+    return t
+
+
+def events_table(name: str, events: list[EventInfo]) -> Table:
+    t = Table(title=f"Recent events of {name}", title_justify="left")
+    for col in ("TIME", "REPLICA", "CHANGE", "MESSAGE"):
+        t.add_column(col)
+    for e in events:
+        change = f"{e.status_from or ''} -> {e.status_to}" if e.status_to else ""
+        t.add_row(
+            time.strftime("%H:%M:%S", time.localtime(e.at)),
+            str(e.replica_id) if e.replica_id is not None else "",
+            change,
+            e.message,
+        )
+    return t

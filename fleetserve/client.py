@@ -1,0 +1,229 @@
+"""The Python SDK: `fleetserve.client.Client` talks to the controller's REST API.
+
+The CLI is built on it. With `auto_start` (the default) the first call starts the controller
+in the background if none answers for this FLEETSERVE_HOME.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from fleetserve.api.models import EventInfo, ServiceInfo
+from fleetserve.controller.settings import Settings
+from fleetserve.core.errors import ERROR_KINDS, FleetserveError, NotFound, TransientError
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.is_success:
+        return
+    try:
+        err = resp.json()["error"]
+        kind, message = str(err["kind"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        raise FleetserveError(
+            f"controller answered HTTP {resp.status_code}: {resp.text[:200]}"
+        ) from None
+    raise ERROR_KINDS.get(kind, FleetserveError)(message)
+
+
+def server_pid(settings: Settings) -> int | None:
+    """The running controller's pid for this home, from server.json (checked to be alive)."""
+    try:
+        info = json.loads(settings.server_file.read_text())
+        p = psutil.Process(int(info["pid"]))
+        if abs(p.create_time() - float(info["create_time"])) < 0.05:
+            return p.pid
+    except (OSError, ValueError, KeyError, psutil.Error):
+        return None
+    return None
+
+
+def start_server(settings: Settings, wait: float = 30.0) -> int:
+    """Start the controller in the background; returns its pid once its API answers."""
+    settings.logs_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["FLEETSERVE_HOME"] = str(settings.home)
+    env["FLEETSERVE_API_PORT"] = str(settings.api_port)
+    with open(settings.logs_dir / "controller.log", "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fleetserve.api.server"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    client = Client(settings=settings, auto_start=False)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise FleetserveError(
+                f"the controller exited at start (code {proc.returncode}); see "
+                f"{settings.logs_dir / 'controller.log'}"
+            )
+        if client.healthy():
+            return proc.pid
+        time.sleep(0.1)
+    raise TransientError(f"the controller did not answer within {wait:.0f} s")
+
+
+def stop_server(settings: Settings, wait: float = 60.0) -> bool:
+    """Stop the controller (replicas and load balancers keep running). False if none ran."""
+    pid = server_pid(settings)
+    if pid is None:
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    return True
+
+
+class Client:
+    def __init__(
+        self,
+        url: str | None = None,
+        settings: Settings | None = None,
+        auto_start: bool = True,
+        timeout: float = 30.0,
+    ) -> None:
+        self.settings = settings or Settings.from_env()
+        self.url = (url or f"http://127.0.0.1:{self.settings.api_port}").rstrip("/")
+        self.auto_start = auto_start and url is None
+        self._http = httpx.Client(base_url=self.url + "/api/v1", timeout=timeout, trust_env=False)
+        self._checked = False
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        try:
+            r = self._http.get("/health", timeout=2)
+        except httpx.HTTPError:
+            return False
+        if r.status_code != 200:
+            return False
+        home = r.json().get("home")
+        if home != str(self.settings.home) and self.url.endswith(f":{self.settings.api_port}"):
+            raise FleetserveError(
+                f"port {self.settings.api_port} is taken by a fleetserve controller for {home}; "
+                "set FLEETSERVE_API_PORT to use another port for this FLEETSERVE_HOME"
+            )
+        return True
+
+    def _ensure(self) -> None:
+        if self._checked:
+            return
+        if not self.healthy():
+            if not self.auto_start:
+                raise TransientError(
+                    f"no fleetserve controller answers at {self.url} "
+                    "(start one with `fleetserve server start`)"
+                )
+            start_server(self.settings)
+        self._checked = True
+
+    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        self._ensure()
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise TransientError(f"controller at {self.url} is unreachable: {e}") from None
+        _raise_for(resp)
+        return resp
+
+    # -- services --------------------------------------------------------------------------
+
+    def up(
+        self, yaml_text: str, name: str | None = None, base_dir: str | None = None
+    ) -> ServiceInfo:
+        body = {"yaml": yaml_text, "name": name, "base_dir": base_dir}
+        return ServiceInfo.model_validate(self._call("POST", "/services", json=body).json())
+
+    def up_file(self, path: str | Path, name: str | None = None) -> ServiceInfo:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            from fleetserve.core.errors import InvalidSpec
+
+            raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
+        return self.up(text, name, str(p.resolve().parent))
+
+    def status(self, name: str | None = None) -> list[ServiceInfo]:
+        if name is not None:
+            return [self.service(name)]
+        return [ServiceInfo.model_validate(s) for s in self._call("GET", "/services").json()]
+
+    def service(self, name: str) -> ServiceInfo:
+        return ServiceInfo.model_validate(self._call("GET", f"/services/{name}").json())
+
+    def events(self, name: str, limit: int = 50) -> list[EventInfo]:
+        resp = self._call("GET", f"/services/{name}/events", params={"limit": limit})
+        return [EventInfo.model_validate(e) for e in resp.json()]
+
+    def down(self, name: str, purge: bool = False) -> ServiceInfo:
+        resp = self._call("DELETE", f"/services/{name}", params={"purge": purge})
+        return ServiceInfo.model_validate(resp.json())
+
+    def wait_gone(self, name: str, timeout: float = 120.0) -> ServiceInfo | None:
+        """Wait until `down` has removed the service; returns its last view if it stayed."""
+        deadline = time.monotonic() + timeout
+        last: ServiceInfo | None = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.service(name)
+            except NotFound:
+                return None
+            if last.status == "FAILED_CLEANUP" or (
+                last.failure_reason and "could not terminate" in last.failure_reason
+            ):
+                return last
+            time.sleep(0.3)
+        return last
+
+    def terminate_replica(self, name: str, replica_id: int, purge: bool = False) -> None:
+        self._call(
+            "POST", f"/services/{name}/replicas/{replica_id}/terminate", params={"purge": purge}
+        )
+
+    def replica_logs(self, name: str, replica_id: int, follow: bool = False) -> Iterator[str]:
+        return self._stream(f"/services/{name}/replicas/{replica_id}/logs", {"follow": follow})
+
+    def component_logs(
+        self, which: str, service: str | None = None, follow: bool = False
+    ) -> Iterator[str]:
+        params: dict[str, Any] = {"follow": follow}
+        if service:
+            params["service"] = service
+        return self._stream(f"/logs/{which}", params)
+
+    def _stream(self, path: str, params: dict[str, Any]) -> Iterator[str]:
+        self._ensure()
+        with self._http.stream("GET", path, params=params, timeout=None) as resp:
+            if not resp.is_success:
+                resp.read()
+                _raise_for(resp)
+            yield from resp.iter_lines()

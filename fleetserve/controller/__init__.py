@@ -1,0 +1,1 @@
+"""The control plane: one reconciler per service, the action executor, probes, recovery."""

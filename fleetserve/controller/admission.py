@@ -1,0 +1,77 @@
+"""What `up` checks beyond the YAML's own rules: can this infra run this service, and where
+do its relative paths point."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from pathlib import Path
+
+from fleetserve.core.errors import InvalidSpec
+from fleetserve.spec.models import ServiceTask
+
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_REMOTE = re.compile(r"^[a-z][a-z0-9+.-]*://")
+SUPPORTED_INFRAS = ("local",)
+
+
+def service_name(requested: str | None, spec: ServiceTask) -> str:
+    """The name given, else the YAML's `name`, else SkyServe's default `sky-service-<4 hex>`."""
+    name = requested or spec.name or f"sky-service-{secrets.token_hex(2)}"
+    if not _NAME.match(name):
+        raise InvalidSpec(
+            f"service name {name!r}: use 1-63 lowercase letters, digits and '-', starting with a "
+            "letter and not ending with '-'"
+        )
+    return name
+
+
+def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
+    if spec.service.pool is not None:
+        raise InvalidSpec("service.pool: worker pools are not supported yet; serve a `run` command")
+    if not spec.run:
+        raise InvalidSpec("run: a service needs a `run` command that starts the server on $PORT")
+    if spec.num_nodes != 1:
+        raise InvalidSpec(
+            f"num_nodes: multi-node replicas are not supported (got {spec.num_nodes})"
+        )
+    if spec.service.tls is not None:
+        raise InvalidSpec("service.tls: TLS at the load balancer is not supported yet")
+    wanted = spec.requested_infra()
+    if wanted is not None and wanted.split("/")[0] not in SUPPORTED_INFRAS:
+        raise InvalidSpec(
+            f"resources.infra: {wanted!r} is not available; supported: {', '.join(SUPPORTED_INFRAS)}"
+        )
+    _lo, hi = spec.service.replica_bounds()
+    port = spec.replica_port()
+    if infra == "local" and port is not None and hi > 1:
+        raise InvalidSpec(
+            f"the spec fixes port {port} and asks for up to {hi} replicas, but on the local infra "
+            f"every replica shares this machine and port {port} can be bound only once. Remove "
+            "`ports` (from service and resources) and make the run command listen on $PORT, "
+            "which fleetserve sets to a free port for each replica"
+        )
+
+
+def resolve_paths(spec: ServiceTask, base_dir: Path) -> ServiceTask:
+    """Make workdir and file_mounts sources absolute (relative to the YAML file's folder)."""
+    changes: dict[str, object] = {}
+    if spec.workdir:
+        wd = (base_dir / Path(spec.workdir).expanduser()).resolve()
+        if not wd.is_dir():
+            raise InvalidSpec(f"workdir: {wd} is not a directory")
+        changes["workdir"] = str(wd)
+    mounts: dict[str, str] = {}
+    for dest, src in spec.file_mounts.items():
+        if not isinstance(src, str) or _REMOTE.match(src):
+            raise InvalidSpec(
+                f"file_mounts.{dest}: only local files and folders can be mounted on the local "
+                f"infra (got {src!r})"
+            )
+        path = (base_dir / Path(src).expanduser()).resolve()
+        if not path.exists():
+            raise InvalidSpec(f"file_mounts.{dest}: {path} does not exist")
+        mounts[dest] = str(path)
+    if mounts:
+        changes["file_mounts"] = mounts
+    return spec.model_copy(update=changes) if changes else spec

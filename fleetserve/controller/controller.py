@@ -1,0 +1,166 @@
+"""`Controller`: owns the store, the infra, the load-balancer manager and one reconciler per
+service, and offers the operations the REST API exposes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
+from fleetserve.controller.lb_manager import LbManager
+from fleetserve.controller.prober import Prober
+from fleetserve.controller.reconciler import ServiceReconciler
+from fleetserve.controller.settings import Settings
+from fleetserve.core.clock import Clock, SystemClock
+from fleetserve.core.errors import Conflict, InvalidSpec, NotFound
+from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
+from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
+from fleetserve.infra.base import Infra
+from fleetserve.infra.local import LocalInfra
+from fleetserve.spec.loader import parse_spec
+from fleetserve.spec.models import ServiceTask
+from fleetserve.store import Store
+
+log = logging.getLogger("fleetserve.controller")
+
+
+class Controller:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Clock | None = None,
+        infra: Infra | None = None,
+        store: Store | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.store = store or Store.at_path(settings.db_path)
+        self.infra: Infra = infra or LocalInfra(
+            settings.home, grace_seconds=settings.terminate_grace
+        )
+        self.http = httpx.AsyncClient(trust_env=False)
+        self.lb = LbManager(settings, self.http)
+        self.prober = Prober(self.http)
+        self.reconcilers: dict[str, ServiceReconciler] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        services = self.store.list_services()
+        tokens = {r.launch_token for s in services for r in self.store.list_replicas(s.name)}
+        orphans = await self.infra.sweep(tokens)
+        stray_lbs = await self.lb.sweep(services)
+        if orphans or stray_lbs:
+            log.warning("stopped %s orphaned replica and %s stray LB processes", orphans, stray_lbs)
+        for svc in services:
+            self._run(svc.name)
+
+    async def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for name, task in list(self._tasks.items()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            await self.reconcilers[name].stop()
+        self.prober.close()
+        await self.http.aclose()
+        self.store.close()
+
+    def _run(self, name: str) -> ServiceReconciler:
+        task = self._tasks.get(name)
+        if task is not None and not task.done():
+            return self.reconcilers[name]
+        rec = ServiceReconciler(
+            name, self.store, self.infra, self.lb, self.prober, self.settings, self.clock
+        )
+        self.reconcilers[name] = rec
+        self._tasks[name] = asyncio.create_task(rec.run(), name=f"reconcile-{name}")
+        return rec
+
+    # -- operations ------------------------------------------------------------------------
+
+    def create_service(
+        self, yaml_text: str, name: str | None = None, base_dir: str | None = None
+    ) -> ServiceRecord:
+        spec = parse_spec(yaml_text)
+        check_deployable(spec, self.infra.name)
+        spec = resolve_paths(spec, Path(base_dir or Path.cwd()))
+        svc_name = service_name(name, spec)
+        existing = self.store.get_service(svc_name)
+        if existing is not None:
+            hint = (
+                "it is still shutting down"
+                if existing.phase is ServicePhase.SHUTTING_DOWN
+                else "choose another name with -n, or `fleetserve down` it first"
+            )
+            raise Conflict(f"service {svc_name!r} already exists: {hint}")
+        svc = self.store.create_service(
+            svc_name, yaml_text, spec.model_dump_json(), self.clock.now()
+        )
+        self._run(svc_name)
+        return svc
+
+    def delete_service(self, name: str, purge: bool = False) -> ServiceRecord:
+        svc = self.store.service(name)
+        svc = self.store.update_service(
+            name, self.clock.now(), phase=ServicePhase.SHUTTING_DOWN, purge=purge or svc.purge
+        )
+        self.store.add_event(name, self.clock.now(), "service", "down requested")
+        self._run(name).wake.set()
+        return svc
+
+    def terminate_replica(self, name: str, replica_id: int, purge: bool = False) -> None:
+        self.store.service(name)
+        rec = self.store.replica(name, replica_id)
+        reconciler = self._run(name)
+        if rec.status.is_terminal and rec.status is not ReplicaStatus.FAILED_CLEANUP:
+            if not purge:
+                raise Conflict(
+                    f"replica {replica_id} has already ended ({rec.status}); add --purge to "
+                    "remove its row"
+                )
+            self.store.delete_replica(name, replica_id, self.clock.now(), "replica row purged")
+            return
+        if rec.status is ReplicaStatus.SHUTTING_DOWN:
+            return
+        reconciler.executor.terminate(rec, rec.status, "terminated by user", delete_row=True)
+        reconciler.wake.set()
+
+    # -- views -----------------------------------------------------------------------------
+
+    def spec_of(self, svc: ServiceRecord) -> ServiceTask:
+        raw = self.store.version(svc.name, svc.active_version).spec_json
+        return ServiceTask.model_validate_json(raw)
+
+    def status_of(self, svc: ServiceRecord, replicas: list[ReplicaRecord]) -> ServiceStatus:
+        lb_running = svc.lb_pid is not None
+        return derive_service_status(
+            (r.status for r in replicas),
+            shutting_down=svc.phase is ServicePhase.SHUTTING_DOWN,
+            lb_running=lb_running,
+            lb_failed=not lb_running and bool(svc.failure_reason),
+            scaling_stopped=lb_running and bool(svc.failure_reason),
+        )
+
+    def replica_logs(self, name: str, replica_id: int, follow: bool) -> AsyncIterator[str]:
+        self.store.service(name)
+        if self.store.get_replica(name, replica_id) is None and not self._log_exists(
+            name, f"replica-{replica_id}.log"
+        ):
+            raise NotFound(f"service {name!r} has no replica {replica_id}")
+        return self.infra.logs(name, replica_id, follow)
+
+    def _log_exists(self, name: str, file: str) -> bool:
+        return (self.settings.logs_dir / name / file).exists()
+
+    def log_file(self, which: str, name: str | None) -> Path:
+        if which == "controller":
+            return self.settings.logs_dir / "controller.log"
+        if name is None:
+            raise InvalidSpec("a service name is needed for its load-balancer log")
+        self.store.service(name)
+        return self.settings.logs_dir / name / "load-balancer.log"

@@ -1,0 +1,187 @@
+"""Applies launch and terminate actions as bounded, cancellable background tasks.
+
+One executor per service owns every task that touches its replicas, so a terminate can cancel a
+launch still in progress (and the launch cleans up what it had started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from fleetserve.core.clock import Clock
+from fleetserve.core.errors import FleetserveError
+from fleetserve.core.status import ReplicaStatus
+from fleetserve.core.types import ReplicaRecord
+from fleetserve.infra.base import FileMount, Infra, LaunchRequest
+from fleetserve.spec.models import ServiceTask
+from fleetserve.store import Store
+
+log = logging.getLogger("fleetserve.controller")
+
+
+def new_launch_token() -> str:
+    return uuid.uuid4().hex
+
+
+def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchRequest:
+    envs = {k: "" if v is None else str(v) for k, v in {**spec.envs, **spec.secrets}.items()}
+    envs["FLEETSERVE_HOME"] = str(home)
+    mounts = tuple(
+        FileMount(dest=dest, source=Path(src))
+        for dest, src in spec.file_mounts.items()
+        if isinstance(src, str)
+    )
+    return LaunchRequest(
+        service=rec.service,
+        replica_id=rec.replica_id,
+        version=rec.version,
+        launch_token=rec.launch_token,
+        run=spec.run or "",
+        setup=spec.setup,
+        envs=envs,
+        workdir=Path(spec.workdir) if spec.workdir else None,
+        file_mounts=mounts,
+        port=spec.replica_port(),
+    )
+
+
+class Executor:
+    def __init__(
+        self,
+        service: str,
+        store: Store,
+        infra: Infra,
+        clock: Clock,
+        home: Path,
+        on_change: Callable[[], None],
+    ) -> None:
+        self.service = service
+        self.store = store
+        self.infra = infra
+        self.clock = clock
+        self.home = home
+        self.on_change = on_change
+        self.launches: dict[int, asyncio.Task[None]] = {}
+        self.terminations: dict[int, asyncio.Task[None]] = {}
+
+    def busy(self, replica_id: int) -> bool:
+        return replica_id in self.launches or replica_id in self.terminations
+
+    def launch(self, rec: ReplicaRecord, spec: ServiceTask) -> None:
+        if self.busy(rec.replica_id):
+            return
+        rec = self.store.update_replica(
+            rec, self.clock.now(), status=ReplicaStatus.PROVISIONING, launched_at=self.clock.now()
+        )
+        task = asyncio.create_task(self._launch(rec, spec), name=f"launch-{rec.replica_id}")
+        self.launches[rec.replica_id] = task
+        task.add_done_callback(lambda _t: self._done(self.launches, rec.replica_id))
+
+    async def _launch(self, rec: ReplicaRecord, spec: ServiceTask) -> None:
+        try:
+            launched = await self.infra.launch(launch_request(spec, rec, self.home))
+        except asyncio.CancelledError:
+            raise
+        except FleetserveError as e:
+            self.store.update_replica(
+                rec, self.clock.now(), status=ReplicaStatus.FAILED_PROVISION, reason=e.message
+            )
+            return
+        except Exception as e:
+            log.exception("launch of replica %s/%s failed", rec.service, rec.replica_id)
+            with contextlib.suppress(Exception):
+                await self.infra.terminate(None, rec.launch_token)
+            self.store.update_replica(
+                rec,
+                self.clock.now(),
+                status=ReplicaStatus.FAILED_PROVISION,
+                reason=f"launch failed: {type(e).__name__}: {e}",
+            )
+            return
+        self.store.update_replica(
+            rec,
+            self.clock.now(),
+            status=ReplicaStatus.STARTING,
+            handle=launched.handle,
+            endpoint=launched.endpoint,
+            port=launched.port,
+            started_at=self.clock.now(),
+        )
+
+    def terminate(
+        self,
+        rec: ReplicaRecord,
+        final_status: ReplicaStatus,
+        reason: str,
+        delete_row: bool,
+        exit_code: int | None = None,
+    ) -> None:
+        """Mark SHUTTING_DOWN (out of the LB set at once), stop it, then record how it ended."""
+        if rec.replica_id in self.terminations:
+            return
+        rec = self.store.update_replica(
+            rec,
+            self.clock.now(),
+            message=f"terminating: {reason}",
+            status=ReplicaStatus.SHUTTING_DOWN,
+            reason=reason,
+            scale_down=delete_row,
+            exit_code=exit_code,
+        )
+        task = asyncio.create_task(
+            self._terminate(rec, final_status, reason, delete_row), name=f"term-{rec.replica_id}"
+        )
+        self.terminations[rec.replica_id] = task
+        task.add_done_callback(lambda _t: self._done(self.terminations, rec.replica_id))
+
+    async def _terminate(
+        self, rec: ReplicaRecord, final_status: ReplicaStatus, reason: str, delete_row: bool
+    ) -> None:
+        launch = self.launches.get(rec.replica_id)
+        if launch is not None:
+            launch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await launch
+            fresh = self.store.get_replica(rec.service, rec.replica_id)
+            rec = fresh or rec
+        try:
+            await self.infra.terminate(rec.handle, rec.launch_token)
+        except Exception as e:
+            self.store.update_replica(
+                rec,
+                self.clock.now(),
+                status=ReplicaStatus.FAILED_CLEANUP,
+                reason=f"{reason}; teardown failed: {e}",
+            )
+            return
+        if delete_row or rec.purge:
+            self.store.delete_replica(
+                rec.service, rec.replica_id, self.clock.now(), f"replica removed ({reason})"
+            )
+        else:
+            final = ReplicaStatus.FAILED if final_status.is_launching else final_status
+            self.store.update_replica(
+                rec, self.clock.now(), status=final, reason=reason, terminated_at=self.clock.now()
+            )
+
+    def _done(self, tasks: dict[int, asyncio.Task[None]], replica_id: int) -> None:
+        tasks.pop(replica_id, None)
+        self.on_change()
+
+    async def cancel_all(self) -> None:
+        tasks = list(self.launches.values()) + list(self.terminations.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def wait_idle(self) -> None:
+        tasks = list(self.launches.values()) + list(self.terminations.values())
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

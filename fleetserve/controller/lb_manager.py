@@ -1,0 +1,201 @@
+"""Starts, adopts, feeds and stops a service's load-balancer process.
+
+The load balancer runs in its own session, so it outlives the controller: while the controller
+is down or restarting it keeps serving its last replica set (DESIGN invariant 1). A restarted
+controller adopts it (pid and process start time) instead of starting another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+
+from fleetserve.controller.settings import Settings
+from fleetserve.core.errors import TerminalError
+from fleetserve.core.types import Endpoint, ServiceRecord
+from fleetserve.infra.local import processes_where, stop_processes
+
+log = logging.getLogger("fleetserve.controller")
+LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def process_matches(pid: int | None, create_time: float | None) -> bool:
+    if pid is None or create_time is None:
+        return False
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - create_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+@dataclass
+class LbState:
+    pushed: tuple[tuple[int, str, int], ...] | None = None
+    pushed_at: float = 0.0
+    children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+
+class LbManager:
+    def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.client = client
+        self._state: dict[str, LbState] = {}
+
+    def log_path(self, service: str) -> str:
+        return str(self.settings.logs_dir / service / "load-balancer.log")
+
+    def pick_port(self, taken: set[int]) -> int:
+        port = self.settings.lb_port_start
+        while port < 65535:
+            if port not in taken and _port_free(port):
+                return port
+            port += 1
+        raise TerminalError("no free port for a load balancer")
+
+    def is_running(self, svc: ServiceRecord) -> bool:
+        return process_matches(svc.lb_pid, svc.lb_create_time)
+
+    async def start(self, svc: ServiceRecord, port: int, policy: str) -> tuple[int, float, int]:
+        """Start the LB process; returns (pid, create_time, admin_port) once it answers."""
+        if not _port_free(port):
+            raise TerminalError(f"load balancer port {port} is in use by another program")
+        admin_port = _free_port()
+        os.makedirs(os.path.dirname(self.log_path(svc.name)), exist_ok=True)
+        env = dict(os.environ)
+        env[LB_SERVICE_ENV] = svc.name
+        env["FLEETSERVE_HOME"] = str(self.settings.home)
+        with open(self.log_path(svc.name), "ab") as out:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fleetserve.lb",
+                    "--service",
+                    svc.name,
+                    "--port",
+                    str(port),
+                    "--admin-port",
+                    str(admin_port),
+                    "--policy",
+                    policy,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self._state.setdefault(svc.name, LbState()).children[proc.pid] = proc
+        create_time = psutil.Process(proc.pid).create_time()
+        for _ in range(100):
+            if proc.poll() is not None:
+                raise TerminalError(
+                    f"load balancer exited with code {proc.returncode} at start "
+                    f"(see `fleetserve logs {svc.name} --load-balancer`)"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                r = await self.client.get(f"http://127.0.0.1:{admin_port}/-/health", timeout=1)
+                if r.status_code == 200:
+                    self._state[svc.name].pushed = None  # a new process knows no replicas yet
+                    return proc.pid, create_time, admin_port
+            await asyncio.sleep(0.1)
+        await self.stop(svc.name, proc.pid, create_time)
+        raise TerminalError("load balancer did not answer within 10 s of its start")
+
+    async def push(
+        self, svc: ServiceRecord, endpoints: list[Endpoint], now: float, force: bool = False
+    ) -> bool:
+        """Send the routable set if it changed (or is due again); False if the LB is unreachable."""
+        state = self._state.setdefault(svc.name, LbState())
+        key = tuple((e.replica_id, e.url, e.version) for e in endpoints)
+        due = now - state.pushed_at >= self.settings.lb_repush_interval
+        if not force and key == state.pushed and not due:
+            return True
+        body = {
+            "replicas": [
+                {"replica_id": e.replica_id, "url": e.url, "version": e.version} for e in endpoints
+            ]
+        }
+        try:
+            r = await self.client.put(
+                f"http://127.0.0.1:{svc.lb_admin_port}/-/replicas", json=body, timeout=2
+            )
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            log.warning("could not push replicas to the load balancer of %s: %s", svc.name, e)
+            state.pushed = None
+            return False
+        if key != state.pushed:
+            log.info(
+                "service %s: routable replicas %s", svc.name, [e.replica_id for e in endpoints]
+            )
+        state.pushed, state.pushed_at = key, now
+        return True
+
+    async def stop(self, service: str, pid: int | None, create_time: float | None) -> None:
+        if pid is not None and process_matches(pid, create_time):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            for _ in range(50):
+                if not process_matches(pid, create_time):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        state = self._state.pop(service, None)
+        if state is not None:
+            for child in state.children.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=2)
+
+    async def sweep(self, services: list[ServiceRecord]) -> int:
+        """Stop load balancers of this home that belong to no service (or an old process)."""
+        home = str(self.settings.home)
+        known = {s.name: (s.lb_pid, s.lb_create_time) for s in services}
+
+        def orphan(env: dict[str, str]) -> bool:
+            return env.get(LB_SERVICE_ENV) is not None and env.get("FLEETSERVE_HOME") == home
+
+        procs = []
+        for p in await asyncio.to_thread(processes_where, orphan):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                pid, create_time = known.get(p.environ().get(LB_SERVICE_ENV, ""), (None, None))
+                if p.pid != pid or create_time is None or abs(p.create_time() - create_time) > 0.05:
+                    procs.append(p)
+        if procs:
+            await asyncio.to_thread(stop_processes, procs, 5.0)
+        return len(procs)
+
+    def reap(self) -> None:
+        for state in self._state.values():
+            for pid, child in list(state.children.items()):
+                if child.poll() is not None:
+                    del state.children[pid]

@@ -1,0 +1,304 @@
+"""One reconciler per service: observe -> plan (pure) -> act, about once a second.
+
+Every round reads the world afresh (rows, infra state, probe results), so a missed wake-up or
+a restart loses nothing: the next round sees the same facts and makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+
+from fleetserve.controller.executor import Executor, new_launch_token
+from fleetserve.controller.lb_manager import LbManager
+from fleetserve.controller.prober import Prober
+from fleetserve.controller.settings import Settings
+from fleetserve.core.clock import Clock
+from fleetserve.core.errors import FleetserveError
+from fleetserve.core.status import ReplicaStatus
+from fleetserve.core.types import Endpoint, ReplicaRecord, ServicePhase, ServiceRecord
+from fleetserve.infra.base import Infra, InstanceKind
+from fleetserve.policies.fleet import (
+    CreateReplicas,
+    DeleteRow,
+    FleetSettings,
+    InstanceObservation,
+    Observation,
+    SetStatus,
+    StartLaunch,
+    Terminate,
+    plan_fleet,
+    plan_shutdown,
+    routable,
+)
+from fleetserve.spec.models import ServiceTask
+from fleetserve.store import Store
+
+log = logging.getLogger("fleetserve.controller")
+
+_RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY)
+
+
+class ServiceReconciler:
+    def __init__(
+        self,
+        name: str,
+        store: Store,
+        infra: Infra,
+        lb: LbManager,
+        prober: Prober,
+        settings: Settings,
+        clock: Clock,
+    ) -> None:
+        self.name = name
+        self.store = store
+        self.infra = infra
+        self.lb = lb
+        self.prober = prober
+        self.settings = settings
+        self.clock = clock
+        self.wake = asyncio.Event()
+        self.executor = Executor(name, store, infra, clock, settings.home, self.wake.set)
+        self.finished = asyncio.Event()
+        self._specs: dict[int, ServiceTask] = {}
+
+    def spec(self, version: int) -> ServiceTask:
+        if version not in self._specs:
+            raw = self.store.version(self.name, version).spec_json
+            self._specs[version] = ServiceTask.model_validate_json(raw)
+        return self._specs[version]
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        failures = 0
+        try:
+            await self.recover()
+            while True:
+                try:
+                    done = await self.reconcile_once()
+                    failures = 0
+                except FleetserveError as e:
+                    failures += 1
+                    log.warning("service %s: reconcile failed: %s", self.name, e.message)
+                    done = False
+                except Exception:
+                    failures += 1
+                    log.exception("service %s: reconcile failed", self.name)
+                    done = False
+                if done:
+                    return
+                delay = self.settings.reconcile_interval * min(2**failures, 30)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), timeout=delay)
+                self.wake.clear()
+        finally:
+            self.finished.set()
+
+    async def stop(self) -> None:
+        await self.executor.cancel_all()
+
+    # -- recovery ------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Adopt what still runs and redo what a previous controller left half done."""
+        now = self.clock.now()
+        for r in self.store.list_replicas(self.name):
+            if r.status is ReplicaStatus.PROVISIONING:
+                # The launch was cut short: clean up whatever it started, then launch again.
+                await self.infra.terminate(r.handle, r.launch_token)
+                self.store.update_replica(
+                    r,
+                    now,
+                    message="launch interrupted by a controller restart: relaunching",
+                    status=ReplicaStatus.PENDING,
+                    launch_token=new_launch_token(),
+                    handle=None,
+                    endpoint=None,
+                    port=None,
+                )
+            elif r.status is ReplicaStatus.SHUTTING_DOWN:
+                final = ReplicaStatus.FAILED if not r.scale_down else r.status
+                self.executor.terminate(r, final, r.reason or "terminating", r.scale_down)
+            elif r.status in _RUNNING and r.handle:
+                state = await self.infra.poll(r.handle)
+                if state.kind is InstanceKind.RUNNING:
+                    self.store.add_event(
+                        self.name, now, "replica", "adopted after controller restart", r.replica_id
+                    )
+
+    # -- one round -----------------------------------------------------------------------
+
+    async def reconcile_once(self) -> bool:
+        """One observe-plan-act round; True when the service is gone and the loop should end."""
+        svc = self.store.get_service(self.name)
+        if svc is None:
+            return True
+        if svc.phase is ServicePhase.SHUTTING_DOWN:
+            return await self._shutdown(svc)
+        spec = self.spec(svc.active_version)
+        svc = await self._ensure_lb(svc, spec)
+        replicas = self.store.list_replicas(self.name)
+        observations = await self._observe(replicas, spec)
+        lo, _hi = spec.service.replica_bounds()
+        probe = spec.service.readiness_probe
+        settings = FleetSettings(
+            target_replicas=lo,
+            version=svc.active_version,
+            initial_delay_seconds=probe.initial_delay_seconds if probe else 0,
+            failure_window_seconds=self.settings.failure_window,
+            max_concurrent_launches=self.settings.max_concurrent_launches,
+        )
+        plan = plan_fleet(replicas, observations, settings, self.clock.now())
+        by_id = {r.replica_id: r for r in replicas}
+        self._apply(plan.actions, by_id, svc, spec)
+        if plan.failure_reason != svc.failure_reason and svc.lb_pid is not None:
+            svc = self.store.update_service(
+                self.name, self.clock.now(), failure_reason=plan.failure_reason
+            )
+            if plan.failure_reason:
+                self.store.add_event(self.name, self.clock.now(), "service", plan.failure_reason)
+        await self._push(svc)
+        return False
+
+    async def _observe(
+        self, replicas: list[ReplicaRecord], spec: ServiceTask
+    ) -> Mapping[int, Observation]:
+        now = self.clock.now()
+        probe = spec.service.readiness_probe
+        out: dict[int, Observation] = {}
+        for r in replicas:
+            if r.status not in _RUNNING or not r.handle or self.executor.busy(r.replica_id):
+                self.prober.forget(r.replica_id)
+                continue
+            state = await self.infra.poll(r.handle)
+            inst = InstanceObservation(
+                alive=state.kind is InstanceKind.RUNNING,
+                lost=state.kind is InstanceKind.LOST,
+                exit_code=state.exit_code,
+                detail=state.detail,
+            )
+            result = None
+            if inst.alive and probe is not None and r.endpoint:
+                result = self.prober.take(r.replica_id)
+                interval = (
+                    self.settings.starting_probe_interval
+                    if r.status is ReplicaStatus.STARTING
+                    else self.settings.probe_interval
+                )
+                self.prober.maybe_start(r.replica_id, r.endpoint, probe, now, interval)
+            out[r.replica_id] = Observation(instance=inst, probe=result)
+        return out
+
+    def _apply(
+        self,
+        actions: list[object],
+        by_id: dict[int, ReplicaRecord],
+        svc: ServiceRecord,
+        spec: ServiceTask,
+    ) -> None:
+        now = self.clock.now()
+        for action in actions:
+            if isinstance(action, SetStatus):
+                rec = by_id[action.replica_id]
+                self.store.update_replica(
+                    rec, now, status=action.status, reason=action.reason, **action.fields
+                )
+            elif isinstance(action, Terminate):
+                self.prober.forget(action.replica_id)
+                self.executor.terminate(
+                    by_id[action.replica_id],
+                    action.final_status,
+                    action.reason,
+                    action.delete_row,
+                    action.exit_code,
+                )
+            elif isinstance(action, CreateReplicas):
+                for _ in range(action.count):
+                    self.store.allocate_replica(
+                        self.name, svc.active_version, self.infra.name, new_launch_token(), now
+                    )
+                self.wake.set()
+            elif isinstance(action, StartLaunch):
+                self.executor.launch(by_id[action.replica_id], spec)
+            elif isinstance(action, DeleteRow):
+                self.store.delete_replica(
+                    self.name, action.replica_id, now, "old failed replica row pruned"
+                )
+
+    # -- load balancer ---------------------------------------------------------------------
+
+    async def _ensure_lb(self, svc: ServiceRecord, spec: ServiceTask) -> ServiceRecord:
+        if self.lb.is_running(svc):
+            return svc
+        if svc.lb_pid is not None:
+            self.store.add_event(
+                self.name, self.clock.now(), "service", "load balancer not running: restarting it"
+            )
+        taken = {s.lb_port for s in self.store.list_services() if s.lb_port and s.name != svc.name}
+        try:
+            port = svc.lb_port or self.lb.pick_port(taken)
+            pid, create_time, admin_port = await self.lb.start(
+                svc, port, spec.service.load_balancing_policy
+            )
+        except FleetserveError as e:
+            return self.store.update_service(
+                self.name,
+                self.clock.now(),
+                lb_pid=None,
+                lb_port=svc.lb_port,
+                failure_reason=f"load balancer: {e.message}",
+            )
+        self.store.add_event(
+            self.name, self.clock.now(), "service", f"load balancer started on port {port}"
+        )
+        return self.store.update_service(
+            self.name,
+            self.clock.now(),
+            lb_pid=pid,
+            lb_create_time=create_time,
+            lb_port=port,
+            lb_admin_port=admin_port,
+            failure_reason=None,
+        )
+
+    async def _push(self, svc: ServiceRecord) -> None:
+        if svc.lb_pid is None:
+            return
+        ready = routable(self.store.list_replicas(self.name), [svc.active_version])
+        endpoints = [Endpoint(r.replica_id, r.endpoint or "", r.version) for r in ready]
+        await self.lb.push(svc, endpoints, self.clock.now())
+
+    # -- down ------------------------------------------------------------------------------
+
+    async def _shutdown(self, svc: ServiceRecord) -> bool:
+        replicas = self.store.list_replicas(self.name)
+        if svc.lb_pid is not None and self.lb.is_running(svc):
+            # Nothing is routable any more: stop sending traffic before stopping replicas.
+            await self.lb.push(svc, [], self.clock.now(), force=True)
+        by_id = {r.replica_id: r for r in replicas}
+        for action in plan_shutdown(replicas):
+            self.prober.forget(action.replica_id)
+            self.executor.terminate(
+                by_id[action.replica_id], action.final_status, action.reason, True
+            )
+        await self.executor.wait_idle()
+        left = self.store.list_replicas(self.name)
+        if any(r.status is not ReplicaStatus.FAILED_CLEANUP for r in left):
+            return False  # a termination that was under way ended with a row: next round
+        if left and not svc.purge:
+            bad = ", ".join(f"{r.replica_id} ({r.reason})" for r in left)
+            self.store.update_service(
+                self.name,
+                self.clock.now(),
+                failure_reason=f"could not terminate replicas {bad}; "
+                f"`fleetserve down {self.name} --purge` removes the service anyway",
+            )
+            return True
+        await self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time)
+        self.store.delete_service(self.name)
+        self.infra.forget_service(self.name)
+        log.info("service %s is down", self.name)
+        return True

@@ -1,0 +1,1 @@
+"""Core values shared by every layer: errors, statuses, ids, the clock."""

@@ -1,0 +1,61 @@
+"""The small error hierarchy of fleetserve, mapped once to HTTP codes and CLI exit codes."""
+
+from __future__ import annotations
+
+
+class FleetserveError(Exception):
+    """Base class. `http_status` and `exit_code` say how the edges report it."""
+
+    http_status = 500
+    exit_code = 1
+    kind = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidSpec(FleetserveError):
+    """A service YAML, API payload or argument that breaks a rule."""
+
+    http_status = 422
+    exit_code = 2
+    kind = "invalid_spec"
+
+
+class NotFound(FleetserveError):
+    http_status = 404
+    exit_code = 3
+    kind = "not_found"
+
+
+class Conflict(FleetserveError):
+    http_status = 409
+    exit_code = 4
+    kind = "conflict"
+
+
+class TransientError(FleetserveError):
+    """Worth retrying after `retry_after` seconds."""
+
+    http_status = 503
+    exit_code = 5
+    kind = "transient"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TerminalError(FleetserveError):
+    """Retrying will not help (a launch whose setup failed, say)."""
+
+    http_status = 500
+    exit_code = 1
+    kind = "terminal"
+
+
+ERROR_KINDS: dict[str, type[FleetserveError]] = {
+    cls.kind: cls
+    for cls in (FleetserveError, InvalidSpec, NotFound, Conflict, TransientError, TerminalError)
+}

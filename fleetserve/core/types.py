@@ -1,0 +1,89 @@
+"""Frozen records passed between layers (the store returns them; planners read them)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from fleetserve.core.status import ReplicaStatus
+
+ReplicaId = int
+VersionId = int
+
+
+class ServicePhase(enum.StrEnum):
+    """What the user asked of the service as a whole (status is derived, this is intent)."""
+
+    ACTIVE = "ACTIVE"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    service: str
+    replica_id: ReplicaId
+    version: VersionId
+    status: ReplicaStatus
+    reason: str | None = None
+    infra: str = "local"
+    launch_token: str = ""
+    handle: str | None = None  # the infra's handle, serialised as JSON text by the infra
+    endpoint: str | None = None
+    port: int | None = None
+    exit_code: int | None = None
+    created_at: float = 0.0
+    launched_at: float | None = None
+    started_at: float | None = None
+    first_ready_at: float | None = None
+    probe_failing_since: float | None = None
+    terminated_at: float | None = None
+    updated_at: float = 0.0
+    scale_down: bool = False  # terminated because the fleet shrank: its row goes afterwards
+    purge: bool = False  # delete the row once terminated, even if it failed
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    name: str
+    phase: ServicePhase
+    active_version: VersionId
+    created_at: float
+    updated_at: float
+    lb_port: int | None = None
+    lb_admin_port: int | None = None
+    lb_pid: int | None = None
+    lb_create_time: float | None = None
+    next_replica_id: ReplicaId = 1
+    failure_reason: str | None = None
+    purge: bool = False
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    service: str
+    version: VersionId
+    yaml_text: str
+    spec_json: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    service: str
+    at: float
+    kind: str
+    message: str
+    replica_id: ReplicaId | None = None
+    status_from: str | None = None
+    status_to: str | None = None
+    id: int = 0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A routable replica as the load balancer sees it."""
+
+    replica_id: ReplicaId
+    url: str
+    version: VersionId
+    labels: dict[str, str] = field(default_factory=dict)

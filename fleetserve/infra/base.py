@@ -1,0 +1,94 @@
+"""The `Infra` protocol (DESIGN.md): launch, terminate, poll and read the logs of replicas."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Location:
+    zone: str
+    region: str
+    spot_capable: bool = False
+    hourly_price: float = 0.0
+
+
+@dataclass(frozen=True)
+class FileMount:
+    """A local file or folder copied into the replica's working directory at `dest`."""
+
+    dest: str
+    source: Path
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    service: str
+    replica_id: int
+    version: int
+    launch_token: str  # carried by every process of the replica: finds what a cut-short launch left
+    run: str
+    setup: str | None = None
+    envs: dict[str, str] = field(default_factory=dict)
+    workdir: Path | None = None  # copied into the replica's own working directory
+    file_mounts: tuple[FileMount, ...] = ()
+    port: int | None = None  # a port the spec fixes; None: the infra picks a free one
+
+
+class InstanceKind(enum.StrEnum):
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"
+    LOST = "LOST"  # gone with no exit status: preempted, node lost, killed from outside
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    kind: InstanceKind
+    exit_code: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What a successful launch returns: the handle (opaque JSON text) and where to reach it."""
+
+    handle: str
+    host: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class Infra(Protocol):
+    name: str
+
+    def locations(self) -> list[Location]: ...
+
+    async def launch(self, request: LaunchRequest) -> Launched:
+        """Start the replica and run its setup; return once `run` has started.
+
+        Raises `TerminalError` when setup fails. Cancelling the call cleans up what it started.
+        """
+        ...
+
+    async def terminate(self, handle: str | None, launch_token: str) -> None:
+        """Stop every process of the replica (idempotent; works with no handle, by token)."""
+        ...
+
+    async def poll(self, handle: str) -> InstanceState: ...
+
+    async def sweep(self, known_tokens: set[str]) -> int:
+        """Stop replicas this home started whose token no row knows; returns how many."""
+        ...
+
+    def forget_service(self, service: str) -> None:
+        """Remove what the infra kept for a service that is gone (working folders)."""
+        ...
+
+    def logs(self, service: str, replica_id: int, follow: bool) -> AsyncIterator[str]: ...

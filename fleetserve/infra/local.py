@@ -1,0 +1,336 @@
+"""The local infra: each replica is a process group on this machine.
+
+A replica gets its own directory (a copy of the spec's workdir), a port in $PORT and a log file.
+A small bash wrapper runs `setup`, marks it done, runs `run` and records its exit code, so a
+controller that restarts and adopts the replica (not its child any more) still learns how it
+ended. Every process of a replica carries FLEETSERVE_LAUNCH_TOKEN in its environment: terminate
+finds them all by that token, including children that left the process group, and only them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from fleetserve.core.errors import TerminalError
+from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
+
+TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
+_SETUP_DONE = "setup.done"
+_EXIT_CODE = "exit_code"
+
+_ENTRY = """\
+# Written by fleetserve: runs the replica's setup, then its run command.
+cd {workdir}
+if [ -s {dir}/setup.sh ]; then
+  echo "[fleetserve] replica $FLEETSERVE_REPLICA_ID: running setup"
+  bash {dir}/setup.sh
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "[fleetserve] setup failed with exit code $rc"
+    echo $rc > {dir}/setup.failed
+    exit $rc
+  fi
+fi
+: > {dir}/{done}
+echo "[fleetserve] replica $FLEETSERVE_REPLICA_ID: starting run on port $PORT"
+bash {dir}/run.sh
+rc=$?
+echo $rc > {dir}/{exit_code}
+echo "[fleetserve] run exited with code $rc"
+exit $rc
+"""
+
+
+@dataclass(frozen=True)
+class LocalHandle:
+    pid: int
+    create_time: float
+    port: int
+    dir: str
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LocalHandle:
+        d = json.loads(text)
+        return cls(
+            pid=int(d["pid"]),
+            create_time=float(d["create_time"]),
+            port=int(d["port"]),
+            dir=d["dir"],
+        )
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(avoid: set[int] | None = None) -> int:
+    """A port that nothing listens on now (the kernel's pick), not in `avoid`."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not avoid or port not in avoid:
+            return port
+    raise TerminalError("could not find a free port")
+
+
+def _process(pid: int, create_time: float) -> psutil.Process | None:
+    """The process `pid`, if it is still the one that started at `create_time`."""
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - create_time) > 0.05:
+            return None  # the pid was reused
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def processes_where(match: Callable[[dict[str, str]], bool]) -> list[psutil.Process]:
+    """Every live process (but this one) whose environment satisfies `match`."""
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            if match(p.environ()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def processes_with_token(token: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this launch token."""
+    return processes_where(lambda env: env.get(TOKEN_ENV) == token)
+
+
+def stop_processes(procs: list[psutil.Process], grace: float) -> list[psutil.Process]:
+    """SIGTERM, wait up to `grace` seconds, SIGKILL; returns those that survived."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    _, alive = psutil.wait_procs(alive, timeout=5)
+    return list(alive)
+
+
+class LocalInfra:
+    name = "local"
+
+    def __init__(self, home: Path, grace_seconds: float = 10.0, poll_interval: float = 0.1) -> None:
+        self.home = home
+        self.grace_seconds = grace_seconds
+        self.poll_interval = poll_interval
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._recent_ports: set[int] = set()
+
+    def locations(self) -> list[Location]:
+        return [Location(zone="local", region="local")]
+
+    def replica_dir(self, service: str, replica_id: int) -> Path:
+        return self.home / "replicas" / service / str(replica_id)
+
+    def log_path(self, service: str, replica_id: int) -> Path:
+        return self.home / "logs" / service / f"replica-{replica_id}.log"
+
+    def _prepare(self, req: LaunchRequest) -> tuple[Path, Path]:
+        rdir = self.replica_dir(req.service, req.replica_id)
+        if rdir.exists():
+            shutil.rmtree(rdir)  # left by an earlier, cut-short launch of this replica
+        workdir = rdir / "workdir"
+        if req.workdir is not None:
+            if not req.workdir.is_dir():
+                raise TerminalError(f"workdir {req.workdir} is not a directory")
+            shutil.copytree(req.workdir, workdir, symlinks=True)
+        else:
+            workdir.mkdir(parents=True)
+        for mount in req.file_mounts:
+            dest = workdir / mount.dest.removeprefix("~/").lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if mount.source.is_dir():
+                shutil.copytree(mount.source, dest, symlinks=True, dirs_exist_ok=True)
+            elif mount.source.is_file():
+                shutil.copy2(mount.source, dest)
+            else:
+                raise TerminalError(f"file_mounts source {mount.source} does not exist")
+        (rdir / "setup.sh").write_text(req.setup or "")
+        (rdir / "run.sh").write_text(req.run)
+        (rdir / "entry.sh").write_text(
+            _ENTRY.format(
+                workdir=shlex.quote(str(workdir)),
+                dir=shlex.quote(str(rdir)),
+                done=_SETUP_DONE,
+                exit_code=_EXIT_CODE,
+            )
+        )
+        log = self.log_path(req.service, req.replica_id)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return rdir, log
+
+    def _pick_port(self, req: LaunchRequest) -> int:
+        if req.port is not None:
+            if not _port_free(req.port):
+                raise TerminalError(
+                    f"port {req.port} (fixed by the spec) is already in use on this machine"
+                )
+            return req.port
+        port = free_port(self._recent_ports)
+        self._recent_ports.add(port)
+        if len(self._recent_ports) > 256:
+            self._recent_ports.pop()
+        return port
+
+    async def launch(self, request: LaunchRequest) -> Launched:
+        rdir, log = await asyncio.to_thread(self._prepare, request)
+        port = self._pick_port(request)
+        env = dict(os.environ)
+        env.update(request.envs)
+        env.update(
+            {
+                "PORT": str(port),
+                "FLEETSERVE_REPLICA_ID": str(request.replica_id),
+                "SKYPILOT_SERVE_REPLICA_ID": str(request.replica_id),
+                "FLEETSERVE_SERVICE": request.service,
+                "FLEETSERVE_VERSION": str(request.version),
+                "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
+                TOKEN_ENV: request.launch_token,
+            }
+        )
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                ["bash", str(rdir / "entry.sh")],
+                cwd=rdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._children[proc.pid] = proc
+        try:
+            create_time = psutil.Process(proc.pid).create_time()
+        except psutil.NoSuchProcess:
+            create_time = 0.0
+        handle = LocalHandle(pid=proc.pid, create_time=create_time, port=port, dir=str(rdir))
+        try:
+            while not (rdir / _SETUP_DONE).exists():
+                code = proc.poll()
+                if code is not None:
+                    if (rdir / _SETUP_DONE).exists():
+                        break  # run already ended: poll() reports it
+                    raise TerminalError(
+                        f"setup failed with exit code {code} (see `fleetserve logs "
+                        f"{request.service} {request.replica_id}`)"
+                    )
+                await asyncio.sleep(self.poll_interval)
+        except BaseException:
+            await self.terminate(handle.to_json(), request.launch_token)
+            raise
+        return Launched(handle=handle.to_json(), host="127.0.0.1", port=port)
+
+    async def poll(self, handle: str) -> InstanceState:
+        h = LocalHandle.from_json(handle)
+        child = self._children.get(h.pid)
+        code: int | None = None
+        if child is not None:
+            code = child.poll()
+            if code is None:
+                return InstanceState(InstanceKind.RUNNING)
+            self._children.pop(h.pid, None)
+        elif _process(h.pid, h.create_time) is not None:
+            return InstanceState(InstanceKind.RUNNING)
+        recorded = Path(h.dir) / _EXIT_CODE
+        with contextlib.suppress(OSError, ValueError):
+            code = int(recorded.read_text().strip())
+        if code is None:
+            return InstanceState(InstanceKind.LOST, detail="the replica's process vanished")
+        if code < 0:
+            detail = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            detail = f"exited with code {code}"
+        return InstanceState(InstanceKind.EXITED, exit_code=code, detail=detail)
+
+    async def terminate(self, handle: str | None, launch_token: str) -> None:
+        h = LocalHandle.from_json(handle) if handle else None
+        await asyncio.to_thread(self._terminate_sync, h, launch_token)
+
+    def _terminate_sync(self, h: LocalHandle | None, token: str) -> None:
+        procs = {p.pid: p for p in processes_with_token(token)}
+        if h is not None:
+            leader = _process(h.pid, h.create_time)
+            if leader is not None:
+                procs[leader.pid] = leader
+        alive = stop_processes(list(procs.values()), self.grace_seconds)
+        if h is not None:
+            child = self._children.pop(h.pid, None)
+            if child is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=1)
+        if alive:
+            pids = ", ".join(str(p.pid) for p in alive)
+            raise TerminalError(f"processes {pids} survived SIGKILL")
+        if h is not None:
+            shutil.rmtree(h.dir, ignore_errors=True)
+
+    def forget_service(self, service: str) -> None:
+        shutil.rmtree(self.home / "replicas" / service, ignore_errors=True)
+
+    async def sweep(self, known_tokens: set[str]) -> int:
+        """Stop replica processes of this home whose launch token no row knows (orphans)."""
+        home = str(self.home)
+
+        def orphan(env: dict[str, str]) -> bool:
+            token = env.get(TOKEN_ENV)
+            return (
+                token is not None
+                and env.get("FLEETSERVE_HOME") == home
+                and token not in known_tokens
+            )
+
+        procs = await asyncio.to_thread(processes_where, orphan)
+        if procs:
+            await asyncio.to_thread(stop_processes, procs, self.grace_seconds)
+        return len(procs)
+
+    async def logs(self, service: str, replica_id: int, follow: bool) -> AsyncIterator[str]:
+        path = self.log_path(service, replica_id)
+        while follow and not path.exists():
+            await asyncio.sleep(0.5)
+        if not path.exists():
+            return
+        with open(path, errors="replace") as f:
+            while True:
+                line = f.readline()
+                if line:
+                    yield line
+                elif follow:
+                    await asyncio.sleep(0.2)
+                else:
+                    return

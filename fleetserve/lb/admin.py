@@ -1,0 +1,67 @@
+"""The load balancer's admin API (loopback only): the controller pushes the replica set here."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fleetserve.lb.replica_set import ReplicaSet, Upstream
+
+log = logging.getLogger("fleetserve.lb")
+
+
+class UpstreamIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replica_id: int
+    url: str = Field(pattern=r"^https?://")
+    version: int = 1
+
+
+class ReplicaPush(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: list[UpstreamIn]
+
+
+def make_admin_app(service: str, replicas: ReplicaSet) -> web.Application:
+    async def put_replicas(request: web.Request) -> web.Response:
+        try:
+            push = ReplicaPush.model_validate_json(await request.read())
+        except ValidationError as e:
+            return web.json_response({"error": "invalid_payload", "message": str(e)}, status=400)
+        added, removed = replicas.replace(
+            [Upstream(u.replica_id, u.url, u.version) for u in push.replicas]
+        )
+        if added or removed:
+            log.info(
+                "replica set: %s (added %s, removed %s)",
+                sorted(replicas.upstreams),
+                sorted(added),
+                sorted(removed),
+            )
+        return web.json_response(
+            {"replicas": len(push.replicas), "generation": replicas.generation}
+        )
+
+    async def get_replicas(_request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "service": service,
+                "generation": replicas.generation,
+                "replicas": [
+                    {"replica_id": u.replica_id, "url": u.url, "version": u.version}
+                    for u in replicas.upstreams.values()
+                ],
+                "inflight": {str(k): v for k, v in replicas.inflight.items()},
+            }
+        )
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "service": service})
+
+    app = web.Application()
+    app.router.add_put("/-/replicas", put_replicas)
+    app.router.add_get("/-/replicas", get_replicas)
+    app.router.add_get("/-/health", health)
+    return app

@@ -1,0 +1,58 @@
+"""The routable replicas as the load balancer knows them, and their in-flight counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from fleetserve.policies.lb import Selector
+
+
+@dataclass(frozen=True)
+class Upstream:
+    replica_id: int
+    url: str
+    version: int
+
+
+class ReplicaSet:
+    def __init__(self, selector: Selector) -> None:
+        self.selector = selector
+        self.upstreams: dict[int, Upstream] = {}
+        self.order: tuple[int, ...] = ()
+        self.inflight: dict[int, int] = {}
+        self.generation = 0  # bumped by each push from the controller
+
+    def replace(self, upstreams: list[Upstream]) -> tuple[set[int], set[int]]:
+        """Install a new set; returns (added ids, removed ids). In-flight counts of replicas
+        that stay are kept; requests still running on a removed replica finish normally."""
+        new = {u.replica_id: u for u in upstreams}
+        added = set(new) - set(self.upstreams)
+        removed = set(self.upstreams) - set(new)
+        self.upstreams = new
+        self.order = tuple(sorted(new))
+        self.generation += 1
+        return added, removed
+
+    def pick(self, exclude: frozenset[int]) -> Upstream | None:
+        rid = self.selector.select(self.order, self.inflight, exclude)
+        return None if rid is None else self.upstreams[rid]
+
+    def discard(self, replica_id: int) -> None:
+        """Stop routing to a replica that refused a connection, until the next push."""
+        if self.upstreams.pop(replica_id, None) is not None:
+            self.order = tuple(r for r in self.order if r != replica_id)
+
+    @contextmanager
+    def track(self, replica_id: int) -> Iterator[None]:
+        """Count one in-flight request on every exit path (success, error, cancellation)."""
+        self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self.inflight.get(replica_id, 1) - 1
+            if left > 0:
+                self.inflight[replica_id] = left
+            else:
+                self.inflight.pop(replica_id, None)

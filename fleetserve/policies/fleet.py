@@ -1,0 +1,245 @@
+"""`plan_fleet`: the replica lifecycle and fleet size as a pure function.
+
+Given the replicas' rows, what was observed of them this round (instance state, readiness
+probe) and `now`, it returns the actions that move every replica along its lifecycle and keep
+the fleet at its target size. It does no I/O; the reconciler applies the actions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetserve.core.status import SCALE_DOWN_ORDER, ReplicaStatus
+from fleetserve.core.types import ReplicaRecord
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class InstanceObservation:
+    """What polling the infra said: alive, or gone with a reason (the infra's own words)."""
+
+    alive: bool
+    lost: bool = False  # gone with no exit status (preempted)
+    exit_code: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Observation:
+    instance: InstanceObservation | None = None
+    probe: ProbeResult | None = None
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    target_replicas: int
+    version: int
+    initial_delay_seconds: float
+    failure_window_seconds: float = 180.0
+    max_concurrent_launches: int = 4
+    crash_loop_limit: int = 3  # consecutive never-ready failures of a version that stop launches
+    keep_terminal_rows: int = 20  # failed rows kept for debugging, newest first
+
+
+@dataclass(frozen=True)
+class SetStatus:
+    replica_id: int
+    status: ReplicaStatus
+    reason: str | None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Terminate:
+    """Take the replica out of rotation, stop it, then mark it `final_status` (or drop the row)."""
+
+    replica_id: int
+    final_status: ReplicaStatus
+    reason: str
+    delete_row: bool = False
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class CreateReplicas:
+    count: int
+
+
+@dataclass(frozen=True)
+class StartLaunch:
+    replica_id: int
+
+
+@dataclass(frozen=True)
+class DeleteRow:
+    replica_id: int
+
+
+Action = SetStatus | Terminate | CreateReplicas | StartLaunch | DeleteRow
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    actions: list[Action]
+    scaling_stopped: bool = False
+    failure_reason: str | None = None
+
+
+def _lifecycle(
+    r: ReplicaRecord, obs: Observation, s: FleetSettings, now: float
+) -> SetStatus | Terminate | None:
+    """The next step of one running replica (STARTING, READY or NOT_READY)."""
+    inst = obs.instance
+    if inst is not None and not inst.alive:
+        if inst.lost:
+            return Terminate(r.replica_id, ReplicaStatus.PREEMPTED, f"instance lost: {inst.detail}")
+        return Terminate(
+            r.replica_id,
+            ReplicaStatus.FAILED,
+            f"replica process {inst.detail}",
+            exit_code=inst.exit_code,
+        )
+    probe = obs.probe
+    if probe is None:
+        return None
+    if r.status is ReplicaStatus.STARTING:
+        if probe.ok:
+            return SetStatus(r.replica_id, ReplicaStatus.READY, None, {"first_ready_at": now})
+        launched = r.launched_at if r.launched_at is not None else r.created_at
+        if now - launched >= s.initial_delay_seconds:
+            return Terminate(
+                r.replica_id,
+                ReplicaStatus.FAILED_INITIAL_DELAY,
+                f"readiness probe did not pass within initial_delay_seconds="
+                f"{s.initial_delay_seconds:g} of launch (last probe: {probe.detail})",
+            )
+        return None
+    if r.status is ReplicaStatus.READY:
+        if probe.ok:
+            return None
+        return SetStatus(
+            r.replica_id,
+            ReplicaStatus.NOT_READY,
+            f"readiness probe failed: {probe.detail}",
+            {"probe_failing_since": now},
+        )
+    # NOT_READY
+    if probe.ok:
+        return SetStatus(r.replica_id, ReplicaStatus.READY, None, {"probe_failing_since": None})
+    since = r.probe_failing_since if r.probe_failing_since is not None else now
+    if now - since >= s.failure_window_seconds:
+        return Terminate(
+            r.replica_id,
+            ReplicaStatus.FAILED_PROBING,
+            f"readiness probe failed for {now - since:.0f} s (window "
+            f"{s.failure_window_seconds:g} s): {probe.detail}",
+        )
+    return None
+
+
+def scale_down_order(replicas: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:
+    """Least useful first: by status (PENDING ... READY), then older versions, then newest id."""
+    rank = {status: i for i, status in enumerate(SCALE_DOWN_ORDER)}
+    return sorted(
+        replicas,
+        key=lambda r: (rank.get(r.status, len(rank)), r.version, -r.replica_id),
+    )
+
+
+def crash_loop_reason(replicas: list[ReplicaRecord], s: FleetSettings) -> str | None:
+    """Why launching should stop: the newest finished replicas of the version all failed
+    without ever becoming READY (a broken command would otherwise relaunch forever)."""
+    of_version = [r for r in replicas if r.version == s.version]
+    if any(r.first_ready_at is not None for r in of_version):
+        return None
+    ended = sorted(
+        (
+            r
+            for r in of_version
+            if r.status.is_failed and r.status is not ReplicaStatus.FAILED_CLEANUP
+        ),
+        key=lambda r: r.replica_id,
+    )
+    if s.crash_loop_limit <= 0 or len(ended) < s.crash_loop_limit:
+        return None
+    last = ended[-1]
+    return (
+        f"{len(ended)} replicas of version {s.version} failed before ever becoming READY; "
+        f"launches stopped. Last: replica {last.replica_id} {last.status}: {last.reason}"
+    )
+
+
+def plan_fleet(
+    replicas: list[ReplicaRecord],
+    observations: Mapping[int, Observation],
+    settings: FleetSettings,
+    now: float,
+) -> FleetPlan:
+    actions: list[Action] = []
+    ending: set[int] = set()
+    for r in replicas:
+        if r.status in (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY):
+            step = _lifecycle(r, observations.get(r.replica_id, Observation()), settings, now)
+            if step is not None:
+                actions.append(step)
+                if isinstance(step, Terminate):
+                    ending.add(r.replica_id)
+
+    alive = [
+        r
+        for r in replicas
+        if not r.status.is_terminal
+        and r.status is not ReplicaStatus.SHUTTING_DOWN
+        and r.replica_id not in ending
+    ]
+    reason = crash_loop_reason(replicas, settings)
+    stopped = reason is not None
+    missing = settings.target_replicas - len(alive)
+    if missing > 0 and not stopped:
+        actions.append(CreateReplicas(missing))
+    elif missing < 0:
+        for r in scale_down_order(alive)[:-missing]:
+            actions.append(Terminate(r.replica_id, r.status, "scaled down", delete_row=True))
+            ending.add(r.replica_id)
+
+    launching = sum(1 for r in alive if r.status is ReplicaStatus.PROVISIONING)
+    slots = settings.max_concurrent_launches - launching
+    for r in alive:
+        if slots <= 0:
+            break
+        if r.status is ReplicaStatus.PENDING and r.replica_id not in ending:
+            actions.append(StartLaunch(r.replica_id))
+            slots -= 1
+
+    finished = sorted(
+        (r for r in replicas if r.status.is_terminal), key=lambda r: r.replica_id, reverse=True
+    )
+    for r in finished[settings.keep_terminal_rows :]:
+        actions.append(DeleteRow(r.replica_id))
+    return FleetPlan(actions, scaling_stopped=stopped, failure_reason=reason)
+
+
+def plan_shutdown(replicas: list[ReplicaRecord]) -> list[Terminate]:
+    """`down`: stop every replica that may still have processes, and drop every row."""
+    return [
+        Terminate(r.replica_id, r.status, "service shutting down", delete_row=True)
+        for r in replicas
+        if r.status is not ReplicaStatus.SHUTTING_DOWN
+    ]
+
+
+def routable(replicas: Iterable[ReplicaRecord], versions: Iterable[int]) -> list[ReplicaRecord]:
+    """The replicas the load balancer may send traffic to: READY, of an active version."""
+    active = set(versions)
+    return [
+        r
+        for r in replicas
+        if r.status is ReplicaStatus.READY and r.version in active and r.endpoint
+    ]

@@ -1,0 +1,105 @@
+"""The schema. Every fact is a plain column (no pickles); JSON only for the spec and handles."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+metadata = MetaData()
+
+services = Table(
+    "services",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("phase", String(32), nullable=False),
+    Column("active_version", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("lb_port", Integer),
+    Column("lb_admin_port", Integer),
+    Column("lb_pid", Integer),
+    Column("lb_create_time", Float),
+    Column("next_replica_id", Integer, nullable=False, default=1),
+    Column("failure_reason", Text),
+    Column("purge", Boolean, nullable=False, default=False),
+)
+
+versions = Table(
+    "versions",
+    metadata,
+    Column(
+        "service",
+        String(64),
+        ForeignKey("services.name", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("version", Integer, primary_key=True),
+    Column("yaml_text", Text, nullable=False),
+    Column("spec_json", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+replicas = Table(
+    "replicas",
+    metadata,
+    Column("service", String(64), primary_key=True),
+    Column("replica_id", Integer, primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("status", String(32), nullable=False),
+    Column("reason", Text),
+    Column("infra", String(32), nullable=False),
+    Column("launch_token", String(64), nullable=False),
+    Column("handle", Text),
+    Column("endpoint", String(256)),
+    Column("port", Integer),
+    Column("exit_code", Integer),
+    Column("created_at", Float, nullable=False),
+    Column("launched_at", Float),
+    Column("started_at", Float),
+    Column("first_ready_at", Float),
+    Column("probe_failing_since", Float),
+    Column("terminated_at", Float),
+    Column("updated_at", Float, nullable=False),
+    Column("scale_down", Boolean, nullable=False, default=False),
+    Column("purge", Boolean, nullable=False, default=False),
+    ForeignKeyConstraint(["service"], ["services.name"], ondelete="CASCADE"),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("service", String(64), ForeignKey("services.name", ondelete="CASCADE"), nullable=False),
+    Column("replica_id", Integer),
+    Column("at", Float, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("status_from", String(32)),
+    Column("status_to", String(32)),
+    Column("message", Text, nullable=False),
+    Index("ix_events_service_at", "service", "at"),
+)
+
+policy_state = Table(
+    "policy_state",
+    metadata,
+    Column(
+        "service",
+        String(64),
+        ForeignKey("services.name", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("policy", String(64), primary_key=True),
+    Column("state_json", Text, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
