@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,17 +129,32 @@ def processes_with_token(token: str) -> list[psutil.Process]:
     return processes_where(lambda env: env.get(TOKEN_ENV) == token)
 
 
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if not _gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if not _gone(p)]
+    return alive
+
+
 def stop_processes(procs: list[psutil.Process], grace: float) -> list[psutil.Process]:
     """SIGTERM, wait up to `grace` seconds, SIGKILL; returns those that survived."""
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=grace)
+    alive = _wait_gone(procs, grace)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-    _, alive = psutil.wait_procs(alive, timeout=5)
-    return list(alive)
+    return _wait_gone(alive, 5)
 
 
 class LocalInfra:

@@ -1,0 +1,181 @@
+"""The local infra with real processes: launch, setup failure, poll, terminate, sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleetserve.core.errors import TerminalError
+from fleetserve.infra.base import InstanceKind, LaunchRequest
+from fleetserve.infra.local import LocalHandle, LocalInfra, processes_with_token
+
+SERVER = textwrap.dedent(
+    """
+    import http.server, os
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (os.environ["FLEETSERVE_REPLICA_ID"] + " " + os.environ["GREETING"]).encode()
+            self.send_response(200); self.send_header("Content-Length", str(len(body)))
+            self.end_headers(); self.wfile.write(body)
+    http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+    """
+)
+
+
+def request(tmp_path: Path, token: str = "tok-1", **kw: object) -> LaunchRequest:
+    workdir = tmp_path / "src"
+    workdir.mkdir(exist_ok=True)
+    (workdir / "server.py").write_text(SERVER)
+    base: dict[str, object] = {
+        "service": "svc",
+        "replica_id": 1,
+        "version": 1,
+        "launch_token": token,
+        "run": "python3 server.py",
+        "setup": "echo setting up > setup.txt",
+        "envs": {"GREETING": "hi"},
+        "workdir": workdir,
+    }
+    base.update(kw)
+    return LaunchRequest(**base)  # type: ignore[arg-type]
+
+
+async def get(port: int) -> str:
+    for _ in range(100):
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        data = await reader.read()
+        writer.close()
+        return data.decode().split("\r\n\r\n", 1)[1]
+    raise AssertionError(f"nothing listens on {port}")
+
+
+@pytest.fixture
+def infra(tmp_path: Path) -> LocalInfra:
+    return LocalInfra(tmp_path / "home", grace_seconds=2)
+
+
+async def test_launch_runs_setup_then_run_with_port_env_and_copied_workdir(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    launched = await infra.launch(request(tmp_path))
+    try:
+        assert await get(launched.port) == "1 hi"
+        h = LocalHandle.from_json(launched.handle)
+        assert (Path(h.dir) / "workdir" / "setup.txt").read_text() == "setting up\n"
+        assert not (tmp_path / "src" / "setup.txt").exists()  # the original is untouched
+        assert (await infra.poll(launched.handle)).kind is InstanceKind.RUNNING
+        assert os.getpgid(h.pid) == h.pid  # its own process group
+    finally:
+        await infra.terminate(launched.handle, "tok-1")
+    assert (await infra.poll(launched.handle)).kind is not InstanceKind.RUNNING
+    assert processes_with_token("tok-1") == []
+    log = infra.log_path("svc", 1).read_text()
+    assert "running setup" in log and "starting run on port" in log
+
+
+async def test_failed_setup_raises_with_its_exit_code(infra: LocalInfra, tmp_path: Path) -> None:
+    with pytest.raises(TerminalError, match="setup failed with exit code 7"):
+        await infra.launch(request(tmp_path, setup="echo broken; exit 7"))
+    assert "broken" in infra.log_path("svc", 1).read_text()
+    assert processes_with_token("tok-1") == []
+
+
+async def test_run_exit_code_is_recorded(infra: LocalInfra, tmp_path: Path) -> None:
+    launched = await infra.launch(request(tmp_path, run="exit 3", setup=None))
+    for _ in range(50):
+        state = await infra.poll(launched.handle)
+        if state.kind is not InstanceKind.RUNNING:
+            break
+        await asyncio.sleep(0.05)
+    assert state.kind is InstanceKind.EXITED and state.exit_code == 3
+
+
+async def test_an_adopted_replica_is_polled_by_pid_and_start_time(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    launched = await infra.launch(request(tmp_path))
+    fresh = LocalInfra(infra.home, grace_seconds=2)  # a restarted controller: not its child
+    try:
+        assert (await fresh.poll(launched.handle)).kind is InstanceKind.RUNNING
+        d = json.loads(launched.handle)
+        wrong_time = json.dumps({**d, "create_time": d["create_time"] - 100})
+        assert (await fresh.poll(wrong_time)).kind is not InstanceKind.RUNNING  # pid reuse
+        # kill -9 the whole group: no exit code recorded, the instance is LOST
+        os.killpg(d["pid"], signal.SIGKILL)
+        for _ in range(50):
+            if (await fresh.poll(launched.handle)).kind is not InstanceKind.RUNNING:
+                break
+            await asyncio.sleep(0.05)
+        assert (await fresh.poll(launched.handle)).kind is InstanceKind.LOST
+    finally:
+        await fresh.terminate(launched.handle, "tok-1")
+        await infra.terminate(launched.handle, "tok-1")
+
+
+async def test_terminate_kills_children_that_left_the_group_and_is_idempotent(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    run = "setsid sleep 300 & python3 server.py"
+    launched = await infra.launch(request(tmp_path, run=run))
+    await get(launched.port)
+    procs = processes_with_token("tok-1")
+    assert len(procs) >= 3  # wrapper, setsid'ed sleep, server
+    await infra.terminate(launched.handle, "tok-1")
+    assert processes_with_token("tok-1") == []
+    for p in procs:
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    await infra.terminate(launched.handle, "tok-1")
+    await infra.terminate(None, "tok-1")
+
+
+async def test_cancelling_a_launch_cleans_up(infra: LocalInfra, tmp_path: Path) -> None:
+    task = asyncio.create_task(infra.launch(request(tmp_path, setup="sleep 300")))
+    for _ in range(100):
+        if processes_with_token("tok-1"):
+            break
+        await asyncio.sleep(0.05)
+    assert processes_with_token("tok-1")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert processes_with_token("tok-1") == []
+
+
+async def test_a_fixed_port_in_use_fails_the_launch(infra: LocalInfra, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(TerminalError, match=f"port {port}"):
+            await infra.launch(request(tmp_path, port=port))
+
+
+async def test_sweep_stops_only_unknown_tokens_of_this_home(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    home_env = {"GREETING": "hi", "FLEETSERVE_HOME": str(infra.home)}
+    known = await infra.launch(request(tmp_path, token="known", envs=home_env))
+    orphan = await infra.launch(request(tmp_path, token="orphan", envs=home_env, replica_id=2))
+    try:
+        started = time.monotonic()
+        assert await infra.sweep({"known"}) >= 1
+        assert time.monotonic() - started < 10
+        assert processes_with_token("orphan") == []
+        assert processes_with_token("known")
+    finally:
+        await infra.terminate(known.handle, "known")
+        await infra.terminate(orphan.handle, "orphan")

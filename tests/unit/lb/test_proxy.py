@@ -1,0 +1,205 @@
+"""The load balancer on real loopback sockets: routing, streaming, retries, admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from fleetserve.lb.admin import make_admin_app
+from fleetserve.lb.proxy import Proxy, make_app
+from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.policies.lb import make_selector
+
+Start = Callable[[web.Application], Awaitable[int]]
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Start]:
+    runners: list[web.AppRunner] = []
+
+    async def _start(app: web.Application) -> int:
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        return int(runner.addresses[0][1])
+
+    yield _start
+    for r in reversed(runners):
+        await r.cleanup()
+
+
+def upstream_app(name: str, seen: list[dict[str, Any]] | None = None) -> web.Application:
+    async def echo(request: web.Request) -> web.StreamResponse:
+        if request.path == "/stream":
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(3):
+                await resp.write(f"data: {i}\n\n".encode())
+                await asyncio.sleep(0.3)
+            await resp.write_eof()
+            return resp
+        if request.path == "/slow":
+            await asyncio.sleep(30)
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+        if seen is not None:
+            seen.append({"method": request.method, "headers": dict(request.headers), "size": size})
+        return web.json_response(
+            {"replica": name, "method": request.method, "bytes": size, "path": request.path_qs},
+            headers={"X-Replica": name},
+        )
+
+    app = web.Application(client_max_size=0)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    return app
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def make_lb(start: Start, policy: str, upstreams: list[Upstream]) -> tuple[str, ReplicaSet]:
+    replicas = ReplicaSet(make_selector(policy))
+    replicas.replace(upstreams)
+    port = await start(make_app(Proxy("svc", replicas)))
+    return f"http://127.0.0.1:{port}", replicas
+
+
+async def test_round_robin_reaches_every_replica_and_all_methods_pass(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    b = await start(upstream_app("b"))
+    lb, _ = await make_lb(
+        start,
+        "round_robin",
+        [Upstream(1, f"http://127.0.0.1:{a}", 1), Upstream(2, f"http://127.0.0.1:{b}", 1)],
+    )
+    async with aiohttp.ClientSession() as s:
+        names = []
+        for _ in range(4):
+            async with s.get(f"{lb}/x?q=1") as r:
+                body = await r.json()
+                names.append(body["replica"])
+                assert body["path"] == "/x?q=1"
+        assert names == ["a", "b", "a", "b"]
+        for method in ("POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+            async with s.request(method, f"{lb}/m", data=b"abc") as r:
+                assert r.status == 200
+                assert (await r.json())["method"] == method
+        async with s.head(f"{lb}/h") as r:
+            assert r.status == 200 and r.headers["X-Replica"] in ("a", "b")
+
+
+async def test_forwarded_headers_and_no_hop_by_hop(start: Start) -> None:
+    seen: list[dict[str, Any]] = []
+    a = await start(upstream_app("a", seen))
+    lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    async with aiohttp.ClientSession() as s, s.get(
+        f"{lb}/", headers={"X-Custom": "1", "Proxy-Authorization": "secret"}
+    ) as r:
+        assert r.status == 200
+    headers = seen[0]["headers"]
+    assert headers["X-Custom"] == "1"
+    assert headers["X-Forwarded-For"] == "127.0.0.1"
+    assert "Proxy-Authorization" not in headers
+
+
+async def test_response_is_streamed_not_buffered(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s, s.get(f"{lb}/stream") as r:
+        t0 = loop.time()
+        first = await r.content.readuntil(b"\n\n")
+        t_first = loop.time() - t0
+        rest = await r.read()
+        t_all = loop.time() - t0
+    assert first == b"data: 0\n\n"
+    assert rest == b"data: 1\n\ndata: 2\n\n"
+    assert t_first < 0.25 < t_all  # the first event came before the upstream finished
+
+
+async def test_large_upload_is_streamed_through(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    size = 20 * 1024 * 1024
+
+    async def body() -> AsyncIterator[bytes]:
+        chunk = b"x" * (1024 * 1024)
+        for _ in range(size // len(chunk)):
+            yield chunk
+
+    async with aiohttp.ClientSession() as s, s.post(f"{lb}/upload", data=body()) as r:
+        assert r.status == 200
+        assert (await r.json())["bytes"] == size
+
+
+async def test_connection_refused_is_retried_on_another_replica(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    dead = closed_port()
+    lb, replicas = await make_lb(
+        start,
+        "round_robin",
+        [Upstream(1, f"http://127.0.0.1:{dead}", 1), Upstream(2, f"http://127.0.0.1:{a}", 1)],
+    )
+    async with aiohttp.ClientSession() as s:
+        for _ in range(6):
+            async with s.post(f"{lb}/", data=b"payload") as r:
+                assert r.status == 200
+                assert (await r.json())["bytes"] == 7
+    assert set(replicas.upstreams) == {2}  # the dead one is out of rotation until the next push
+
+
+async def test_no_ready_replica_is_a_clear_503_and_all_dead_is_502(start: Start) -> None:
+    lb, replicas = await make_lb(start, "least_load", [])
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{lb}/") as r:
+            assert r.status == 503
+            body = await r.json()
+            assert body["error"] == "no_ready_replicas" and "fleetserve status svc" in body["message"]
+        replicas.replace([Upstream(1, f"http://127.0.0.1:{closed_port()}", 1)])
+        async with s.get(f"{lb}/") as r:
+            assert r.status == 502
+            assert "replica 1" in (await r.json())["message"]
+
+
+async def test_client_disconnect_cancels_upstream_and_releases_in_flight(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    lb, replicas = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.get(f"{lb}/slow", timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+        for _ in range(50):
+            if not replicas.inflight:
+                break
+            await asyncio.sleep(0.05)
+    assert replicas.inflight == {}
+
+
+async def test_admin_push_replaces_the_set_and_rejects_bad_payloads(start: Start) -> None:
+    replicas = ReplicaSet(make_selector("least_load"))
+    port = await start(make_admin_app("svc", replicas))
+    url = f"http://127.0.0.1:{port}/-/replicas"
+    async with aiohttp.ClientSession() as s:
+        async with s.put(url, json={"replicas": [{"replica_id": 3, "url": "http://127.0.0.1:1"}]}) as r:
+            assert r.status == 200
+        assert set(replicas.upstreams) == {3}
+        async with s.put(url, json={"replicas": [{"replica_id": "x"}]}) as r:
+            assert r.status == 400
+            assert "invalid_payload" in await r.text()
+        async with s.put(url, data=b"not json") as r:
+            assert r.status == 400
+        assert set(replicas.upstreams) == {3}  # a bad push changes nothing
+        async with s.get(url) as r:
+            assert (await r.json())["replicas"][0]["replica_id"] == 3

@@ -1,0 +1,169 @@
+"""The fleet planner on a fake clock: lifecycle steps, fleet size, launch limit, crash loops."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fleetserve.core.clock import FakeClock
+from fleetserve.core.status import ReplicaStatus as R
+from fleetserve.core.types import ReplicaRecord
+from fleetserve.policies.fleet import (
+    CreateReplicas,
+    DeleteRow,
+    FleetSettings,
+    InstanceObservation,
+    Observation,
+    ProbeResult,
+    SetStatus,
+    StartLaunch,
+    Terminate,
+    plan_fleet,
+    plan_shutdown,
+    routable,
+    scale_down_order,
+)
+
+T0 = 1_000_000.0
+OK = Observation(InstanceObservation(alive=True), ProbeResult(True, "200"))
+FAIL = Observation(InstanceObservation(alive=True), ProbeResult(False, "-> HTTP 503"))
+ALIVE = Observation(InstanceObservation(alive=True), None)
+
+
+def rep(rid: int, status: R, version: int = 1, **kw: object) -> ReplicaRecord:
+    base = ReplicaRecord(
+        service="s",
+        replica_id=rid,
+        version=version,
+        status=status,
+        created_at=T0,
+        launched_at=T0,
+        endpoint=f"http://127.0.0.1:{9000 + rid}",
+    )
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def settings(**kw: object) -> FleetSettings:
+    base = FleetSettings(target_replicas=2, version=1, initial_delay_seconds=60)
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_empty_fleet_creates_the_target() -> None:
+    plan = plan_fleet([], {}, settings(target_replicas=3), T0)
+    assert plan.actions == [CreateReplicas(3)]
+
+
+def test_pending_replicas_start_within_the_launch_limit() -> None:
+    replicas = [rep(i, R.PENDING) for i in range(1, 6)] + [rep(6, R.PROVISIONING)]
+    plan = plan_fleet(replicas, {}, settings(target_replicas=6, max_concurrent_launches=3), T0)
+    assert [a for a in plan.actions if isinstance(a, StartLaunch)] == [StartLaunch(1), StartLaunch(2)]
+
+
+def test_starting_replica_becomes_ready_on_a_passing_probe() -> None:
+    plan = plan_fleet([rep(1, R.STARTING)], {1: OK}, settings(target_replicas=1), T0 + 5)
+    assert plan.actions == [SetStatus(1, R.READY, None, {"first_ready_at": T0 + 5})]
+
+
+def test_initial_delay_counts_from_launch() -> None:
+    clock = FakeClock(T0)
+    s = settings(target_replicas=1, initial_delay_seconds=60)
+    clock.advance(59)
+    assert plan_fleet([rep(1, R.STARTING)], {1: FAIL}, s, clock.now()).actions == []
+    clock.advance(1)
+    plan = plan_fleet([rep(1, R.STARTING)], {1: FAIL}, s, clock.now())
+    term = plan.actions[0]
+    assert isinstance(term, Terminate)
+    assert term.final_status is R.FAILED_INITIAL_DELAY
+    assert "initial_delay_seconds=60" in term.reason and "HTTP 503" in term.reason
+    assert plan.actions[1:] == [CreateReplicas(1)]  # replaced in the same round
+
+
+def test_ready_replica_failing_a_probe_is_not_ready_then_failed_after_the_window() -> None:
+    s = settings(target_replicas=1, failure_window_seconds=180)
+    plan = plan_fleet([rep(1, R.READY)], {1: FAIL}, s, T0 + 100)
+    assert plan.actions == [
+        SetStatus(1, R.NOT_READY, "readiness probe failed: -> HTTP 503", {"probe_failing_since": T0 + 100})
+    ]
+    not_ready = rep(1, R.NOT_READY, probe_failing_since=T0 + 100)
+    assert plan_fleet([not_ready], {1: FAIL}, s, T0 + 279).actions == []
+    plan = plan_fleet([not_ready], {1: FAIL}, s, T0 + 280)
+    assert isinstance(plan.actions[0], Terminate)
+    assert plan.actions[0].final_status is R.FAILED_PROBING
+
+
+def test_not_ready_recovers_on_a_passing_probe() -> None:
+    not_ready = rep(1, R.NOT_READY, probe_failing_since=T0)
+    plan = plan_fleet([not_ready], {1: OK}, settings(target_replicas=1), T0 + 10)
+    assert plan.actions == [SetStatus(1, R.READY, None, {"probe_failing_since": None})]
+
+
+def test_exited_replica_is_failed_with_its_code_and_replaced() -> None:
+    gone = Observation(InstanceObservation(alive=False, exit_code=3, detail="exited with code 3"))
+    plan = plan_fleet([rep(1, R.READY), rep(2, R.READY)], {1: gone, 2: OK}, settings(), T0)
+    assert plan.actions == [
+        Terminate(1, R.FAILED, "replica process exited with code 3", exit_code=3),
+        CreateReplicas(1),
+    ]
+
+
+def test_lost_instance_is_preempted() -> None:
+    lost = Observation(InstanceObservation(alive=False, lost=True, detail="node gone"))
+    plan = plan_fleet([rep(1, R.STARTING)], {1: lost}, settings(target_replicas=1), T0)
+    assert isinstance(plan.actions[0], Terminate)
+    assert plan.actions[0].final_status is R.PREEMPTED
+
+
+def test_no_probe_result_changes_nothing() -> None:
+    assert plan_fleet([rep(1, R.READY), rep(2, R.STARTING)], {1: ALIVE, 2: ALIVE}, settings(), T0).actions == []
+
+
+def test_too_many_replicas_scale_down_in_skyserve_order() -> None:
+    replicas = [
+        rep(1, R.READY, version=1),
+        rep(2, R.READY, version=2),
+        rep(3, R.READY, version=2),
+        rep(4, R.STARTING, version=2),
+    ]
+    plan = plan_fleet(replicas, {i: ALIVE for i in range(1, 5)}, settings(target_replicas=1), T0)
+    downs = [a.replica_id for a in plan.actions if isinstance(a, Terminate)]
+    assert downs == [4, 1, 3]  # not ready first, then the older version, then the newest id
+    assert all(a.delete_row for a in plan.actions if isinstance(a, Terminate))
+
+
+def test_scale_down_order_helper() -> None:
+    order = scale_down_order([rep(1, R.READY), rep(2, R.PENDING), rep(3, R.NOT_READY)])
+    assert [r.replica_id for r in order] == [2, 3, 1]
+
+
+def test_crash_loop_stops_launches_and_says_why() -> None:
+    failed = [
+        rep(i, R.FAILED, reason=f"replica process exited with code {i}") for i in range(1, 4)
+    ]
+    plan = plan_fleet(failed, {}, settings(target_replicas=1), T0)
+    assert plan.scaling_stopped
+    assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
+    assert plan.failure_reason is not None and "exited with code 3" in plan.failure_reason
+
+
+def test_a_version_that_once_was_ready_keeps_being_replaced() -> None:
+    failed = [rep(i, R.FAILED, first_ready_at=T0) for i in range(1, 4)]
+    plan = plan_fleet(failed, {}, settings(target_replicas=1), T0)
+    assert not plan.scaling_stopped
+    assert CreateReplicas(1) in plan.actions
+
+
+def test_old_failed_rows_are_pruned_newest_kept() -> None:
+    failed = [rep(i, R.PREEMPTED) for i in range(1, 8)]
+    plan = plan_fleet(failed, {}, settings(target_replicas=0, keep_terminal_rows=5), T0)
+    assert [a for a in plan.actions if isinstance(a, DeleteRow)] == [DeleteRow(2), DeleteRow(1)]
+
+
+def test_shutdown_terminates_everything_not_already_stopping() -> None:
+    replicas = [rep(1, R.READY), rep(2, R.SHUTTING_DOWN), rep(3, R.FAILED)]
+    assert [t.replica_id for t in plan_shutdown(replicas)] == [1, 3]
+    assert all(t.delete_row for t in plan_shutdown(replicas))
+
+
+def test_routable_is_ready_replicas_of_active_versions() -> None:
+    replicas = [rep(1, R.READY), rep(2, R.STARTING), rep(3, R.READY, version=2), rep(4, R.NOT_READY)]
+    assert [r.replica_id for r in routable(replicas, [1])] == [1]
+    assert [r.replica_id for r in routable(replicas, [1, 2])] == [1, 3]

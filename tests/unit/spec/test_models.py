@@ -1,0 +1,208 @@
+"""Spec rules: every field, default and rule of REFERENCE.md, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetserve.core.errors import InvalidSpec
+from fleetserve.spec import load_spec_file, parse_spec
+from fleetserve.spec.models import (
+    DEFAULT_DOWNSCALE_DELAY_SECONDS,
+    DEFAULT_INITIAL_DELAY_SECONDS,
+    DEFAULT_PROBE_TIMEOUT_SECONDS,
+    DEFAULT_UPSCALE_DELAY_SECONDS,
+)
+
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "skyserve"
+
+
+def err(text: str) -> str:
+    with pytest.raises(InvalidSpec) as e:
+        parse_spec(text)
+    return e.value.message
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.yaml")), ids=lambda p: p.name)
+def test_skyserve_example_files_load_unchanged(path: Path) -> None:
+    spec, text = load_spec_file(path)
+    assert text == path.read_text()
+    assert spec.service is not None
+
+
+def test_probe_shorthand_and_defaults() -> None:
+    spec = parse_spec("service:\n  readiness_probe: /health\n")
+    probe = spec.service.readiness_probe
+    assert probe is not None
+    assert probe.path == "/health"
+    assert probe.method == "GET"
+    assert probe.initial_delay_seconds == DEFAULT_INITIAL_DELAY_SECONDS == 1200
+    assert probe.timeout_seconds == DEFAULT_PROBE_TIMEOUT_SECONDS == 15
+    assert spec.service.replica_bounds() == (1, 1)
+    assert spec.service.load_balancing_policy == "least_load"
+
+
+def test_post_data_makes_a_post_probe_and_accepts_a_json_string() -> None:
+    spec = parse_spec(
+        "service:\n  readiness_probe:\n    path: /v1\n    post_data: '{\"a\": 1}'\n"
+        "    headers: {X-Key: k}\n"
+    )
+    probe = spec.service.readiness_probe
+    assert probe is not None
+    assert probe.method == "POST"
+    assert probe.post_data == {"a": 1}
+    assert probe.headers == {"X-Key": "k"}
+
+
+def test_post_data_string_must_be_json() -> None:
+    msg = err("service:\n  readiness_probe:\n    path: /v1\n    post_data: 'not json'\n")
+    assert "service.readiness_probe.post_data" in msg and "JSON" in msg
+
+
+def test_envs_are_substituted_in_the_service_section() -> None:
+    spec, _ = load_spec_file(FIXTURES / "vllm.yaml")
+    probe = spec.service.readiness_probe
+    assert probe is not None and probe.post_data is not None
+    assert probe.post_data["model"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def test_autoscaling_defaults() -> None:
+    spec = parse_spec(
+        "service:\n  readiness_probe: /h\n  replica_policy:\n    min_replicas: 1\n"
+        "    max_replicas: 3\n    target_qps_per_replica: 2\n"
+    )
+    policy = spec.service.replica_policy
+    assert policy is not None
+    assert policy.upscale_delay_seconds == DEFAULT_UPSCALE_DELAY_SECONDS == 300
+    assert policy.downscale_delay_seconds == DEFAULT_DOWNSCALE_DELAY_SECONDS == 1200
+    assert policy.base_ondemand_fallback_replicas == 0
+    assert policy.dynamic_ondemand_fallback is False
+    assert spec.service.replica_bounds() == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "where", "words"),
+    [
+        ("service:\n  readiness_probe: health\n", "service.readiness_probe.path", "start with '/'"),
+        ("service:\n  replicas: 2\n", "service", "'readiness_probe' is required"),
+        (
+            "service:\n  readiness_probe: /h\n  replicas: 2\n  replica_policy: {min_replicas: 1}\n",
+            "service",
+            "not both",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 3, max_replicas: 2,"
+            " target_qps_per_replica: 1}\n",
+            "service.replica_policy",
+            "max_replicas (2) must be >= min_replicas (3)",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 1, max_replicas: 3}\n",
+            "service.replica_policy",
+            "must equal min_replicas",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 1,"
+            " target_qps_per_replica: 2}\n",
+            "service.replica_policy",
+            "max_replicas is required",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: -1}\n",
+            "service.replica_policy.min_replicas",
+            "greater than or equal to 0",
+        ),
+        ("service:\n  readiness_probe: /h\n  ports: 70000\n", "service.ports", "65535"),
+        (
+            "service:\n  readiness_probe: /h\n  load_balancing_policy: random\n",
+            "service.load_balancing_policy",
+            "round_robin",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 1, max_replicas: 2,"
+            " target_qps_per_replica: {A100: 1}}\n",
+            "service",
+            "requires load_balancing_policy: instance_aware_least_load",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  load_balancing_policy: instance_aware_least_load\n",
+            "service",
+            "per-accelerator dict",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 1, max_replicas: 2,"
+            " target_qps_per_replica: {'A100:x': 1}}\n"
+            "  load_balancing_policy: instance_aware_least_load\n",
+            "service.replica_policy.target_qps_per_replica",
+            "ACC:COUNT",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 1,"
+            " base_ondemand_fallback_replicas: 1}\n",
+            "(top level)",
+            "need spot resources",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 1,"
+            " spot_placer: dynamic_fallback}\n",
+            "(top level)",
+            "spot_placer needs spot resources",
+        ),
+        (
+            "service:\n  readiness_probe: /h\nresources:\n  any_of:\n    - use_spot: true\n"
+            "    - use_spot: false\n",
+            "(top level)",
+            "every alternative must be spot",
+        ),
+        (
+            "service:\n  readiness_probe: /h\nresources:\n  ports: [8000, 8001]\n",
+            "(top level)",
+            "set service.ports",
+        ),
+        ("service:\n  readiness_probe: /h\nresources:\n  ports: '9-x'\n", "resources.ports", "range"),
+        ("service:\n  readiness_probe: /h\nresources:\n  cpus: lots\n", "resources.cpus", "number"),
+        ("service:\n  readiness_probe: /h\nresources:\n  memory: big\n", "resources.memory", "size"),
+        ("service:\n  readiness_probe: /h\n  tls: {keyfile: k}\n", "service.tls.certfile", "required"),
+        ("service:\n  readiness_probe: /h\n  readines: 1\n", "service.readines", "unknown field"),
+        ("service:\n  readiness_probe: /h\nresource: {}\n", "resource", "unknown field"),
+        ("service:\n  pool: {workers: 1}\nrun: echo\n", "(top level)", "cannot have 'run'"),
+        (
+            "service:\n  pool: {workers: 1, min_workers: 1}\n",
+            "service.pool",
+            "not both",
+        ),
+        (
+            "service:\n  pool: {workers: 1}\n  replica_policy: {min_replicas: 1}\n",
+            "service",
+            "a pool cannot have 'replica_policy'",
+        ),
+        ("service:\n  readiness_probe: /h\nenvs: {'1BAD': x}\n", "envs", "not a valid environment"),
+        ("name: x\n", "service YAML", "service: field required"),
+        ("- a\n- b\n", "service YAML", "must be a mapping"),
+        ("service: [\n", "service YAML", "not valid YAML at line"),
+    ],
+)
+def test_broken_rules_name_the_field(yaml_text: str, where: str, words: str) -> None:
+    msg = err(yaml_text)
+    assert f"{where}:" in msg, msg
+    assert words in msg, msg
+
+
+def test_every_problem_is_reported_on_its_own_line() -> None:
+    msg = err("service:\n  readiness_probe: /h\n  bogus: 1\nresources:\n  cpus: x\n")
+    lines = msg.splitlines()
+    assert any("service.bogus: unknown field" in line for line in lines)
+    assert any("resources.cpus:" in line for line in lines)
+
+
+def test_replica_port_from_service_or_resources() -> None:
+    assert parse_spec("service:\n  readiness_probe: /h\n  ports: 9000\n").replica_port() == 9000
+    spec = parse_spec("service:\n  readiness_probe: /h\nresources:\n  ports: 8081\n")
+    assert spec.replica_port() == 8081
+    assert parse_spec("service:\n  readiness_probe: /h\n").replica_port() is None
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSpec, match="no such file"):
+        load_spec_file(tmp_path / "nope.yaml")

@@ -1,0 +1,78 @@
+"""The store on a real SQLite file: migrations, ids never reused, events, policy state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import inspect, text
+
+from fleetserve.core.errors import Conflict, NotFound
+from fleetserve.core.status import ReplicaStatus
+from fleetserve.store import Store
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store.at_path(tmp_path / "db.sqlite")
+
+
+def test_schema_is_created_by_alembic_in_wal_mode(store: Store) -> None:
+    tables = set(inspect(store.engine).get_table_names())
+    assert {"services", "versions", "replicas", "events", "policy_state", "alembic_version"} <= tables
+    with store.engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0001"
+
+
+def test_reopening_keeps_data(tmp_path: Path) -> None:
+    s1 = Store.at_path(tmp_path / "db.sqlite")
+    s1.create_service("a", "yaml", "{}", 1.0)
+    s1.close()
+    s2 = Store.at_path(tmp_path / "db.sqlite")
+    assert s2.service("a").name == "a"
+    assert s2.version("a", 1).yaml_text == "yaml"
+
+
+def test_duplicate_service_is_a_conflict(store: Store) -> None:
+    store.create_service("a", "y", "{}", 1.0)
+    with pytest.raises(Conflict):
+        store.create_service("a", "y", "{}", 2.0)
+    with pytest.raises(NotFound):
+        store.service("b")
+
+
+def test_replica_ids_are_never_reused(store: Store) -> None:
+    store.create_service("a", "y", "{}", 1.0)
+    r1 = store.allocate_replica("a", 1, "local", "t1", 2.0)
+    r2 = store.allocate_replica("a", 1, "local", "t2", 2.0)
+    store.delete_replica("a", r2.replica_id, 3.0, "gone")
+    r3 = store.allocate_replica("a", 1, "local", "t3", 4.0)
+    assert (r1.replica_id, r2.replica_id, r3.replica_id) == (1, 2, 3)
+
+
+def test_status_changes_are_events(store: Store) -> None:
+    store.create_service("a", "y", "{}", 1.0)
+    r = store.allocate_replica("a", 1, "local", "t", 2.0)
+    r = store.update_replica(r, 3.0, status=ReplicaStatus.PROVISIONING)
+    r = store.update_replica(r, 4.0, status=ReplicaStatus.FAILED_PROVISION, reason="setup failed")
+    assert store.replica("a", 1).reason == "setup failed"
+    changes = [(e.status_from, e.status_to, e.message) for e in store.list_events("a")]
+    assert changes[-2:] == [
+        ("PENDING", "PROVISIONING", "status PROVISIONING"),
+        ("PROVISIONING", "FAILED_PROVISION", "setup failed"),
+    ]
+    with pytest.raises(ValueError, match="not replica columns"):
+        store.update_replica(r, 5.0, bogus=1)
+
+
+def test_policy_state_round_trip_and_delete_service_removes_everything(store: Store) -> None:
+    store.create_service("a", "y", "{}", 1.0)
+    store.allocate_replica("a", 1, "local", "t", 2.0)
+    store.put_policy_state("a", "autoscaler", {"target": 3}, 2.0)
+    store.put_policy_state("a", "autoscaler", {"target": 4}, 3.0)
+    assert store.get_policy_state("a", "autoscaler") == {"target": 4}
+    store.delete_service("a")
+    with store.engine.connect() as conn:
+        for table in ("services", "versions", "replicas", "events", "policy_state"):
+            assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0
