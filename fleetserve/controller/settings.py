@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from fleetserve.core.errors import InvalidSpec
 from pathlib import Path
 
 DEFAULT_API_PORT = 46580
 
 
-def fleetserve_home() -> Path:
-    return Path(os.environ.get("FLEETSERVE_HOME") or Path.home() / ".fleetserve").expanduser()
+def fleetserve_home(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("FLEETSERVE_HOME") or Path.home() / ".fleetserve").expanduser()
 
 
-def _float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:
         return float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise InvalidSpec(f"{name}={raw!r} is not a number") from None
 
 
 @dataclass(frozen=True)
@@ -38,16 +42,23 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
+        return cls.from_env_dict(os.environ)
+
+    @classmethod
+    def from_env_dict(cls, env: Mapping[str, str]) -> Settings:
+        def num(name: str, default: float) -> float:
+            return _float(env, name, default)
+
         return cls(
-            home=fleetserve_home(),
-            api_port=int(_float("FLEETSERVE_API_PORT", DEFAULT_API_PORT)),
-            reconcile_interval=_float("FLEETSERVE_RECONCILE_INTERVAL", 1.0),
-            probe_interval=_float("FLEETSERVE_PROBE_INTERVAL", 5.0),
-            starting_probe_interval=_float("FLEETSERVE_STARTING_PROBE_INTERVAL", 1.0),
-            failure_window=_float("FLEETSERVE_FAILURE_WINDOW", 180.0),
-            terminate_grace=_float("FLEETSERVE_TERMINATE_GRACE", 10.0),
-            max_concurrent_launches=int(_float("FLEETSERVE_MAX_LAUNCHES", 4)),
-            lb_port_start=int(_float("FLEETSERVE_LB_PORT_START", 30001)),
+            home=fleetserve_home(env),
+            api_port=int(num("FLEETSERVE_API_PORT", DEFAULT_API_PORT)),
+            reconcile_interval=num("FLEETSERVE_RECONCILE_INTERVAL", 1.0),
+            probe_interval=num("FLEETSERVE_PROBE_INTERVAL", 5.0),
+            starting_probe_interval=num("FLEETSERVE_STARTING_PROBE_INTERVAL", 1.0),
+            failure_window=num("FLEETSERVE_FAILURE_WINDOW", 180.0),
+            terminate_grace=num("FLEETSERVE_TERMINATE_GRACE", 10.0),
+            max_concurrent_launches=int(num("FLEETSERVE_MAX_LAUNCHES", 4)),
+            lb_port_start=int(num("FLEETSERVE_LB_PORT_START", 30001)),
         )
 
     @property

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetserve.core.status import SCALE_DOWN_ORDER, ReplicaStatus
+from fleetserve.core.status import FAILED_STATUSES, SCALE_DOWN_ORDER, ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 
 
@@ -153,26 +153,36 @@ def scale_down_order(replicas: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:
     )
 
 
-def crash_loop_reason(replicas: list[ReplicaRecord], s: FleetSettings) -> str | None:
+def crash_loop_reason(
+    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str] | None = None
+) -> str | None:
     """Why launching should stop: the newest finished replicas of the version all failed
-    without ever becoming READY (a broken command would otherwise relaunch forever)."""
+    without ever becoming READY (a broken command would otherwise relaunch forever).
+
+    Replicas being torn down after a failure (SHUTTING_DOWN, not a scale-down) and those this
+    round fails (`failing_now`) count as failed already.
+    """
+    failing_now = failing_now or {}
     of_version = [r for r in replicas if r.version == s.version]
-    if any(r.first_ready_at is not None for r in of_version):
+    if s.crash_loop_limit <= 0 or any(r.first_ready_at is not None for r in of_version):
         return None
     ended = sorted(
         (
             r
             for r in of_version
-            if r.status.is_failed and r.status is not ReplicaStatus.FAILED_CLEANUP
+            if (r.status.is_failed and r.status is not ReplicaStatus.FAILED_CLEANUP)
+            or (r.status is ReplicaStatus.SHUTTING_DOWN and not r.scale_down)
+            or r.replica_id in failing_now
         ),
         key=lambda r: r.replica_id,
     )
-    if s.crash_loop_limit <= 0 or len(ended) < s.crash_loop_limit:
+    if len(ended) < s.crash_loop_limit:
         return None
     last = ended[-1]
     return (
         f"{len(ended)} replicas of version {s.version} failed before ever becoming READY; "
-        f"launches stopped. Last: replica {last.replica_id} {last.status}: {last.reason}"
+        f"launches stopped. Last: replica {last.replica_id}: "
+        f"{failing_now.get(last.replica_id) or last.reason or last.status}"
     )
 
 
@@ -199,7 +209,12 @@ def plan_fleet(
         and r.status is not ReplicaStatus.SHUTTING_DOWN
         and r.replica_id not in ending
     ]
-    reason = crash_loop_reason(replicas, settings)
+    failing_now = {
+        a.replica_id: a.reason
+        for a in actions
+        if isinstance(a, Terminate) and a.final_status in FAILED_STATUSES
+    }
+    reason = crash_loop_reason(replicas, settings, failing_now)
     stopped = reason is not None
     missing = settings.target_replicas - len(alive)
     if missing > 0 and not stopped:

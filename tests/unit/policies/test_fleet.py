@@ -167,3 +167,17 @@ def test_routable_is_ready_replicas_of_active_versions() -> None:
     replicas = [rep(1, R.READY), rep(2, R.STARTING), rep(3, R.READY, version=2), rep(4, R.NOT_READY)]
     assert [r.replica_id for r in routable(replicas, [1])] == [1]
     assert [r.replica_id for r in routable(replicas, [1, 2])] == [1, 3]
+
+
+def test_a_failure_this_round_and_one_being_torn_down_count_towards_the_crash_loop() -> None:
+    gone = Observation(InstanceObservation(alive=False, exit_code=4, detail="exited with code 4"))
+    replicas = [
+        rep(1, R.FAILED, reason="exited with code 4"),
+        rep(2, R.SHUTTING_DOWN, reason="exited with code 4"),
+        rep(3, R.STARTING),
+    ]
+    plan = plan_fleet(replicas, {3: gone}, settings(target_replicas=1), T0)
+    assert plan.scaling_stopped
+    assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
+    assert plan.failure_reason is not None
+    assert "replica 3: replica process exited with code 4" in plan.failure_reason

@@ -1,0 +1,5 @@
+"""`python -m fleetserve` is the `fleetserve` command."""
+
+from fleetserve.cli.main import main
+
+main()

@@ -1,0 +1,144 @@
+"""End-to-end fixtures: a private FLEETSERVE_HOME and ports per test, the real CLI as a
+subprocess, and a check that nothing the test started is left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fleetserve.client import Client
+from fleetserve.controller.settings import Settings
+
+SERVER = textwrap.dedent(
+    """
+    import json, os
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    RID = os.environ["FLEETSERVE_REPLICA_ID"]
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def do_GET(self):
+            body = json.dumps({"replica": RID, "path": self.path}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Fleet:
+    home: Path
+    env: dict[str, str]
+    workdir: Path
+
+    def cli(self, *args: str, timeout: float = 90, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fleetserve", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"fleetserve {' '.join(args)} exited {proc.returncode}\n"
+                f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+            )
+        return proc
+
+    def write_service(self, name: str, body: str) -> Path:
+        path = self.home.parent / f"{name}.yaml"
+        path.write_text(textwrap.dedent(body))
+        return path
+
+    def client(self) -> Client:
+        return Client(settings=Settings.from_env_dict(self.env), auto_start=False)
+
+    def controller_pid(self) -> int:
+        return int(json.loads((self.home / "server.json").read_text())["pid"])
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process started for this home (replicas, LBs, the controller)."""
+        found = []
+        for p in psutil.process_iter():
+            try:
+                env = p.environ()
+                if env.get("FLEETSERVE_HOME") == str(self.home) and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (psutil.Error, OSError):
+                continue
+        return [p for p in found if p.pid != os.getpid()]
+
+    def wait_for(self, what: str, check: object, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if callable(check) and check():
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def endpoint_of(output: str) -> str:
+    m = re.search(r"Endpoint: (http://\S+)", output)
+    assert m, f"no endpoint in:\n{output}"
+    return m.group(1)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    home = tmp_path / "home"
+    workdir = tmp_path / "app"
+    workdir.mkdir()
+    (workdir / "server.py").write_text(SERVER)
+    env = dict(os.environ)
+    env.update(
+        {
+            "FLEETSERVE_HOME": str(home),
+            "FLEETSERVE_API_PORT": str(free_port()),
+            "FLEETSERVE_LB_PORT_START": str(free_port()),
+            "FLEETSERVE_TERMINATE_GRACE": "3",
+            "FLEETSERVE_PROBE_INTERVAL": "1",
+            "NO_COLOR": "1",
+        }
+    )
+    f = Fleet(home=home, env=env, workdir=workdir)
+    yield f
+    # Leave nothing behind, and fail the test if something was left.
+    if (home / "server.json").exists():
+        f.cli("down", "--all", "--purge", check=False)
+        f.cli("server", "stop", check=False)
+    leftovers = f.processes()
+    for p in leftovers:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not leftovers, f"processes left running: {[(p.pid, p.cmdline()) for p in leftovers]}"
