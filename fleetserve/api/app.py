@@ -89,9 +89,7 @@ async def _file_lines(path: Path, follow: bool) -> AsyncIterator[str]:
                 return
 
 
-def create_app(
-    controller: Controller, on_stopped: Callable[[], None] | None = None
-) -> FastAPI:
+def create_app(controller: Controller, on_stopped: Callable[[], None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await controller.start()

@@ -43,8 +43,9 @@ def validate(file: Annotated[Path, typer.Argument(help="Service YAML to check.")
         raise _fail(e) from None
     lo, hi = spec.service.replica_bounds()
     probe = spec.service.readiness_probe
+    probe_text = f"{probe.method} {probe.path}" if probe else "-"
     out.print(
-        f"[green]OK[/] {file}: replicas {lo}..{hi}, probe {probe.method + ' ' + probe.path if probe else '-'}, "
+        f"[green]OK[/] {file}: replicas {lo}..{hi}, probe {probe_text}, "
         f"policy {spec.service.load_balancing_policy}"
     )
 
@@ -62,9 +63,8 @@ def _follow_up(client: Client, name: str) -> ServiceInfo:
         if svc.status == "READY":
             return svc
         if svc.status in ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"):
-            raise FleetserveError(
-                f"service {name} is {svc.status}: {svc.failure_reason or 'see `fleetserve status -v`'}"
-            )
+            why = svc.failure_reason or "see `fleetserve status -v`"
+            raise FleetserveError(f"service {name} is {svc.status}: {why}")
         time.sleep(0.5)
 
 

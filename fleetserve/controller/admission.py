@@ -40,7 +40,8 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
     wanted = spec.requested_infra()
     if wanted is not None and wanted.split("/")[0] not in SUPPORTED_INFRAS:
         raise InvalidSpec(
-            f"resources.infra: {wanted!r} is not available; supported: {', '.join(SUPPORTED_INFRAS)}"
+            f"resources.infra: {wanted!r} is not available; "
+            f"supported: {', '.join(SUPPORTED_INFRAS)}"
         )
     _lo, hi = spec.service.replica_bounds()
     port = spec.replica_port()

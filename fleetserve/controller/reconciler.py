@@ -21,6 +21,7 @@ from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import Endpoint, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.policies.fleet import (
+    Action,
     CreateReplicas,
     DeleteRow,
     FleetSettings,
@@ -194,7 +195,7 @@ class ServiceReconciler:
 
     def _apply(
         self,
-        actions: list[object],
+        actions: list[Action],
         by_id: dict[int, ReplicaRecord],
         svc: ServiceRecord,
         spec: ServiceTask,

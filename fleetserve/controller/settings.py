@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
-from pathlib import Path
 
 DEFAULT_API_PORT = 46580
 

@@ -17,7 +17,8 @@ DEFAULT_PROBE_TIMEOUT_SECONDS = 15
 DEFAULT_UPSCALE_DELAY_SECONDS = 300
 DEFAULT_DOWNSCALE_DELAY_SECONDS = 1200
 LB_POLICIES = ("round_robin", "least_load", "instance_aware_least_load")
-DEFAULT_LB_POLICY = "least_load"
+LbPolicy = Literal["round_robin", "least_load", "instance_aware_least_load"]
+DEFAULT_LB_POLICY: LbPolicy = "least_load"
 
 _ACCELERATOR_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:\d+(\.\d+)?)?$")
 _CPUS = re.compile(r"^\d+(\.\d+)?\+?$")
@@ -151,9 +152,7 @@ class ServiceSection(_Strict):
     replicas: Annotated[int, Field(ge=0)] | None = None
     replica_policy: ReplicaPolicy | None = None
     ports: Port | None = None
-    load_balancing_policy: Literal["round_robin", "least_load", "instance_aware_least_load"] = (
-        DEFAULT_LB_POLICY
-    )
+    load_balancing_policy: LbPolicy = DEFAULT_LB_POLICY
     tls: Tls | None = None
     pool: Pool | None = None
 

@@ -3,6 +3,7 @@ subprocess, and a check that nothing the test started is left running."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,7 +60,9 @@ class Fleet:
     env: dict[str, str]
     workdir: Path
 
-    def cli(self, *args: str, timeout: float = 90, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, timeout: float = 90, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             [sys.executable, "-m", "fleetserve", *args],
             env=self.env,
@@ -91,7 +94,10 @@ class Fleet:
         for p in psutil.process_iter():
             try:
                 env = p.environ()
-                if env.get("FLEETSERVE_HOME") == str(self.home) and p.status() != psutil.STATUS_ZOMBIE:
+                if (
+                    env.get("FLEETSERVE_HOME") == str(self.home)
+                    and p.status() != psutil.STATUS_ZOMBIE
+                ):
                     found.append(p)
             except (psutil.Error, OSError):
                 continue
@@ -137,8 +143,6 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         f.cli("server", "stop", check=False)
     leftovers = f.processes()
     for p in leftovers:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
     assert not leftovers, f"processes left running: {[(p.pid, p.cmdline()) for p in leftovers]}"

@@ -148,7 +148,9 @@ def test_controller_restart_adopts_replicas_and_orphans_nothing(fleet: Fleet) ->
     processes_before = {p.pid for p in fleet.processes()}
     controller = fleet.controller_pid()
     os.kill(controller, signal.SIGKILL)
-    fleet.wait_for("the controller to die", lambda: controller not in {p.pid for p in fleet.processes()})
+    fleet.wait_for(
+        "the controller to die", lambda: controller not in {p.pid for p in fleet.processes()}
+    )
     # The load balancer keeps serving its last replica set while the controller is down.
     served = Counter(get(f"{endpoint}/while-down")["replica"] for _ in range(10))
     assert set(served) == {"1", "2"}

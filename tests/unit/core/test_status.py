@@ -30,9 +30,7 @@ from fleetserve.core.status import derive_service_status
         ([R.SHUTTING_DOWN], {}, S.NO_REPLICA),
     ],
 )
-def test_derive_service_status(
-    replicas: list[R], kwargs: dict[str, bool], expected: S
-) -> None:
+def test_derive_service_status(replicas: list[R], kwargs: dict[str, bool], expected: S) -> None:
     assert derive_service_status(replicas, **kwargs) is expected
 
 

@@ -104,9 +104,10 @@ async def test_forwarded_headers_and_no_hop_by_hop(start: Start) -> None:
     seen: list[dict[str, Any]] = []
     a = await start(upstream_app("a", seen))
     lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)])
-    async with aiohttp.ClientSession() as s, s.get(
-        f"{lb}/", headers={"X-Custom": "1", "Proxy-Authorization": "secret"}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"{lb}/", headers={"X-Custom": "1", "Proxy-Authorization": "secret"}) as r,
+    ):
         assert r.status == 200
     headers = seen[0]["headers"]
     assert headers["X-Custom"] == "1"
@@ -166,7 +167,9 @@ async def test_no_ready_replica_is_a_clear_503_and_all_dead_is_502(start: Start)
         async with s.get(f"{lb}/") as r:
             assert r.status == 503
             body = await r.json()
-            assert body["error"] == "no_ready_replicas" and "fleetserve status svc" in body["message"]
+            assert (
+                body["error"] == "no_ready_replicas" and "fleetserve status svc" in body["message"]
+            )
         replicas.replace([Upstream(1, f"http://127.0.0.1:{closed_port()}", 1)])
         async with s.get(f"{lb}/") as r:
             assert r.status == 502
@@ -192,7 +195,9 @@ async def test_admin_push_replaces_the_set_and_rejects_bad_payloads(start: Start
     port = await start(make_admin_app("svc", replicas))
     url = f"http://127.0.0.1:{port}/-/replicas"
     async with aiohttp.ClientSession() as s:
-        async with s.put(url, json={"replicas": [{"replica_id": 3, "url": "http://127.0.0.1:1"}]}) as r:
+        async with s.put(
+            url, json={"replicas": [{"replica_id": 3, "url": "http://127.0.0.1:1"}]}
+        ) as r:
             assert r.status == 200
         assert set(replicas.upstreams) == {3}
         async with s.put(url, json={"replicas": [{"replica_id": "x"}]}) as r:

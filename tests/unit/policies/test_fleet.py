@@ -55,7 +55,10 @@ def test_empty_fleet_creates_the_target() -> None:
 def test_pending_replicas_start_within_the_launch_limit() -> None:
     replicas = [rep(i, R.PENDING) for i in range(1, 6)] + [rep(6, R.PROVISIONING)]
     plan = plan_fleet(replicas, {}, settings(target_replicas=6, max_concurrent_launches=3), T0)
-    assert [a for a in plan.actions if isinstance(a, StartLaunch)] == [StartLaunch(1), StartLaunch(2)]
+    assert [a for a in plan.actions if isinstance(a, StartLaunch)] == [
+        StartLaunch(1),
+        StartLaunch(2),
+    ]
 
 
 def test_starting_replica_becomes_ready_on_a_passing_probe() -> None:
@@ -81,7 +84,9 @@ def test_ready_replica_failing_a_probe_is_not_ready_then_failed_after_the_window
     s = settings(target_replicas=1, failure_window_seconds=180)
     plan = plan_fleet([rep(1, R.READY)], {1: FAIL}, s, T0 + 100)
     assert plan.actions == [
-        SetStatus(1, R.NOT_READY, "readiness probe failed: -> HTTP 503", {"probe_failing_since": T0 + 100})
+        SetStatus(
+            1, R.NOT_READY, "readiness probe failed: -> HTTP 503", {"probe_failing_since": T0 + 100}
+        )
     ]
     not_ready = rep(1, R.NOT_READY, probe_failing_since=T0 + 100)
     assert plan_fleet([not_ready], {1: FAIL}, s, T0 + 279).actions == []
@@ -113,7 +118,12 @@ def test_lost_instance_is_preempted() -> None:
 
 
 def test_no_probe_result_changes_nothing() -> None:
-    assert plan_fleet([rep(1, R.READY), rep(2, R.STARTING)], {1: ALIVE, 2: ALIVE}, settings(), T0).actions == []
+    assert (
+        plan_fleet(
+            [rep(1, R.READY), rep(2, R.STARTING)], {1: ALIVE, 2: ALIVE}, settings(), T0
+        ).actions
+        == []
+    )
 
 
 def test_too_many_replicas_scale_down_in_skyserve_order() -> None:
@@ -135,9 +145,7 @@ def test_scale_down_order_helper() -> None:
 
 
 def test_crash_loop_stops_launches_and_says_why() -> None:
-    failed = [
-        rep(i, R.FAILED, reason=f"replica process exited with code {i}") for i in range(1, 4)
-    ]
+    failed = [rep(i, R.FAILED, reason=f"replica process exited with code {i}") for i in range(1, 4)]
     plan = plan_fleet(failed, {}, settings(target_replicas=1), T0)
     assert plan.scaling_stopped
     assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
@@ -164,7 +172,12 @@ def test_shutdown_terminates_everything_not_already_stopping() -> None:
 
 
 def test_routable_is_ready_replicas_of_active_versions() -> None:
-    replicas = [rep(1, R.READY), rep(2, R.STARTING), rep(3, R.READY, version=2), rep(4, R.NOT_READY)]
+    replicas = [
+        rep(1, R.READY),
+        rep(2, R.STARTING),
+        rep(3, R.READY, version=2),
+        rep(4, R.NOT_READY),
+    ]
     assert [r.replica_id for r in routable(replicas, [1])] == [1]
     assert [r.replica_id for r in routable(replicas, [1, 2])] == [1, 3]
 

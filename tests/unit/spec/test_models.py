@@ -98,7 +98,8 @@ def test_autoscaling_defaults() -> None:
             "max_replicas (2) must be >= min_replicas (3)",
         ),
         (
-            "service:\n  readiness_probe: /h\n  replica_policy: {min_replicas: 1, max_replicas: 3}\n",
+            "service:\n  readiness_probe: /h\n"
+            "  replica_policy: {min_replicas: 1, max_replicas: 3}\n",
             "service.replica_policy",
             "must equal min_replicas",
         ),
@@ -160,10 +161,22 @@ def test_autoscaling_defaults() -> None:
             "(top level)",
             "set service.ports",
         ),
-        ("service:\n  readiness_probe: /h\nresources:\n  ports: '9-x'\n", "resources.ports", "range"),
+        (
+            "service:\n  readiness_probe: /h\nresources:\n  ports: '9-x'\n",
+            "resources.ports",
+            "range",
+        ),
         ("service:\n  readiness_probe: /h\nresources:\n  cpus: lots\n", "resources.cpus", "number"),
-        ("service:\n  readiness_probe: /h\nresources:\n  memory: big\n", "resources.memory", "size"),
-        ("service:\n  readiness_probe: /h\n  tls: {keyfile: k}\n", "service.tls.certfile", "required"),
+        (
+            "service:\n  readiness_probe: /h\nresources:\n  memory: big\n",
+            "resources.memory",
+            "size",
+        ),
+        (
+            "service:\n  readiness_probe: /h\n  tls: {keyfile: k}\n",
+            "service.tls.certfile",
+            "required",
+        ),
         ("service:\n  readiness_probe: /h\n  readines: 1\n", "service.readines", "unknown field"),
         ("service:\n  readiness_probe: /h\nresource: {}\n", "resource", "unknown field"),
         ("service:\n  pool: {workers: 1}\nrun: echo\n", "(top level)", "cannot have 'run'"),

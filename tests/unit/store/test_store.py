@@ -19,7 +19,14 @@ def store(tmp_path: Path) -> Store:
 
 def test_schema_is_created_by_alembic_in_wal_mode(store: Store) -> None:
     tables = set(inspect(store.engine).get_table_names())
-    assert {"services", "versions", "replicas", "events", "policy_state", "alembic_version"} <= tables
+    assert {
+        "services",
+        "versions",
+        "replicas",
+        "events",
+        "policy_state",
+        "alembic_version",
+    } <= tables
     with store.engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0001"
