@@ -13,7 +13,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fleetserve import __version__
+from fleetserve._version import __version__
 from fleetserve.api.models import (
     CreateService,
     ErrorResponse,
