@@ -227,3 +227,26 @@ def test_bad_input_gets_a_clear_error_and_exit_code(fleet: Fleet) -> None:
     assert proc.returncode == 3 and "does not exist" in proc.stderr
     proc = fleet.cli("down", check=False)
     assert proc.returncode == 2 and "--all" in proc.stderr
+
+
+def test_bad_api_payloads_get_clear_422s_and_the_controller_carries_on(fleet: Fleet) -> None:
+    fleet.cli("server", "start")
+    api = f"http://127.0.0.1:{fleet.env['FLEETSERVE_API_PORT']}/api/v1"
+    cases: list[tuple[bytes, str]] = [
+        (b'{"yaml": 5}', "yaml"),
+        (b'{"yaml": "service: ["}', "not valid YAML"),
+        (b'{"yaml": "service:\\n  readiness_probe: /h\\n", "bogus": 1}', "bogus"),
+        (b"not json at all", "invalid request"),
+        (b'{"yaml": "service:\\n  readiness_probe: /h\\n"}', "run: a service needs a `run`"),
+    ]
+    for body, words in cases:
+        req = urllib.request.Request(
+            f"{api}/services", data=body, headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 422
+        payload = json.loads(e.value.read())
+        assert words in payload["error"]["message"], payload
+    assert get(f"{api}/health")["ok"]
+    assert "openapi" in get(f"http://127.0.0.1:{fleet.env['FLEETSERVE_API_PORT']}/openapi.json")

@@ -208,3 +208,16 @@ async def test_admin_push_replaces_the_set_and_rejects_bad_payloads(start: Start
         assert set(replicas.upstreams) == {3}  # a bad push changes nothing
         async with s.get(url) as r:
             assert (await r.json())["replicas"][0]["replica_id"] == 3
+
+
+async def test_a_malformed_request_gets_a_400_and_the_lb_carries_on(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    host, port = lb.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\nBad Header Line\r\n\r\n")
+    status_line = await asyncio.wait_for(reader.readline(), 5)
+    writer.close()
+    assert b" 400 " in status_line, status_line
+    async with aiohttp.ClientSession() as s, s.get(f"{lb}/after") as r:
+        assert r.status == 200
