@@ -133,6 +133,8 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
             "FLEETSERVE_TERMINATE_GRACE": "3",
             "FLEETSERVE_PROBE_INTERVAL": "1",
             "NO_COLOR": "1",
+            # Replicas that run `python3` get this environment's interpreter and packages.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         }
     )
     f = Fleet(home=home, env=env, workdir=workdir)

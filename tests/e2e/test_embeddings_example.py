@@ -1,0 +1,51 @@
+"""The real model server of examples/embeddings behind fleetserve (needs the embeddings extra,
+which scripts/test.sh installs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Fleet, endpoint_of
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "embeddings" / "service.yaml"
+
+
+def embed(endpoint: str, inputs: list[str]) -> dict[str, object]:
+    req = urllib.request.Request(
+        f"{endpoint}/v1/embeddings",
+        data=json.dumps({"input": inputs}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_embeddings_served_through_the_fleet(fleet: Fleet) -> None:
+    out = fleet.cli("up", str(EXAMPLE), timeout=300)
+    endpoint = endpoint_of(out.stdout)
+    body = embed(endpoint, ["a cat sat on the mat", "a kitten rested on the rug", "car insurance"])
+    vectors = [d["embedding"] for d in body["data"]]  # type: ignore[attr-defined]
+    assert [len(v) for v in vectors] == [384, 384, 384]
+    assert all(abs(math.fsum(x * x for x in v) - 1) < 1e-3 for v in vectors)  # normalised
+
+    def cos(a: list[float], b: list[float]) -> float:
+        return math.fsum(x * y for x, y in zip(a, b, strict=True))
+
+    assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2]) + 0.3
+
+    fleet.wait_for(
+        "both replicas READY",
+        lambda: sum(r.status == "READY" for r in fleet.client().service("embeddings").replicas) == 2,
+        timeout=120,
+    )
+    served = Counter(str(embed(endpoint, ["hello"])["replica"]) for _ in range(6))
+    assert set(served) == {"1", "2"}
+    fleet.cli("down", "embeddings")
