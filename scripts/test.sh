@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install the project with its dev tools and the embeddings example's extra in ./.venv, then run lint, types, the import-layer
-# contract and the whole test suite. Extra arguments go to pytest.
+# Install the project, its dev tools and the embeddings example's extra in ./.venv, then run
+# lint, types, the import-layer contract and the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
