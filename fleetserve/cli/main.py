@@ -92,7 +92,6 @@ def up(
         raise _fail(e) from None
     out.print(f"Service [bold]{svc.name}[/] is READY.")
     out.print(f"Endpoint: {svc.endpoint}", highlight=False)
-    print(f"curl {svc.endpoint}/", file=sys.stderr)
 
 
 @app.command()
