@@ -242,4 +242,8 @@ def server_status() -> None:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except FleetserveError as e:  # raised outside a command's own handling (settings, say)
+        err.print(f"[red]Error:[/] {e.message}", highlight=False)
+        sys.exit(e.exit_code)

@@ -76,7 +76,11 @@ class Executor:
         if self.busy(rec.replica_id):
             return
         rec = self.store.update_replica(
-            rec, self.clock.now(), status=ReplicaStatus.PROVISIONING, launched_at=self.clock.now()
+            rec,
+            self.clock.now(),
+            f"launching on the {self.infra.name} infra (setup, then run)",
+            status=ReplicaStatus.PROVISIONING,
+            launched_at=self.clock.now(),
         )
         task = asyncio.create_task(self._launch(rec, spec), name=f"launch-{rec.replica_id}")
         self.launches[rec.replica_id] = task
@@ -106,6 +110,7 @@ class Executor:
         self.store.update_replica(
             rec,
             self.clock.now(),
+            f"run started at {launched.endpoint}; waiting for the readiness probe",
             status=ReplicaStatus.STARTING,
             handle=launched.handle,
             endpoint=launched.endpoint,

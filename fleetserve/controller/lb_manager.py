@@ -80,6 +80,7 @@ class LbManager:
         raise TerminalError("no free port for a load balancer")
 
     def is_running(self, svc: ServiceRecord) -> bool:
+        self.reap()  # an LB this controller started and that died is a zombie until reaped
         return process_matches(svc.lb_pid, svc.lb_create_time)
 
     async def start(self, svc: ServiceRecord, port: int, policy: str) -> tuple[int, float, int]:

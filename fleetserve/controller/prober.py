@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import httpx
 
@@ -46,14 +47,25 @@ class Prober:
         self._last_start: dict[int, float] = {}
 
     def maybe_start(
-        self, replica_id: int, endpoint: str, probe: ReadinessProbe, now: float, interval: float
+        self,
+        replica_id: int,
+        endpoint: str,
+        probe: ReadinessProbe,
+        now: float,
+        interval: float,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
+        """Start a probe if none runs and the last one started `interval` seconds ago or more;
+        `on_done` is called when it finishes (the reconciler wakes to act on the result)."""
         if replica_id in self._tasks:
             return
         if now - self._last_start.get(replica_id, float("-inf")) < interval:
             return
         self._last_start[replica_id] = now
-        self._tasks[replica_id] = asyncio.create_task(probe_once(self.client, endpoint, probe))
+        task = asyncio.create_task(probe_once(self.client, endpoint, probe))
+        if on_done is not None:
+            task.add_done_callback(lambda _t: on_done())
+        self._tasks[replica_id] = task
 
     def take(self, replica_id: int) -> ProbeResult | None:
         task = self._tasks.get(replica_id)

@@ -189,7 +189,9 @@ class ServiceReconciler:
                     if r.status is ReplicaStatus.STARTING
                     else self.settings.probe_interval
                 )
-                self.prober.maybe_start(r.replica_id, r.endpoint, probe, now, interval)
+                self.prober.maybe_start(
+                    r.replica_id, r.endpoint, probe, now, interval, on_done=self.wake.set
+                )
             out[r.replica_id] = Observation(instance=inst, probe=result)
         return out
 
@@ -205,7 +207,12 @@ class ServiceReconciler:
             if isinstance(action, SetStatus):
                 rec = by_id[action.replica_id]
                 self.store.update_replica(
-                    rec, now, status=action.status, reason=action.reason, **action.fields
+                    rec,
+                    now,
+                    action.message,
+                    status=action.status,
+                    reason=action.reason,
+                    **action.fields,
                 )
             elif isinstance(action, Terminate):
                 self.prober.forget(action.replica_id)

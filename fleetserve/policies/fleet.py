@@ -54,6 +54,7 @@ class SetStatus:
     status: ReplicaStatus
     reason: str | None
     fields: Mapping[str, Any] = field(default_factory=dict)
+    message: str | None = None  # what the event says, when `reason` is empty
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,13 @@ def _lifecycle(
         return None
     if r.status is ReplicaStatus.STARTING:
         if probe.ok:
-            return SetStatus(r.replica_id, ReplicaStatus.READY, None, {"first_ready_at": now})
+            return SetStatus(
+                r.replica_id,
+                ReplicaStatus.READY,
+                None,
+                {"first_ready_at": now},
+                f"readiness probe passed: {probe.detail}",
+            )
         launched = r.launched_at if r.launched_at is not None else r.created_at
         if now - launched >= s.initial_delay_seconds:
             return Terminate(
@@ -132,7 +139,13 @@ def _lifecycle(
         )
     # NOT_READY
     if probe.ok:
-        return SetStatus(r.replica_id, ReplicaStatus.READY, None, {"probe_failing_since": None})
+        return SetStatus(
+            r.replica_id,
+            ReplicaStatus.READY,
+            None,
+            {"probe_failing_since": None},
+            f"readiness probe passes again: {probe.detail}",
+        )
     since = r.probe_failing_since if r.probe_failing_since is not None else now
     if now - since >= s.failure_window_seconds:
         return Terminate(

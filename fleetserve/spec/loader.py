@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,15 @@ import yaml
 from pydantic import ValidationError
 
 from fleetserve.core.errors import InvalidSpec
-from fleetserve.spec.models import ServiceTask
+from fleetserve.spec.models import (
+    Pool,
+    ReadinessProbe,
+    ReplicaPolicy,
+    Resources,
+    ServiceSection,
+    ServiceTask,
+    Tls,
+)
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -38,6 +47,18 @@ def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return tuple(kept)
 
 
+def _known_fields() -> set[str]:
+    names: set[str] = set()
+    for model in (ServiceTask, ServiceSection, ReadinessProbe, ReplicaPolicy, Resources, Pool, Tls):
+        names |= set(model.model_fields)
+    return names
+
+
+def _suggestion(name: str) -> str:
+    close = difflib.get_close_matches(name, sorted(_known_fields()), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def format_validation_error(err: ValidationError) -> list[str]:
     """One line per problem: `field.path: what is wrong`. Union noise is folded together."""
     lines: list[str] = []
@@ -46,7 +67,7 @@ def format_validation_error(err: ValidationError) -> list[str]:
         loc = _clean_loc(tuple(e["loc"]))
         where = _format_loc(loc)
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + _suggestion(str(loc[-1]) if loc else "")
         elif e["type"] == "missing":
             msg = "field required"
         else:

@@ -43,7 +43,9 @@ def test_embeddings_served_through_the_fleet(fleet: Fleet) -> None:
 
     fleet.wait_for(
         "both replicas READY",
-        lambda: sum(r.status == "READY" for r in fleet.client().service("embeddings").replicas) == 2,
+        lambda: (
+            sum(r.status == "READY" for r in fleet.client().service("embeddings").replicas) == 2
+        ),
         timeout=120,
     )
     served = Counter(str(embed(endpoint, ["hello"])["replica"]) for _ in range(6))

@@ -250,3 +250,22 @@ def test_bad_api_payloads_get_clear_422s_and_the_controller_carries_on(fleet: Fl
         assert words in payload["error"]["message"], payload
     assert get(f"{api}/health")["ok"]
     assert "openapi" in get(f"http://127.0.0.1:{fleet.env['FLEETSERVE_API_PORT']}/openapi.json")
+
+
+def test_a_dead_load_balancer_is_restarted_on_the_same_port(fleet: Fleet) -> None:
+    endpoint = up(fleet, "lbdies")
+    lb = next(p for p in fleet.processes() if "fleetserve.lb" in " ".join(p.cmdline()))
+    lb.kill()
+
+    def answering() -> bool:
+        try:
+            return bool(get(f"{endpoint}/again", timeout=2)["replica"])
+        except (urllib.error.URLError, OSError):
+            return False
+
+    fleet.wait_for("the endpoint to answer again", answering, timeout=20)
+    seen = Counter(get(f"{endpoint}/x")["replica"] for _ in range(10))
+    assert set(seen) == {"1", "2"}  # the new LB got the whole replica set at once
+    with fleet.client() as c:
+        events = [e.message for e in c.events("lbdies")]
+    assert "load balancer not running: restarting it" in events

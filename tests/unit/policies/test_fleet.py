@@ -63,7 +63,9 @@ def test_pending_replicas_start_within_the_launch_limit() -> None:
 
 def test_starting_replica_becomes_ready_on_a_passing_probe() -> None:
     plan = plan_fleet([rep(1, R.STARTING)], {1: OK}, settings(target_replicas=1), T0 + 5)
-    assert plan.actions == [SetStatus(1, R.READY, None, {"first_ready_at": T0 + 5})]
+    assert plan.actions == [
+        SetStatus(1, R.READY, None, {"first_ready_at": T0 + 5}, "readiness probe passed: 200")
+    ]
 
 
 def test_initial_delay_counts_from_launch() -> None:
@@ -98,7 +100,11 @@ def test_ready_replica_failing_a_probe_is_not_ready_then_failed_after_the_window
 def test_not_ready_recovers_on_a_passing_probe() -> None:
     not_ready = rep(1, R.NOT_READY, probe_failing_since=T0)
     plan = plan_fleet([not_ready], {1: OK}, settings(target_replicas=1), T0 + 10)
-    assert plan.actions == [SetStatus(1, R.READY, None, {"probe_failing_since": None})]
+    assert plan.actions == [
+        SetStatus(
+            1, R.READY, None, {"probe_failing_since": None}, "readiness probe passes again: 200"
+        )
+    ]
 
 
 def test_exited_replica_is_failed_with_its_code_and_replaced() -> None:

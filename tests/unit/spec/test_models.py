@@ -177,7 +177,11 @@ def test_autoscaling_defaults() -> None:
             "service.tls.certfile",
             "required",
         ),
-        ("service:\n  readiness_probe: /h\n  readines: 1\n", "service.readines", "unknown field"),
+        (
+            "service:\n  readiness_probe: /h\n  replica_polcy: 1\n",
+            "service.replica_polcy",
+            "unknown field (did you mean 'replica_policy'?)",
+        ),
         ("service:\n  readiness_probe: /h\nresource: {}\n", "resource", "unknown field"),
         ("service:\n  pool: {workers: 1}\nrun: echo\n", "(top level)", "cannot have 'run'"),
         (
