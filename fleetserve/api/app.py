@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +23,7 @@ from fleetserve.api.models import (
 from fleetserve.controller.controller import Controller
 from fleetserve.core.errors import FleetserveError, NotFound
 from fleetserve.core.types import ReplicaRecord, ServiceRecord
+from fleetserve.infra.local import read_lines
 
 PREFIX = "/api/v1"
 _ERRORS: dict[int | str, dict[str, object]] = {
@@ -73,20 +72,6 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
             for r in replicas
         ],
     )
-
-
-async def _file_lines(path: Path, follow: bool) -> AsyncIterator[str]:
-    if not path.exists():
-        return
-    with open(path, errors="replace") as f:
-        while True:
-            line = f.readline()
-            if line:
-                yield line
-            elif follow:
-                await asyncio.sleep(0.2)
-            else:
-                return
 
 
 def create_app(controller: Controller, on_stopped: Callable[[], None] | None = None) -> FastAPI:
@@ -181,6 +166,6 @@ def create_app(controller: Controller, on_stopped: Callable[[], None] | None = N
         if which not in ("controller", "load-balancer"):
             raise NotFound(f"no log called {which!r}: use controller or load-balancer")
         path = ctl.log_file(which, service)
-        return StreamingResponse(_file_lines(path, follow), media_type="text/plain")
+        return StreamingResponse(read_lines(path, follow), media_type="text/plain")
 
     return app

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -23,36 +22,16 @@ import psutil
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServiceRecord
-from fleetserve.infra.local import processes_where, stop_processes
+from fleetserve.infra.local import (
+    free_port,
+    port_free,
+    process_alive,
+    processes_where,
+    stop_processes,
+)
 
 log = logging.getLogger("fleetserve.controller")
 LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def process_matches(pid: int | None, create_time: float | None) -> bool:
-    if pid is None or create_time is None:
-        return False
-    try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - create_time) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
 
 
 @dataclass
@@ -74,20 +53,20 @@ class LbManager:
     def pick_port(self, taken: set[int]) -> int:
         port = self.settings.lb_port_start
         while port < 65535:
-            if port not in taken and _port_free(port):
+            if port not in taken and port_free(port):
                 return port
             port += 1
         raise TerminalError("no free port for a load balancer")
 
     def is_running(self, svc: ServiceRecord) -> bool:
         self.reap()  # an LB this controller started and that died is a zombie until reaped
-        return process_matches(svc.lb_pid, svc.lb_create_time)
+        return process_alive(svc.lb_pid, svc.lb_create_time)
 
     async def start(self, svc: ServiceRecord, port: int, policy: str) -> tuple[int, float, int]:
         """Start the LB process; returns (pid, create_time, admin_port) once it answers."""
-        if not _port_free(port):
+        if not port_free(port):
             raise TerminalError(f"load balancer port {port} is in use by another program")
-        admin_port = _free_port()
+        admin_port = free_port()
         os.makedirs(os.path.dirname(self.log_path(svc.name)), exist_ok=True)
         env = dict(os.environ)
         env[LB_SERVICE_ENV] = svc.name
@@ -161,11 +140,11 @@ class LbManager:
         return True
 
     async def stop(self, service: str, pid: int | None, create_time: float | None) -> None:
-        if pid is not None and process_matches(pid, create_time):
+        if pid is not None and process_alive(pid, create_time):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             for _ in range(50):
-                if not process_matches(pid, create_time):
+                if not process_alive(pid, create_time):
                     break
                 await asyncio.sleep(0.1)
             else:

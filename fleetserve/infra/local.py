@@ -76,8 +76,10 @@ class LocalHandle:
         )
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a listener could bind 127.0.0.1:`port` now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -94,6 +96,10 @@ def free_port(avoid: set[int] | None = None) -> int:
         if not avoid or port not in avoid:
             return port
     raise TerminalError("could not find a free port")
+
+
+def process_alive(pid: int | None, create_time: float | None) -> bool:
+    return pid is not None and create_time is not None and _process(pid, create_time) is not None
 
 
 def _process(pid: int, create_time: float) -> psutil.Process | None:
@@ -212,7 +218,7 @@ class LocalInfra:
 
     def _pick_port(self, req: LaunchRequest) -> int:
         if req.port is not None:
-            if not _port_free(req.port):
+            if not port_free(req.port):
                 raise TerminalError(
                     f"port {req.port} (fixed by the spec) is already in use on this machine"
                 )
@@ -335,18 +341,22 @@ class LocalInfra:
             await asyncio.to_thread(stop_processes, procs, self.grace_seconds)
         return len(procs)
 
-    async def logs(self, service: str, replica_id: int, follow: bool) -> AsyncIterator[str]:
-        path = self.log_path(service, replica_id)
-        while follow and not path.exists():
-            await asyncio.sleep(0.5)
-        if not path.exists():
-            return
-        with open(path, errors="replace") as f:
-            while True:
-                line = f.readline()
-                if line:
-                    yield line
-                elif follow:
-                    await asyncio.sleep(0.2)
-                else:
-                    return
+    def logs(self, service: str, replica_id: int, follow: bool) -> AsyncIterator[str]:
+        return read_lines(self.log_path(service, replica_id), follow)
+
+
+async def read_lines(path: Path, follow: bool) -> AsyncIterator[str]:
+    """The lines of a log file; with `follow`, wait for it and keep reading as it grows."""
+    while follow and not path.exists():
+        await asyncio.sleep(0.5)
+    if not path.exists():
+        return
+    with open(path, errors="replace") as f:
+        while True:
+            line = f.readline()
+            if line:
+                yield line
+            elif follow:
+                await asyncio.sleep(0.2)
+            else:
+                return
