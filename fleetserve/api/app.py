@@ -48,7 +48,11 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
     return ServiceInfo(
         name=svc.name,
         status=ctl.status_of(svc, replicas).value,
-        endpoint=f"http://127.0.0.1:{svc.lb_port}" if svc.lb_port and svc.lb_pid else None,
+        endpoint=(
+            f"{'https' if spec.service.tls else 'http'}://127.0.0.1:{svc.lb_port}"
+            if svc.lb_port and svc.lb_pid
+            else None
+        ),
         active_version=svc.active_version,
         created_at=svc.created_at,
         failure_reason=svc.failure_reason,
@@ -153,6 +157,17 @@ def create_app(controller: Controller, on_stopped: Callable[[], None] | None = N
     async def terminate_replica(name: str, replica_id: int, purge: bool = False) -> dict[str, str]:
         ctl.terminate_replica(name, replica_id, purge)
         return {"status": "terminating"}
+
+    @app.post(f"{PREFIX}/services/{{name}}/wake", status_code=202, responses=_ERRORS)
+    async def wake(name: str) -> dict[str, str]:
+        """Called by the load balancer when it holds a request and no replica is ready."""
+        ctl.wake(name)
+        return {"status": "waking"}
+
+    @app.get(f"{PREFIX}/services/{{name}}/load", responses=_ERRORS)
+    async def load(name: str) -> dict[str, object]:
+        """The load balancer's latest load report (request rates, in-flight per replica)."""
+        return {"service": name, "report": ctl.load_report(name)}
 
     @app.get(f"{PREFIX}/services/{{name}}/replicas/{{replica_id}}/logs", responses=_ERRORS)
     async def replica_logs(name: str, replica_id: int, follow: bool = False) -> StreamingResponse:

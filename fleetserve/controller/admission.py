@@ -35,8 +35,6 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
         raise InvalidSpec(
             f"num_nodes: multi-node replicas are not supported (got {spec.num_nodes})"
         )
-    if spec.service.tls is not None:
-        raise InvalidSpec("service.tls: TLS at the load balancer is not supported yet")
     wanted = spec.requested_infra()
     if wanted is not None and wanted.split("/")[0] not in SUPPORTED_INFRAS:
         raise InvalidSpec(
@@ -75,4 +73,14 @@ def resolve_paths(spec: ServiceTask, base_dir: Path) -> ServiceTask:
         mounts[dest] = str(path)
     if mounts:
         changes["file_mounts"] = mounts
+    tls = spec.service.tls
+    if tls is not None:
+        paths = {}
+        for field in ("keyfile", "certfile"):
+            path = (base_dir / Path(getattr(tls, field)).expanduser()).resolve()
+            if not path.is_file():
+                raise InvalidSpec(f"service.tls.{field}: {path} is not a file")
+            paths[field] = str(path)
+        service = spec.service.model_copy(update={"tls": tls.model_copy(update=paths)})
+        changes["service"] = service
     return spec.model_copy(update=changes) if changes else spec

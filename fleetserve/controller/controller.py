@@ -130,6 +130,18 @@ class Controller:
         reconciler.executor.terminate(rec, rec.status, "terminated by user", delete_row=True)
         reconciler.wake.set()
 
+    def wake(self, name: str) -> None:
+        """The load balancer holds a request and no replica is ready: scale up from zero now."""
+        self.store.service(name)
+        reconciler = self._run(name)
+        reconciler.record_demand(self.clock.now())
+        reconciler.wake.set()
+
+    def load_report(self, name: str) -> dict[str, object] | None:
+        self.store.service(name)
+        rec = self.reconcilers.get(name)
+        return None if rec is None else rec.load
+
     # -- views -----------------------------------------------------------------------------
 
     def spec_of(self, svc: ServiceRecord) -> ServiceTask:

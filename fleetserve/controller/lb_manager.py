@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -23,12 +25,12 @@ from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServiceRecord
 from fleetserve.infra.local import (
-    free_port,
     port_free,
     process_alive,
     processes_where,
     stop_processes,
 )
+from fleetserve.lb.config import LbConfig
 
 log = logging.getLogger("fleetserve.controller")
 LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
@@ -36,7 +38,7 @@ LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
 
 @dataclass
 class LbState:
-    pushed: tuple[tuple[int, str, int], ...] | None = None
+    pushed: tuple[tuple[int, str, int, float], ...] | None = None
     pushed_at: float = 0.0
     children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -62,12 +64,15 @@ class LbManager:
         self.reap()  # an LB this controller started and that died is a zombie until reaped
         return process_alive(svc.lb_pid, svc.lb_create_time)
 
-    async def start(self, svc: ServiceRecord, port: int, policy: str) -> tuple[int, float, int]:
-        """Start the LB process; returns (pid, create_time, admin_port) once it answers."""
-        if not port_free(port):
-            raise TerminalError(f"load balancer port {port} is in use by another program")
-        admin_port = free_port()
+    def config_path(self, service: str) -> Path:
+        return self.settings.home / "lb" / f"{service}.json"
+
+    async def start(self, svc: ServiceRecord, config: LbConfig) -> tuple[int, float]:
+        """Start the LB process with `config`; returns (pid, create_time) once it answers."""
+        if not port_free(config.port):
+            raise TerminalError(f"load balancer port {config.port} is in use by another program")
         os.makedirs(os.path.dirname(self.log_path(svc.name)), exist_ok=True)
+        config.write(self.config_path(svc.name))
         env = dict(os.environ)
         env[LB_SERVICE_ENV] = svc.name
         env["FLEETSERVE_HOME"] = str(self.settings.home)
@@ -77,14 +82,8 @@ class LbManager:
                     sys.executable,
                     "-m",
                     "fleetserve.lb",
-                    "--service",
-                    svc.name,
-                    "--port",
-                    str(port),
-                    "--admin-port",
-                    str(admin_port),
-                    "--policy",
-                    policy,
+                    "--config",
+                    str(self.config_path(svc.name)),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -101,10 +100,12 @@ class LbManager:
                     f"(see `fleetserve logs {svc.name} --load-balancer`)"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                r = await self.client.get(f"http://127.0.0.1:{admin_port}/-/health", timeout=1)
+                r = await self.client.get(
+                    f"http://127.0.0.1:{config.admin_port}/-/health", timeout=1
+                )
                 if r.status_code == 200:
                     self._state[svc.name].pushed = None  # a new process knows no replicas yet
-                    return proc.pid, create_time, admin_port
+                    return proc.pid, create_time
             await asyncio.sleep(0.1)
         await self.stop(svc.name, proc.pid, create_time)
         raise TerminalError("load balancer did not answer within 10 s of its start")
@@ -114,13 +115,14 @@ class LbManager:
     ) -> bool:
         """Send the routable set if it changed (or is due again); False if the LB is unreachable."""
         state = self._state.setdefault(svc.name, LbState())
-        key = tuple((e.replica_id, e.url, e.version) for e in endpoints)
+        key = tuple((e.replica_id, e.url, e.version, e.weight) for e in endpoints)
         due = now - state.pushed_at >= self.settings.lb_repush_interval
         if not force and key == state.pushed and not due:
             return True
         body = {
             "replicas": [
-                {"replica_id": e.replica_id, "url": e.url, "version": e.version} for e in endpoints
+                {"replica_id": e.replica_id, "url": e.url, "version": e.version, "weight": e.weight}
+                for e in endpoints
             ]
         }
         try:
@@ -139,6 +141,15 @@ class LbManager:
         state.pushed, state.pushed_at = key, now
         return True
 
+    async def load(self, svc: ServiceRecord) -> dict[str, Any] | None:
+        """The LB's load report (request rates, in-flight per replica), or None."""
+        try:
+            r = await self.client.get(f"http://127.0.0.1:{svc.lb_admin_port}/-/load", timeout=2)
+            r.raise_for_status()
+            return dict(r.json())
+        except (httpx.HTTPError, ValueError):
+            return None
+
     async def stop(self, service: str, pid: int | None, create_time: float | None) -> None:
         if pid is not None and process_alive(pid, create_time):
             with contextlib.suppress(ProcessLookupError):
@@ -150,6 +161,7 @@ class LbManager:
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        self.config_path(service).unlink(missing_ok=True)
         state = self._state.pop(service, None)
         if state is not None:
             for child in state.children.values():

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from fleetserve.controller.executor import Executor, new_launch_token
 from fleetserve.controller.lb_manager import LbManager
@@ -20,6 +21,9 @@ from fleetserve.core.errors import FleetserveError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import Endpoint, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra, InstanceKind
+from fleetserve.infra.local import free_port
+from fleetserve.lb.config import LbConfig
+from fleetserve.policies.demand import fleet_target
 from fleetserve.policies.fleet import (
     Action,
     CreateReplicas,
@@ -34,12 +38,32 @@ from fleetserve.policies.fleet import (
     plan_shutdown,
     routable,
 )
-from fleetserve.spec.models import ServiceTask
+from fleetserve.spec.models import DEFAULT_DOWNSCALE_DELAY_SECONDS, ServiceTask
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
 
 _RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY)
+DEMAND = "demand"  # policy-state key: when the service last had a request
+
+
+def lb_config(
+    spec: ServiceTask, service: str, port: int, admin_port: int, api_port: int
+) -> LbConfig:
+    """What a service's load balancer needs from its spec."""
+    lo, _hi = spec.service.replica_bounds()
+    tls = spec.service.tls
+    return LbConfig(
+        service=service,
+        port=port,
+        admin_port=admin_port,
+        policy=spec.service.load_balancing_policy,
+        options=spec.service.load_balancer,
+        tls_certfile=tls.certfile if tls else None,
+        tls_keyfile=tls.keyfile if tls else None,
+        hold_when_empty=lo == 0,
+        wake_url=f"http://127.0.0.1:{api_port}/api/v1/services/{service}/wake",
+    )
 
 
 class ServiceReconciler:
@@ -64,6 +88,8 @@ class ServiceReconciler:
         self.executor = Executor(name, store, infra, clock, settings.home, self.wake.set)
         self.finished = asyncio.Event()
         self._specs: dict[int, ServiceTask] = {}
+        self.load: dict[str, Any] | None = None  # the LB's latest load report
+        self._seen_requests = 0
 
     def spec(self, version: int) -> ServiceTask:
         if version not in self._specs:
@@ -145,8 +171,11 @@ class ServiceReconciler:
         observations = await self._observe(replicas, spec)
         lo, _hi = spec.service.replica_bounds()
         probe = spec.service.readiness_probe
+        await self._observe_load(svc)
         settings = FleetSettings(
-            target_replicas=lo,
+            target_replicas=fleet_target(
+                lo, self.last_request_at, self.clock.now(), self._idle_seconds(spec)
+            ),
             version=svc.active_version,
             initial_delay_seconds=probe.initial_delay_seconds if probe else 0,
             failure_window_seconds=self.settings.failure_window,
@@ -163,6 +192,33 @@ class ServiceReconciler:
                 self.store.add_event(self.name, self.clock.now(), "service", plan.failure_reason)
         await self._push(svc)
         return False
+
+    def _idle_seconds(self, spec: ServiceTask) -> float:
+        policy = spec.service.replica_policy
+        return policy.downscale_delay_seconds if policy else DEFAULT_DOWNSCALE_DELAY_SECONDS
+
+    @property
+    def last_request_at(self) -> float | None:
+        state = self.store.get_policy_state(self.name, DEMAND)
+        return None if state is None else float(state["last_request_at"])
+
+    def record_demand(self, now: float) -> None:
+        """A request came (or waits): persisted, at most every few seconds under traffic."""
+        last = self.last_request_at
+        if last is None or now - last >= 5.0:
+            self.store.put_policy_state(self.name, DEMAND, {"last_request_at": now}, now)
+
+    async def _observe_load(self, svc: ServiceRecord) -> None:
+        if svc.lb_pid is None:
+            return
+        report = await self.lb.load(svc)
+        if report is None:
+            return
+        self.load = report
+        total = int(report.get("total_requests", 0))
+        if total > self._seen_requests or int(report.get("queued", 0)) > 0:
+            self.record_demand(self.clock.now())
+        self._seen_requests = total
 
     async def _observe(
         self, replicas: list[ReplicaRecord], spec: ServiceTask
@@ -248,9 +304,9 @@ class ServiceReconciler:
         taken = {s.lb_port for s in self.store.list_services() if s.lb_port and s.name != svc.name}
         try:
             port = svc.lb_port or self.lb.pick_port(taken)
-            pid, create_time, admin_port = await self.lb.start(
-                svc, port, spec.service.load_balancing_policy
-            )
+            admin_port = free_port()
+            config = lb_config(spec, svc.name, port, admin_port, self.settings.api_port)
+            pid, create_time = await self.lb.start(svc, config)
         except FleetserveError as e:
             return self.store.update_service(
                 self.name,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fleetserve.core.status import ReplicaStatus
 
@@ -86,4 +86,4 @@ class Endpoint:
     replica_id: ReplicaId
     url: str
     version: VersionId
-    labels: dict[str, str] = field(default_factory=dict)
+    weight: float = 1.0  # instance_aware_least_load: the replica's target QPS

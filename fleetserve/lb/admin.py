@@ -1,13 +1,16 @@
-"""The load balancer's admin API (loopback only): the controller pushes the replica set here."""
+"""The load balancer's admin API (loopback only): the controller pushes the replica set here
+and reads the load report; Prometheus scrapes /metrics."""
 
 from __future__ import annotations
 
 import logging
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.lb.proxy import Proxy
+from fleetserve.lb.replica_set import Upstream
 
 log = logging.getLogger("fleetserve.lb")
 
@@ -17,6 +20,7 @@ class UpstreamIn(BaseModel):
     replica_id: int
     url: str = Field(pattern=r"^https?://")
     version: int = 1
+    weight: float = Field(1.0, gt=0)
 
 
 class ReplicaPush(BaseModel):
@@ -24,14 +28,17 @@ class ReplicaPush(BaseModel):
     replicas: list[UpstreamIn]
 
 
-def make_admin_app(service: str, replicas: ReplicaSet) -> web.Application:
+def make_admin_app(proxy: Proxy) -> web.Application:
+    replicas = proxy.replicas
+    service = proxy.config.service
+
     async def put_replicas(request: web.Request) -> web.Response:
         try:
             push = ReplicaPush.model_validate_json(await request.read())
         except ValidationError as e:
             return web.json_response({"error": "invalid_payload", "message": str(e)}, status=400)
         added, removed = replicas.replace(
-            [Upstream(u.replica_id, u.url, u.version) for u in push.replicas]
+            [Upstream(u.replica_id, u.url, u.version, u.weight) for u in push.replicas]
         )
         if added or removed:
             log.info(
@@ -57,11 +64,22 @@ def make_admin_app(service: str, replicas: ReplicaSet) -> web.Application:
             }
         )
 
+    async def load(_request: web.Request) -> web.Response:
+        return web.json_response(proxy.load.report(dict(replicas.inflight), proxy.queued))
+
+    async def metrics(_request: web.Request) -> web.Response:
+        proxy.metrics.sync_inflight(replicas.inflight, set(replicas.upstreams))
+        proxy.metrics.set_queued(proxy.queued)
+        body = generate_latest(proxy.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "service": service})
 
     app = web.Application()
     app.router.add_put("/-/replicas", put_replicas)
     app.router.add_get("/-/replicas", get_replicas)
+    app.router.add_get("/-/load", load)
     app.router.add_get("/-/health", health)
+    app.router.add_get("/metrics", metrics)
     return app

@@ -1,12 +1,14 @@
-"""The routable replicas as the load balancer knows them, and their in-flight counts."""
+"""The routable replicas as the load balancer knows them, their in-flight counts and the
+queue of requests waiting for the first READY replica."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from fleetserve.policies.lb import Selector
+from fleetserve.policies.lb import NO_KEY, RequestKey, Selector
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,7 @@ class Upstream:
     replica_id: int
     url: str
     version: int
+    weight: float = 1.0  # instance_aware_least_load: the replica's target QPS
 
 
 class ReplicaSet:
@@ -22,7 +25,9 @@ class ReplicaSet:
         self.upstreams: dict[int, Upstream] = {}
         self.order: tuple[int, ...] = ()
         self.inflight: dict[int, int] = {}
+        self.weights: dict[int, float] = {}  # shared with a weighted selector
         self.generation = 0  # bumped by each push from the controller
+        self._ready = asyncio.Event()
 
     def replace(self, upstreams: list[Upstream]) -> tuple[set[int], set[int]]:
         """Install a new set; returns (added ids, removed ids). In-flight counts of replicas
@@ -32,17 +37,38 @@ class ReplicaSet:
         removed = set(self.upstreams) - set(new)
         self.upstreams = new
         self.order = tuple(sorted(new))
+        self.weights.clear()
+        self.weights.update({u.replica_id: u.weight for u in upstreams})
         self.generation += 1
+        self._signal()
         return added, removed
 
-    def pick(self, exclude: frozenset[int]) -> Upstream | None:
-        rid = self.selector.select(self.order, self.inflight, exclude)
+    def _signal(self) -> None:
+        if self.upstreams:
+            self._ready.set()
+        else:
+            self._ready.clear()
+
+    async def wait_ready(self, seconds: float) -> bool:
+        """Wait up to `seconds` for a routable replica; True if there is one."""
+        if self.upstreams:
+            return True
+        try:
+            async with asyncio.timeout(seconds):
+                await self._ready.wait()
+        except TimeoutError:
+            return False
+        return bool(self.upstreams)
+
+    def pick(self, exclude: frozenset[int], key: RequestKey = NO_KEY) -> Upstream | None:
+        rid = self.selector.select(self.order, self.inflight, exclude, key)
         return None if rid is None else self.upstreams[rid]
 
     def discard(self, replica_id: int) -> None:
         """Stop routing to a replica that refused a connection, until the next push."""
         if self.upstreams.pop(replica_id, None) is not None:
             self.order = tuple(r for r in self.order if r != replica_id)
+            self._signal()
 
     @contextmanager
     def track(self, replica_id: int) -> Iterator[None]:

@@ -1,18 +1,47 @@
 """Load-balancing selectors: pick one replica among the routable ones. Pure and small.
 
-A selector sees the candidate replica ids (in a stable order), the in-flight count of each and
-the ids to avoid (already tried for this request); it keeps its own tiny state.
+A selector sees the candidate replica ids (in a stable order), the in-flight count of each, the
+ids to avoid (already tried for this request) and what the request offers for affinity (a
+session key, a prompt prefix). Selectors that need randomness get an injected `random.Random`.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+POLICIES = (
+    "round_robin",
+    "least_load",
+    "instance_aware_least_load",
+    "power_of_two",
+    "sticky",
+    "prefix_affinity",
+)
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """What a request offers to affinity policies; both optional."""
+
+    session: str | None = None  # sticky sessions: a header or cookie value
+    prefix: str | None = None  # prefix affinity: the start of the prompt
+
+
+NO_KEY = RequestKey()
 
 
 class Selector(Protocol):
     def select(
-        self, candidates: Sequence[int], inflight: Mapping[int, int], exclude: frozenset[int]
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
     ) -> int | None: ...
 
 
@@ -23,7 +52,11 @@ class RoundRobin:
         self.next_index = 0
 
     def select(
-        self, candidates: Sequence[int], inflight: Mapping[int, int], exclude: frozenset[int]
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
     ) -> int | None:
         n = len(candidates)
         for step in range(n):
@@ -35,21 +68,27 @@ class RoundRobin:
 
 
 class LeastLoad:
-    """The replica with the fewest in-flight requests; ties go round-robin so that an idle
-    fleet still spreads its requests."""
+    """The replica with the fewest in-flight requests per unit of weight; ties go round-robin
+    so that an idle fleet still spreads its requests. With weights (per-replica target QPS,
+    from its accelerator) this is instance_aware_least_load."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: Mapping[int, float] | None = None) -> None:
         self.tie_break = 0
+        self.weights: Mapping[int, float] = weights or {}
 
     def select(
-        self, candidates: Sequence[int], inflight: Mapping[int, int], exclude: frozenset[int]
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
     ) -> int | None:
         best: list[int] = []
-        best_load = -1
+        best_load = 0.0
         for rid in candidates:
             if rid in exclude:
                 continue
-            load = inflight.get(rid, 0)
+            load = inflight.get(rid, 0) / self.weights.get(rid, 1.0)
             if not best or load < best_load:
                 best, best_load = [rid], load
             elif load == best_load:
@@ -61,14 +100,125 @@ class LeastLoad:
         return choice
 
 
-def make_selector(policy: str) -> Selector:
-    """The selector for a `load_balancing_policy` name.
+class PowerOfTwo:
+    """Two replicas at random, the less loaded of the two: near least-load balance without
+    herding onto one replica when load counts are stale."""
 
-    instance_aware_least_load falls back to least_load until per-accelerator weights arrive
-    with the load balancer issue.
-    """
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
+    ) -> int | None:
+        pool = [rid for rid in candidates if rid not in exclude]
+        if len(pool) <= 1:
+            return pool[0] if pool else None
+        a, b = self.rng.sample(pool, 2)
+        return a if inflight.get(a, 0) <= inflight.get(b, 0) else b
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """Consistent hashing: each replica owns `vnodes` points on a ring, a key goes to the
+    first point clockwise. Adding or removing a replica moves only about 1/N of the keys."""
+
+    def __init__(self, vnodes: int = 64) -> None:
+        self.vnodes = vnodes
+        self._members: tuple[int, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[int] = []
+
+    def _rebuild(self, members: Sequence[int]) -> None:
+        ring = sorted((_hash(f"{rid}#{v}"), rid) for rid in members for v in range(self.vnodes))
+        self._points = [p for p, _ in ring]
+        self._owners = [rid for _, rid in ring]
+        self._members = tuple(members)
+
+    def lookup(self, members: Sequence[int], key: str, exclude: frozenset[int]) -> int | None:
+        if tuple(members) != self._members:
+            self._rebuild(members)
+        if not self._points:
+            return None
+        start = bisect.bisect(self._points, _hash(key))
+        for i in range(len(self._points)):
+            owner = self._owners[(start + i) % len(self._points)]
+            if owner not in exclude:
+                return owner
+        return None
+
+
+class Sticky:
+    """Requests with the same session key go to the same replica (consistent hashing);
+    requests without a key are spread by least load."""
+
+    def __init__(self) -> None:
+        self.ring = HashRing()
+        self.fallback = LeastLoad()
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
+    ) -> int | None:
+        if key.session is None:
+            return self.fallback.select(candidates, inflight, exclude)
+        return self.ring.lookup(candidates, key.session, exclude)
+
+
+class PrefixAffinity:
+    """Requests whose prompts share a prefix go to the same replica (its KV cache likely holds
+    that prefix), unless that replica has `max_extra_load` more requests in flight than the
+    least loaded one: then least load wins."""
+
+    def __init__(self, max_extra_load: int = 4) -> None:
+        self.ring = HashRing()
+        self.fallback = LeastLoad()
+        self.max_extra_load = max_extra_load
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
+    ) -> int | None:
+        least = self.fallback.select(candidates, inflight, exclude)
+        if key.prefix is None or least is None:
+            return least
+        preferred = self.ring.lookup(candidates, key.prefix, exclude)
+        if preferred is None:
+            return least
+        if inflight.get(preferred, 0) - inflight.get(least, 0) >= self.max_extra_load:
+            return least
+        return preferred
+
+
+def make_selector(
+    policy: str,
+    weights: Mapping[int, float] | None = None,
+    rng: random.Random | None = None,
+    max_extra_load: int = 4,
+) -> Selector:
+    """The selector for a `load_balancing_policy` name."""
     if policy == "round_robin":
         return RoundRobin()
-    if policy in ("least_load", "instance_aware_least_load"):
+    if policy == "least_load":
         return LeastLoad()
-    raise ValueError(f"unknown load_balancing_policy {policy!r}")
+    if policy == "instance_aware_least_load":
+        return LeastLoad(weights)
+    if policy == "power_of_two":
+        return PowerOfTwo(rng)
+    if policy == "sticky":
+        return Sticky()
+    if policy == "prefix_affinity":
+        return PrefixAffinity(max_extra_load)
+    raise ValueError(f"unknown load_balancing_policy {policy!r}; use one of {', '.join(POLICIES)}")

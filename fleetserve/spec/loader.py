@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from fleetserve.core.errors import InvalidSpec
 from fleetserve.spec.models import (
+    LoadBalancerOptions,
     Pool,
     ReadinessProbe,
     ReplicaPolicy,
@@ -49,7 +50,8 @@ def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
 
 def _known_fields() -> set[str]:
     names: set[str] = set()
-    for model in (ServiceTask, ServiceSection, ReadinessProbe, ReplicaPolicy, Resources, Pool, Tls):
+    models = (ServiceTask, ServiceSection, ReadinessProbe, ReplicaPolicy, Resources, Pool, Tls)
+    for model in (*models, LoadBalancerOptions):
         names |= set(model.model_fields)
     return names
 

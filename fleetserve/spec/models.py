@@ -16,8 +16,15 @@ DEFAULT_INITIAL_DELAY_SECONDS = 1200
 DEFAULT_PROBE_TIMEOUT_SECONDS = 15
 DEFAULT_UPSCALE_DELAY_SECONDS = 300
 DEFAULT_DOWNSCALE_DELAY_SECONDS = 1200
-LB_POLICIES = ("round_robin", "least_load", "instance_aware_least_load")
-LbPolicy = Literal["round_robin", "least_load", "instance_aware_least_load"]
+# SkyServe's three policies, then fleetserve's own (documented extensions).
+LbPolicy = Literal[
+    "round_robin",
+    "least_load",
+    "instance_aware_least_load",
+    "power_of_two",
+    "sticky",
+    "prefix_affinity",
+]
 DEFAULT_LB_POLICY: LbPolicy = "least_load"
 
 _ACCELERATOR_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:\d+(\.\d+)?)?$")
@@ -115,6 +122,21 @@ class Tls(_Strict):
     certfile: str
 
 
+class LoadBalancerOptions(_Strict):
+    """`service.load_balancer`: fleetserve's extension to the YAML (SkyServe has none)."""
+
+    session_header: str | None = "X-Session-Id"  # sticky: the header that names a session
+    session_cookie: str | None = None  # sticky: or a cookie
+    prefix_chars: Annotated[int, Field(ge=1, le=100_000)] = 256  # prefix_affinity key length
+    max_extra_load: Annotated[int, Field(ge=1)] = 4  # prefix_affinity: then least load wins
+    connect_timeout_seconds: Annotated[float, Field(gt=0)] = 5.0
+    read_timeout_seconds: Annotated[float, Field(gt=0)] = 600.0  # idle time between bytes
+    max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    queue_size: Annotated[int, Field(ge=0)] = 256  # requests held while no replica is ready
+    queue_timeout_seconds: Annotated[float, Field(ge=0)] = 300.0
+    api_keys: list[Annotated[str, Field(min_length=16)]] = Field(default_factory=list, repr=False)
+
+
 class Pool(_Strict):
     workers: Annotated[int, Field(ge=0)] | None = None
     min_workers: Annotated[int, Field(ge=0)] | None = None
@@ -155,6 +177,7 @@ class ServiceSection(_Strict):
     load_balancing_policy: LbPolicy = DEFAULT_LB_POLICY
     tls: Tls | None = None
     pool: Pool | None = None
+    load_balancer: LoadBalancerOptions = Field(default_factory=LoadBalancerOptions)
 
     @field_validator("readiness_probe", mode="before")
     @classmethod

@@ -12,9 +12,11 @@ import pytest
 from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
+from fleetserve.lb.config import LbConfig
 from fleetserve.lb.proxy import Proxy, make_app
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.lb import make_selector
+from fleetserve.spec.models import LoadBalancerOptions
 
 Start = Callable[[web.Application], Awaitable[int]]
 
@@ -69,11 +71,34 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def make_lb(start: Start, policy: str, upstreams: list[Upstream]) -> tuple[str, ReplicaSet]:
-    replicas = ReplicaSet(make_selector(policy))
+def config(policy: str = "least_load", **options: Any) -> LbConfig:
+    hold = options.pop("hold_when_empty", False)
+    return LbConfig(
+        service="svc",
+        port=0,
+        admin_port=0,
+        policy=policy,  # type: ignore[arg-type]
+        options=LoadBalancerOptions(**options),
+        hold_when_empty=hold,
+    )
+
+
+async def make_lb(
+    start: Start, policy: str, upstreams: list[Upstream], **options: Any
+) -> tuple[str, ReplicaSet]:
+    lb, replicas, _ = await make_lb_proxy(start, policy, upstreams, **options)
+    return lb, replicas
+
+
+async def make_lb_proxy(
+    start: Start, policy: str, upstreams: list[Upstream], **options: Any
+) -> tuple[str, ReplicaSet, Proxy]:
+    replicas = ReplicaSet(make_selector("least_load"))
+    replicas.selector = make_selector(policy, weights=replicas.weights)
     replicas.replace(upstreams)
-    port = await start(make_app(Proxy("svc", replicas)))
-    return f"http://127.0.0.1:{port}", replicas
+    proxy = Proxy(config(policy, **options), replicas)
+    port = await start(make_app(proxy))
+    return f"http://127.0.0.1:{port}", replicas, proxy
 
 
 async def test_round_robin_reaches_every_replica_and_all_methods_pass(start: Start) -> None:
@@ -192,7 +217,7 @@ async def test_client_disconnect_cancels_upstream_and_releases_in_flight(start: 
 
 async def test_admin_push_replaces_the_set_and_rejects_bad_payloads(start: Start) -> None:
     replicas = ReplicaSet(make_selector("least_load"))
-    port = await start(make_admin_app("svc", replicas))
+    port = await start(make_admin_app(Proxy(config(), replicas)))
     url = f"http://127.0.0.1:{port}/-/replicas"
     async with aiohttp.ClientSession() as s:
         async with s.put(

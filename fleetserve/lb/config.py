@@ -1,0 +1,37 @@
+"""What the controller hands a load-balancer process: one JSON file (mode 0600, as it may hold
+API keys), read once at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleetserve.spec.models import LbPolicy, LoadBalancerOptions
+
+
+class LbConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    service: str
+    host: str = "127.0.0.1"
+    port: int
+    admin_port: int
+    policy: LbPolicy = "least_load"
+    options: LoadBalancerOptions = Field(default_factory=LoadBalancerOptions)
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    hold_when_empty: bool = False  # min_replicas 0: hold requests until a replica is READY
+    wake_url: str | None = None  # POSTed (at most once a second) when a request is held
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.touch(mode=0o600)
+        tmp.chmod(0o600)
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def read(cls, path: Path) -> LbConfig:
+        return cls.model_validate_json(path.read_text())

@@ -1,0 +1,122 @@
+"""The load balancer's signals: Prometheus metrics and the load report for autoscaling.
+
+The load report is bounded whatever the traffic: per replica, request counts in one-second
+buckets over a sliding window (never a list of timestamps, unlike SkyServe's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, service: str, policy: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["service", "policy", "replica"]
+        self.requests = Counter(
+            "fleetserve_lb_requests",
+            "Requests answered, by replica and status code (replica 'none': answered by the LB).",
+            [*labels, "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "fleetserve_lb_request_duration_seconds",
+            "Time from request to the end of the response.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "fleetserve_lb_inflight_requests",
+            "Requests in flight to each replica.",
+            labels,
+            registry=self.registry,
+        )
+        self.upstream_errors = Counter(
+            "fleetserve_lb_upstream_errors",
+            "Failures talking to a replica (refused, reset, timeout).",
+            [*labels, "kind"],
+            registry=self.registry,
+        )
+        self.queued = Gauge(
+            "fleetserve_lb_queued_requests",
+            "Requests held while no replica is ready.",
+            ["service"],
+            registry=self.registry,
+        )
+        self.service = service
+        self.policy = policy
+
+    def done(self, replica: str, code: int, seconds: float) -> None:
+        self.requests.labels(self.service, self.policy, replica, str(code)).inc()
+        self.latency.labels(self.service, self.policy, replica).observe(seconds)
+
+    def error(self, replica: str, kind: str) -> None:
+        self.upstream_errors.labels(self.service, self.policy, replica, kind).inc()
+
+    def sync_inflight(self, inflight: dict[int, int], routable: set[int]) -> None:
+        """Set the in-flight gauges from the live counts (at scrape time, off the hot path)."""
+        self.inflight.clear()
+        for rid in routable | set(inflight):
+            self.inflight.labels(self.service, self.policy, str(rid)).set(inflight.get(rid, 0))
+
+    def set_queued(self, value: int) -> None:
+        self.queued.labels(self.service).set(value)
+
+
+@dataclass
+class _Buckets:
+    counts: deque[tuple[int, int]] = field(default_factory=deque)  # (second, count)
+
+    def add(self, second: int) -> None:
+        if self.counts and self.counts[-1][0] == second:
+            self.counts[-1] = (second, self.counts[-1][1] + 1)
+        else:
+            self.counts.append((second, 1))
+
+    def total(self, since: int) -> int:
+        while self.counts and self.counts[0][0] < since:
+            self.counts.popleft()
+        return sum(c for _, c in self.counts)
+
+
+class LoadTracker:
+    """Request counts per replica (and for requests no replica took) over a sliding window."""
+
+    def __init__(self, window_seconds: int = 60, clock: Callable[[], float] = time.time) -> None:
+        self.window = window_seconds
+        self.clock = clock
+        self._per_key: dict[str, _Buckets] = {}
+        self.total = 0
+
+    def record(self, key: str) -> None:
+        self._per_key.setdefault(key, _Buckets()).add(int(self.clock()))
+        self.total += 1
+
+    def report(self, inflight: dict[int, int], queued: int) -> dict[str, object]:
+        now = int(self.clock())
+        since = now - self.window + 1
+        rates = {k: b.total(since) / self.window for k, b in self._per_key.items()}
+        for k in [k for k, b in self._per_key.items() if not b.counts]:
+            del self._per_key[k]
+        return {
+            "at": self.clock(),
+            "window_seconds": self.window,
+            "requests_per_second": sum(rates.values()),
+            "total_requests": self.total,
+            "queued": queued,
+            "replicas": {
+                str(rid): {
+                    "inflight": inflight.get(rid, 0),
+                    "requests_per_second": rates.get(str(rid), 0.0),
+                }
+                for rid in sorted(set(inflight) | {int(k) for k in rates if k.isdigit()})
+            },
+        }

@@ -1,0 +1,233 @@
+"""Load-balancer features on real loopback sockets: affinity policies, WebSocket, API keys,
+TLS, holding requests while scaling from zero, timeouts, metrics and the load report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import trustme
+from aiohttp import web
+
+from fleetserve.lb.admin import make_admin_app
+from fleetserve.lb.config import LbConfig
+from fleetserve.lb.proxy import Proxy, make_app, prompt_prefix
+from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.policies.lb import make_selector
+from fleetserve.spec.models import LoadBalancerOptions
+from tests.unit.lb.test_proxy import Start, make_lb, make_lb_proxy, start, upstream_app
+
+__all__ = ["start"]  # the fixture, re-used
+
+
+async def two_upstreams(start: Start) -> list[Upstream]:
+    a = await start(upstream_app("a"))
+    b = await start(upstream_app("b"))
+    return [Upstream(1, f"http://127.0.0.1:{a}", 1), Upstream(2, f"http://127.0.0.1:{b}", 1)]
+
+
+async def test_sticky_sessions_follow_the_header(start: Start) -> None:
+    lb, _ = await make_lb(start, "sticky", await two_upstreams(start))
+    async with aiohttp.ClientSession() as s:
+        by_session: dict[str, set[str]] = {}
+        for i in range(40):
+            session = f"user-{i % 8}"
+            async with s.get(f"{lb}/", headers={"X-Session-Id": session}) as r:
+                by_session.setdefault(session, set()).add((await r.json())["replica"])
+    assert all(len(v) == 1 for v in by_session.values())  # each session kept its replica
+    assert {next(iter(v)) for v in by_session.values()} == {"a", "b"}  # and sessions spread
+
+
+async def test_sticky_sessions_by_cookie(start: Start) -> None:
+    lb, _ = await make_lb(
+        start, "sticky", await two_upstreams(start), session_header=None, session_cookie="sid"
+    )
+    async with aiohttp.ClientSession() as s:
+        seen = set()
+        for _ in range(6):
+            async with s.get(f"{lb}/", cookies={"sid": "abc"}) as r:
+                seen.add((await r.json())["replica"])
+    assert len(seen) == 1
+
+
+async def test_prefix_affinity_routes_shared_prompts_together_and_streams_the_body(
+    start: Start,
+) -> None:
+    lb, _ = await make_lb(start, "prefix_affinity", await two_upstreams(start), prefix_chars=32)
+    system = "You are a helpful assistant that answers in French. " * 3
+    async with aiohttp.ClientSession() as s:
+        replicas = set()
+        for i in range(10):
+            body = {"model": "m", "prompt": system + f"question {i}"}
+            async with s.post(f"{lb}/v1/completions", json=body) as r:
+                reply = await r.json()
+                replicas.add(reply["replica"])
+                assert reply["bytes"] == len(json.dumps(body))  # the peeked head was re-attached
+        assert len(replicas) == 1
+        spread = set()
+        for i in range(30):
+            async with s.post(f"{lb}/v1/completions", json={"prompt": f"{i} unrelated"}) as r:
+                spread.add((await r.json())["replica"])
+        assert spread == {"a", "b"}
+
+
+def test_prompt_prefix_extraction() -> None:
+    assert prompt_prefix(b'{"prompt": "hello world"}', 5) == "hello"
+    chat = b'{"messages": [{"role": "user", "content": "caf\\u00e9 au lait"}]}'
+    assert prompt_prefix(chat, 4) == "café"
+    assert prompt_prefix(b'{"nothing": 1}', 5) is None
+
+
+async def test_websocket_echo_passes_through(start: Start) -> None:
+    async def ws_echo(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(protocols=("echo",))
+        await ws.prepare(request)
+        async for msg in ws:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                await ws.send_str("echo:" + msg.data)
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                await ws.send_bytes(msg.data[::-1])
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/ws", ws_echo)
+    port = await start(app)
+    lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)])
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{lb}/ws", protocols=("echo",)) as ws:
+        assert ws.protocol == "echo"
+        await ws.send_str("hi")
+        assert (await ws.receive(timeout=5)).data == "echo:hi"
+        await ws.send_bytes(b"abc")
+        assert (await ws.receive(timeout=5)).data == b"cba"
+
+
+async def test_api_keys_are_required_and_not_forwarded(start: Start) -> None:
+    seen: list[dict[str, Any]] = []
+    a = await start(upstream_app("a", seen))
+    key = "k" * 32
+    lb, _ = await make_lb(
+        start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)], api_keys=[key]
+    )
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{lb}/") as r:
+            assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        async with s.get(f"{lb}/", headers={"Authorization": "Bearer " + "x" * 32}) as r:
+            assert r.status == 401
+        async with s.get(f"{lb}/", headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status == 200
+    assert len(seen) == 1 and "Authorization" not in seen[0]["headers"]
+
+
+async def test_tls_at_the_load_balancer(start: Start, tmp_path: Path) -> None:
+    from fleetserve.lb.__main__ import _tls
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.cert_chain_pems[0].write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    a = await start(upstream_app("a"))
+    cfg = LbConfig(
+        service="svc", port=0, admin_port=0, tls_certfile=str(certfile), tls_keyfile=str(keyfile)
+    )
+    replicas = ReplicaSet(make_selector("least_load"))
+    replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    runner = web.AppRunner(make_app(Proxy(cfg, replicas)))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=_tls(cfg))
+    await site.start()
+    port = runner.addresses[0][1]
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"https://localhost:{port}/", ssl=client_ctx) as r:
+                assert (await r.json())["replica"] == "a"
+            with pytest.raises(aiohttp.ClientError):
+                async with s.get(f"http://localhost:{port}/") as r:
+                    await r.read()
+    finally:
+        await runner.cleanup()
+
+
+async def test_held_requests_are_forwarded_once_a_replica_is_ready(start: Start) -> None:
+    woken = asyncio.Event()
+
+    async def wake() -> None:
+        woken.set()
+
+    replicas = ReplicaSet(make_selector("least_load"))
+    cfg = LbConfig(
+        service="svc",
+        port=0,
+        admin_port=0,
+        hold_when_empty=True,
+        options=LoadBalancerOptions(queue_size=5, queue_timeout_seconds=10),
+    )
+    port = await start(make_app(Proxy(cfg, replicas, wake=wake)))
+    a = await start(upstream_app("a"))
+    async with aiohttp.ClientSession() as s:
+        pending = [asyncio.create_task(s.get(f"http://127.0.0.1:{port}/held")) for _ in range(3)]
+        await asyncio.wait_for(woken.wait(), 5)  # the controller is told at once
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in pending)  # held, not answered with 503
+        replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
+        for t in pending:
+            r = await asyncio.wait_for(t, 5)
+            assert r.status == 200 and (await r.json())["replica"] == "a"
+
+
+async def test_holding_is_bounded_in_time_and_queue(start: Start) -> None:
+    lb, _, proxy = await make_lb_proxy(
+        start, "least_load", [], hold_when_empty=True, queue_size=2, queue_timeout_seconds=0.5
+    )
+    async with aiohttp.ClientSession() as s:
+        waiting = [asyncio.create_task(s.get(f"{lb}/")) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        async with s.get(f"{lb}/") as r:
+            assert r.status == 503 and (await r.json())["error"] == "queue_full"
+        for t in waiting:
+            r = await t
+            assert r.status == 503 and "within 0.5 s" in (await r.json())["message"]
+    assert proxy.queued == 0
+
+
+async def test_a_silent_replica_times_out_with_504(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    lb, _ = await make_lb(
+        start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)], read_timeout_seconds=0.3
+    )
+    async with aiohttp.ClientSession() as s, s.get(f"{lb}/slow") as r:
+        assert r.status == 504
+        assert "within 0.3 s" in (await r.json())["message"]
+
+
+async def test_metrics_and_load_report(start: Start) -> None:
+    ups = await two_upstreams(start)
+    lb, replicas, proxy = await make_lb_proxy(start, "round_robin", ups)
+    admin = await start(make_admin_app(proxy))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(6):
+            async with s.get(f"{lb}/") as r:
+                assert r.status == 200
+        async with s.get(f"http://127.0.0.1:{admin}/metrics") as r:
+            text = await r.text()
+        async with s.get(f"http://127.0.0.1:{admin}/-/load") as r:
+            load = await r.json()
+    assert (
+        'fleetserve_lb_requests_total{code="200",policy="round_robin",'
+        'replica="1",service="svc"} 3.0' in text
+    )
+    assert "fleetserve_lb_request_duration_seconds_bucket" in text
+    assert (
+        'fleetserve_lb_inflight_requests{policy="round_robin",replica="2",service="svc"} 0.0'
+        in text
+    )
+    assert load["total_requests"] == 6
+    assert load["replicas"]["1"]["requests_per_second"] == pytest.approx(3 / 60)
+    assert replicas.inflight == {}
