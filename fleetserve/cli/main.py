@@ -62,6 +62,9 @@ def _follow_up(client: Client, name: str) -> ServiceInfo:
                 out.print(f"  replica {r.replica_id}: {styled(r.status)}{extra}", highlight=False)
         if svc.status == "READY":
             return svc
+        if svc.min_replicas == 0 and svc.endpoint and not svc.replicas:
+            out.print("  scaled to zero: the first request starts a replica (and waits for it)")
+            return svc
         if svc.status in ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"):
             why = svc.failure_reason or "see `fleetserve status -v`"
             raise FleetserveError(f"service {name} is {svc.status}: {why}")
@@ -90,7 +93,7 @@ def up(
             return
     except FleetserveError as e:
         raise _fail(e) from None
-    out.print(f"Service [bold]{svc.name}[/] is READY.")
+    out.print(f"Service [bold]{svc.name}[/] is {svc.status}.")
     out.print(f"Endpoint: {svc.endpoint}", highlight=False)
 
 

@@ -169,12 +169,12 @@ class ServiceReconciler:
         svc = await self._ensure_lb(svc, spec)
         replicas = self.store.list_replicas(self.name)
         observations = await self._observe(replicas, spec)
-        lo, _hi = spec.service.replica_bounds()
+        lo, hi = spec.service.replica_bounds()
         probe = spec.service.readiness_probe
         await self._observe_load(svc)
         settings = FleetSettings(
             target_replicas=fleet_target(
-                lo, self.last_request_at, self.clock.now(), self._idle_seconds(spec)
+                lo, hi, self.last_request_at, self.clock.now(), self._idle_seconds(spec)
             ),
             version=svc.active_version,
             initial_delay_seconds=probe.initial_delay_seconds if probe else 0,

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 
 def fleet_target(
-    min_replicas: int, last_request_at: float | None, now: float, idle_seconds: float
+    min_replicas: int,
+    max_replicas: int,
+    last_request_at: float | None,
+    now: float,
+    idle_seconds: float,
 ) -> int:
-    if min_replicas > 0:
+    if min_replicas > 0 or max_replicas == 0:
         return min_replicas
     if last_request_at is not None and now - last_request_at < idle_seconds:
         return 1

@@ -269,3 +269,41 @@ def test_a_dead_load_balancer_is_restarted_on_the_same_port(fleet: Fleet) -> Non
     with fleet.client() as c:
         events = [e.message for e in c.events("lbdies")]
     assert "load balancer not running: restarting it" in events
+
+
+SCALE_TO_ZERO = """\
+    name: {name}
+    service:
+      readiness_probe:
+        path: /health
+        initial_delay_seconds: 30
+      replica_policy:
+        min_replicas: 0
+        max_replicas: 1
+        target_qps_per_replica: 1
+        downscale_delay_seconds: 4
+    workdir: {workdir}
+    run: python3 server.py
+"""
+
+
+def test_scale_to_zero_first_request_succeeds_then_back_to_zero(fleet: Fleet) -> None:
+    path = fleet.write_service("lazy", SCALE_TO_ZERO.format(name="lazy", workdir=fleet.workdir))
+    out = fleet.cli("up", str(path))
+    assert "scaled to zero" in out.stdout
+    endpoint = endpoint_of(out.stdout)
+    with fleet.client() as c:
+        assert c.service("lazy").status == "NO_REPLICA"
+    started = time.monotonic()
+    reply = get(f"{endpoint}/first", timeout=60)  # held by the LB until a replica is READY
+    waited = time.monotonic() - started
+    assert reply["replica"] == "1"
+    print(f"\nfirst request after idle answered in {waited:.1f} s (cold start)")
+
+    def scaled_to_zero() -> bool:
+        with fleet.client() as c:
+            svc = c.service("lazy")
+        return svc.status == "NO_REPLICA" and not svc.replicas
+
+    fleet.wait_for("the fleet to scale back to zero", scaled_to_zero, timeout=40)
+    assert get(f"{endpoint}/again", timeout=60)["replica"] == "2"  # and up again
