@@ -302,7 +302,7 @@ def main() -> None:
     try:
         ports = [start_replica(procs, i)[0] for i in (1, 2)]
         nginx = start_nginx(procs, "nginx", ports)
-        fleet, fleet_admin = start_fleetserve(procs, "fleetserve", ports)
+        fleet, _admin = start_fleetserve(procs, "fleetserve", ports)
         targets = {
             "direct": None,
             "nginx": f"http://127.0.0.1:{nginx}/",
@@ -364,7 +364,8 @@ def main() -> None:
             stream["fleetserve"]["ttfb_p50_ms"] / stream["nginx"]["ttfb_p50_ms"]
         )
         print(
-            f"fleetserve/nginx time to first byte: {ratios['stream_ttfb_vs_nginx']:.2f}x (target <= 1.5)"
+            "fleetserve/nginx time to first byte: "
+            f"{ratios['stream_ttfb_vs_nginx']:.2f}x (target <= 1.5)"
         )
 
         kill: dict[str, dict[str, float]] = {}
@@ -380,9 +381,10 @@ def main() -> None:
         print("\nkill: 64 concurrent POSTs for 6 s, one replica SIGKILLed at 2 s")
         for name, k in kill.items():
             print(
-                f"{name:<12} {int(k['requests']):>7} requests, {int(k['failed'])} failed, last failure "
-                f"{k['last_failure_after_kill_s']:.3f} s after the kill, "
-                f"{int(k['answers_from_dead_replica_after_kill'])} answers from the dead replica after it"
+                f"{name:<12} {int(k['requests']):>7} requests, {int(k['failed'])} failed, "
+                f"last failure {k['last_failure_after_kill_s']:.3f} s after the kill, "
+                f"{int(k['answers_from_dead_replica_after_kill'])} answers from the dead replica "
+                "after it"
             )
         results["ratios"] = ratios
         if args.json:
