@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -53,10 +54,19 @@ class Metrics:
         )
         self.service = service
         self.policy = policy
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def done(self, replica: str, code: int, seconds: float) -> None:
-        self.requests.labels(self.service, self.policy, replica, str(code)).inc()
-        self.latency.labels(self.service, self.policy, replica).observe(seconds)
+        key = (replica, code)
+        children = self._children.get(key)
+        if children is None:  # label lookups are the costly part: once per (replica, code)
+            children = (
+                self.requests.labels(self.service, self.policy, replica, str(code)),
+                self.latency.labels(self.service, self.policy, replica),
+            )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def error(self, replica: str, kind: str) -> None:
         self.upstream_errors.labels(self.service, self.policy, replica, kind).inc()

@@ -1,24 +1,32 @@
-"""The data plane: a streaming reverse proxy on aiohttp.
+"""The data plane: a lean streaming HTTP/1.1 reverse proxy on raw asyncio protocols.
 
-Request and response bodies are streamed both ways (never buffered whole). A request is retried
-on another replica only when the connection failed before the request was sent, so a request a
-replica may have started to process is never sent twice. WebSocket upgrades are passed through.
+httptools (llhttp) parses both sides only to find where each message ends; the bytes of a
+response pass through to the client as they arrive (SSE and token streams stay streams) and
+request bodies are streamed to the replica with back-pressure both ways, never buffered whole.
+Connections to replicas are pooled and kept alive. A request goes to another replica only when
+it was not sent: the connection failed, or a pooled connection turned out closed before a
+bodiless request got any answer. An `Upgrade` (WebSocket) becomes a raw two-way tunnel.
+
+Why not a framework: a request through aiohttp's server and client costs about ten times what
+this path costs (bench/lb), and the load balancer is the one component every request crosses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import re
+import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections import deque
+from collections.abc import Callable, Coroutine
+from http import HTTPStatus
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
+import httptools
 
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.metrics import LoadTracker, Metrics
@@ -27,58 +35,29 @@ from fleetserve.policies.lb import NO_KEY, RequestKey
 
 log = logging.getLogger("fleetserve.lb")
 
-# RFC 9110 7.6.1: connection-specific headers are not forwarded.
+# RFC 9110 7.6.1: connection-specific headers are not forwarded. `upgrade` is, with
+# `Connection: upgrade`, when the client asks for one.
 HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-WS_HANDSHAKE = frozenset(
-    {
-        "sec-websocket-key",
-        "sec-websocket-version",
-        "sec-websocket-extensions",
-        "sec-websocket-accept",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"host",
+        b"x-forwarded-for",
+        b"x-forwarded-proto",
+        b"x-forwarded-host",
     }
 )
 _PROMPT = re.compile(rb'"(?:prompt|content|input)"\s*:\s*"((?:[^"\\]|\\.){1,4096})')
 PEEK_BYTES = 16 * 1024
-
-
-def _forward_headers(request: web.Request, strip_auth: bool) -> CIMultiDict[str]:
-    headers: CIMultiDict[str] = CIMultiDict()
-    for k, v in request.headers.items():
-        lk = k.lower()
-        if lk in HOP_BY_HOP or lk == "host" or (strip_auth and lk == "authorization"):
-            continue
-        headers.add(k, v)
-    peer = request.remote or ""
-    prior = request.headers.get("X-Forwarded-For")
-    headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
-    headers["X-Forwarded-Proto"] = request.scheme
-    if request.host:
-        headers["X-Forwarded-Host"] = request.host
-    return headers
-
-
-def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-    headers: CIMultiDict[str] = CIMultiDict()
-    for k, v in upstream.headers.items():
-        if k.lower() not in HOP_BY_HOP:
-            headers.add(k, v)
-    return headers
-
-
-def _error(status: int, code: str, message: str, **headers: str) -> web.Response:
-    return web.json_response({"error": code, "message": message}, status=status, headers=headers)
+REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
+HIGH_WATER = 256 * 1024
+IDLE_PER_REPLICA = 256
 
 
 def prompt_prefix(head: bytes, chars: int) -> str | None:
@@ -92,6 +71,704 @@ def prompt_prefix(head: bytes, chars: int) -> str | None:
     except ValueError:
         text = m.group(1).decode(errors="replace")
     return str(text)[:chars] or None
+
+
+def error_response(
+    status: int, code: str, message: str, close: bool = False, extra: dict[str, str] | None = None
+) -> bytes:
+    body = json.dumps({"error": code, "message": message}).encode() + b"\n"
+    lines = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close" if close else "Connection: keep-alive",
+        *(f"{k}: {v}" for k, v in (extra or {}).items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class _NotSent(Exception):
+    """The request did not reach a replica: another one may take it."""
+
+
+# -- replica side ----------------------------------------------------------------------------
+
+
+class UpstreamConn(asyncio.Protocol):
+    """One keep-alive connection to a replica; serves one exchange at a time."""
+
+    def __init__(self, pool: Pool, key: str) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.exchange: Exchange | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+        self.got_bytes = False
+        self.done = False
+        self.status = 0
+        self.closed = False
+        self.tunnel = False
+        self.keep_alive = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
+
+    def start(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.parser = httptools.HttpResponseParser(self)
+        self.got_bytes = self.done = self.keep_alive = False
+        self.status = 0
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        ex = self.exchange
+        if ex is None:
+            self.close()  # a replica should not talk unasked
+            return
+        self.got_bytes = True
+        if self.tunnel:
+            ex.to_client(data)
+            return
+        assert self.parser is not None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.tunnel = True  # 101 Switching Protocols: raw bytes both ways from now
+        except httptools.HttpParserError as e:
+            self.close()
+            ex.upstream_failed(f"invalid response: {e}")
+            return
+        ex.to_client(data)
+        ex.activity = time.monotonic()
+        if self.tunnel:
+            ex.upgraded()
+        elif self.done:
+            ex.response_complete(self.keep_alive)
+
+    def on_headers_complete(self) -> None:
+        assert self.parser is not None and self.exchange is not None
+        self.status = self.parser.get_status_code()
+        if self.exchange.method == b"HEAD":
+            self.keep_alive = self.parser.should_keep_alive()
+            self.done = True  # no body follows a response to HEAD, whatever its headers say
+
+    def on_message_complete(self) -> None:
+        if 100 <= self.status < 200 and self.status != 101:
+            self.status = 0  # an interim response (100 Continue): the real one follows
+            return
+        assert self.parser is not None
+        self.keep_alive = self.parser.should_keep_alive()  # only valid inside this callback
+        self.done = True
+
+    def pause_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.client.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.client.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        ex, self.exchange = self.exchange, None
+        if ex is not None and not (self.done and not self.tunnel):
+            ex.upstream_lost(self.got_bytes, self.tunnel)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Pool:
+    """Idle keep-alive connections per replica URL."""
+
+    def __init__(self, connect_timeout: float) -> None:
+        self.connect_timeout = connect_timeout
+        self.idle: dict[str, deque[UpstreamConn]] = {}
+
+    def idle_conn(self, upstream: Upstream) -> UpstreamConn | None:
+        idle = self.idle.get(upstream.url)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def acquire(self, upstream: Upstream) -> UpstreamConn:
+        conn = self.idle_conn(upstream)
+        if conn is not None:
+            return conn
+        host, _, port = upstream.url.removeprefix("http://").partition(":")
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_timeout):
+            _, conn = await loop.create_connection(
+                lambda: UpstreamConn(self, upstream.url), host, int(port.rstrip("/") or 80)
+            )
+        return conn
+
+    def release(self, conn: UpstreamConn) -> None:
+        conn.exchange = None
+        idle = self.idle.setdefault(conn.key, deque())
+        if conn.closed or len(idle) >= IDLE_PER_REPLICA:
+            conn.close()
+            return
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self.idle.values():
+            for conn in idle:
+                conn.close()
+        self.idle.clear()
+
+
+# -- one request and its response --------------------------------------------------------------
+
+
+class Exchange:
+    """One request and its response.
+
+    The common case runs without a task: the request is written to an idle pooled connection
+    as soon as its head is parsed, and the response's end settles the exchange from the
+    replica connection's callback. Anything that must wait (a new connection, a body to peek
+    at, holding for a first replica, a retry) continues in a task (`run`).
+    """
+
+    def __init__(self, client: ClientConn, method: bytes, head: bytes, has_body: bool) -> None:
+        self.client = client
+        self.proxy = client.proxy
+        self.method = method
+        self.head = head  # request line and headers as they go to the replica
+        self.has_body = has_body
+        self.chunked = False
+        self.headers: dict[bytes, bytes] = {}
+        self.body: list[bytes] = []  # buffered until a replica is attached
+        self.body_size = 0
+        self.body_complete = not has_body
+        self.body_event: asyncio.Event | None = None  # made when a policy waits for the body
+        self.conn: UpstreamConn | None = None
+        self.replica: Upstream | None = None
+        self.status = 0
+        self.sent_to_client = False
+        self.started = time.monotonic()
+        self.activity = self.started
+        self.keep_alive = True
+        self.local: bytes | None = None  # a response the LB gives itself
+        self.upgrade = False
+        self.task: asyncio.Task[None] | None = None
+        self.tried: set[int] = set()
+        self.chosen: Upstream | None = None  # picked without a task, to connect to in one
+        self.failures: list[str] = []
+        self._counted: int | None = None  # the replica whose in-flight count holds this one
+        self._settled = True
+        self._waiter: asyncio.Future[str] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._reported = False
+        self.replay: list[bytes] | None = []  # the body sent so far, while it is small
+        self.replay_size = 0
+
+    # client -> replica ---------------------------------------------------------------------
+
+    def _keep_for_replay(self, data: bytes) -> None:
+        if self.replay is not None:
+            self.replay_size += len(data)
+            if self.replay_size > REPLAY_BYTES:
+                self.replay = None  # too big to keep: this request cannot be retried once sent
+            else:
+                self.replay.append(data)
+
+    def _frame(self, data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
+
+    def on_body(self, data: bytes) -> None:
+        if self.conn is not None:
+            self.conn.write(self._frame(data))
+            self._keep_for_replay(data)
+        else:
+            self.body.append(data)
+            self.body_size += len(data)
+            if self.body_size >= HIGH_WATER:
+                self.client.pause_reading()
+            if self.body_event is not None:
+                self.body_event.set()
+
+    def on_body_complete(self) -> None:
+        self.body_complete = True
+        if self.body_event is not None:
+            self.body_event.set()
+        if self.conn is not None and self.chunked:
+            self.conn.write(b"0\r\n\r\n")
+
+    def tunnel_from_client(self, data: bytes) -> None:
+        if self.conn is not None:
+            self.conn.write(data)
+        else:
+            self.body.append(data)
+
+    # replica -> client ---------------------------------------------------------------------
+
+    def to_client(self, data: bytes) -> None:
+        self.sent_to_client = True
+        self.client.write(data)
+
+    def response_complete(self, upstream_keep_alive: bool) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            self.status = conn.status
+            if upstream_keep_alive and self.body_complete:
+                self.proxy.pool.release(conn)
+            else:
+                conn.exchange = None
+                conn.close()
+        self._settle("ok")
+
+    def upgraded(self) -> None:
+        self.upgrade = True
+        self.client.tunnel_to(self)
+        if self.conn is not None:
+            self.status = self.conn.status
+            for data in self.body:
+                self.conn.write(data)
+            self.body.clear()
+
+    def upstream_lost(self, got_bytes: bool, tunnel: bool) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None and not self.status:
+            self.status = conn.status
+        if tunnel:
+            self.client.close()
+            self._settle("tunnel closed")
+            return
+        self._settle("lost" if got_bytes else "unanswered")
+
+    def upstream_failed(self, why: str) -> None:
+        self.conn = None
+        self._settle(f"failed: {why}")
+
+    def client_gone(self) -> None:
+        """The client disconnected: cancel the replica's request (close its connection)."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.exchange = None
+            conn.close()
+        if self.task is not None:
+            self.task.cancel()
+        elif not self._settled:
+            self._settled = True
+            self._cancel_timer()
+            self._end_attempt()
+            self._report(499, str(self.replica.replica_id) if self.replica else "none")
+
+    # bookkeeping -------------------------------------------------------------------------------
+
+    def _begin_attempt(self, upstream: Upstream) -> None:
+        rid = upstream.replica_id
+        inflight = self.proxy.replicas.inflight
+        inflight[rid] = inflight.get(rid, 0) + 1
+        self._counted = rid
+        self.tried.add(rid)
+        self.proxy.load.record(str(rid))
+
+    def _end_attempt(self) -> None:
+        rid, self._counted = self._counted, None
+        if rid is None:
+            return
+        inflight = self.proxy.replicas.inflight
+        left = inflight.get(rid, 1) - 1
+        if left > 0:
+            inflight[rid] = left
+        else:
+            inflight.pop(rid, None)
+
+    def _report(self, status: int, replica: str) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        self.proxy.metrics.done(replica, status, time.monotonic() - self.started)
+        self.client.exchange_done(self)
+
+    # sending and settling ------------------------------------------------------------------------
+
+    def _send(self, conn: UpstreamConn, upstream: Upstream) -> None:
+        conn.start(self)
+        self.conn, self.replica = conn, upstream
+        self.status = 0
+        self._settled = False
+        if self.replay:
+            self.body = self.replay + self.body  # a retry: the body goes again, from its start
+            self.replay, self.replay_size = [], 0
+        out = [self.head, *(self._frame(data) for data in self.body)]
+        if self.body_complete and self.chunked:
+            out.append(b"0\r\n\r\n")
+        conn.write(b"".join(out))  # one send for the head and what came of the body so far
+        if not self.upgrade:
+            for data in self.body:
+                self._keep_for_replay(data)
+            self.body = []
+            self.body_size = 0
+            self.client.resume_reading()
+        self.activity = time.monotonic()
+        self._timer = asyncio.get_running_loop().call_later(
+            self.proxy.opts.read_timeout_seconds, self._check_timeout
+        )
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_timeout(self) -> None:
+        """No byte from the replica for read_timeout_seconds: give up (tunnels may idle)."""
+        if self._settled:
+            return
+        limit = self.proxy.opts.read_timeout_seconds
+        idle = time.monotonic() - self.activity
+        if self.upgrade or idle < limit:
+            delay = limit if self.upgrade else limit - idle
+            self._timer = asyncio.get_running_loop().call_later(delay, self._check_timeout)
+            return
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.exchange = None
+            conn.close()
+        self._settle("timeout")
+
+    def _settle(self, outcome: str) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        self._cancel_timer()
+        if self._waiter is not None:
+            if not self._waiter.done():
+                self._waiter.set_result(outcome)
+            return
+        # The task-less path: conclude here.
+        rid = str(self.replica.replica_id) if self.replica else "none"
+        try:
+            status = self._conclude(outcome)
+        except _NotSent as e:
+            self._end_attempt()
+            self.failures.append(f"replica {rid}: {e}")
+            self.task = asyncio.get_running_loop().create_task(self.run())
+            return
+        self._end_attempt()
+        self._report(status, rid)
+
+    def _conclude(self, outcome: str) -> int:
+        """The status this attempt ends with; raises _NotSent when another replica may try."""
+        proxy = self.proxy
+        rid = str(self.replica.replica_id) if self.replica else "none"
+        if outcome in ("ok", "tunnel closed"):
+            return self.status
+        if outcome == "unanswered" and not self.sent_to_client:
+            # The connection closed before any response byte: the replica did not answer
+            # (a stale pooled connection, or it died), so another one may, if the whole body
+            # can be sent again.
+            proxy.metrics.error(rid, "disconnected")
+            if self.replay is not None and self.body_complete:
+                raise _NotSent("closed the connection without answering")
+        proxy.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
+        if self.sent_to_client:
+            self.client.close()  # a truncated response must not look complete
+            return self.status or 502
+        if outcome == "timeout":
+            msg = error_response(
+                504,
+                "upstream_timeout",
+                f"replica {rid} sent no response within {proxy.opts.read_timeout_seconds:g} s",
+            )
+        else:
+            msg = error_response(
+                502, "upstream_disconnected", f"replica {rid} failed mid-request ({outcome})"
+            )
+        self.client.write(msg)
+        return int(msg[9:12])
+
+    def try_now(self) -> bool:
+        """Start the exchange without a task if nothing has to be waited for."""
+        proxy = self.proxy
+        if self.local is not None or proxy.config.policy == "prefix_affinity":
+            return False
+        if not proxy.replicas.upstreams:
+            return False
+        upstream = proxy.replicas.pick(frozenset(), self._header_key())
+        if upstream is None:
+            return False
+        conn = proxy.pool.idle_conn(upstream)
+        if conn is None:
+            self.chosen = upstream  # the task connects to it: a pick is not made twice
+            return False
+        self._begin_attempt(upstream)
+        self._send(conn, upstream)
+        return True
+
+    # the task path -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        status, replica = 0, "none"
+        try:
+            status, replica = await self._run()
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+        finally:
+            self._end_attempt()
+            self._report(status, replica)
+
+    async def _run(self) -> tuple[int, str]:
+        proxy = self.proxy
+        if self.local is not None:
+            self.client.write(self.local)
+            return int(self.local[9:12]), "none"
+        key = await self._key()
+        if not proxy.replicas.upstreams and proxy.config.hold_when_empty:
+            refused = await proxy.hold()
+            if refused is not None:
+                self.client.write(refused)
+                proxy.load.record("none")
+                return int(refused[9:12]), "none"
+        for _ in range(proxy.opts.max_attempts - len(self.tried)):
+            upstream, self.chosen = self.chosen, None
+            if upstream is None or upstream.replica_id not in proxy.replicas.upstreams:
+                upstream = proxy.replicas.pick(frozenset(self.tried), key)
+            if upstream is None:
+                break
+            rid = str(upstream.replica_id)
+            self._begin_attempt(upstream)
+            try:
+                return await self._attempt(upstream), rid
+            except _NotSent as e:
+                self.failures.append(f"replica {rid}: {e}")
+            finally:
+                self._end_attempt()
+        if not self.tried:
+            proxy.load.record("none")
+            msg = error_response(
+                503,
+                "no_ready_replicas",
+                f"service {proxy.config.service!r} has no READY replica; "
+                f"see `fleetserve status {proxy.config.service}`",
+            )
+        else:
+            msg = error_response(
+                502,
+                "upstream_unreachable",
+                "no replica could be reached: " + "; ".join(self.failures),
+            )
+        self.client.write(msg)
+        return int(msg[9:12]), "none"
+
+    def _header_key(self) -> RequestKey:
+        proxy = self.proxy
+        if proxy.config.policy != "sticky":
+            return NO_KEY
+        opts = proxy.opts
+        session = None
+        if opts.session_header:
+            session = self.headers.get(opts.session_header.lower().encode())
+        if session is None and opts.session_cookie:
+            cookie = self.headers.get(b"cookie", b"")
+            name = re.escape(opts.session_cookie.encode())
+            m = re.search(rb"(?:^|;\s*)" + name + rb"=([^;]*)", cookie)
+            session = m.group(1) if m else None
+        return RequestKey(session=session.decode(errors="replace") if session else None)
+
+    async def _key(self) -> RequestKey:
+        proxy = self.proxy
+        if proxy.config.policy == "prefix_affinity" and self.has_body:
+            self.body_event = asyncio.Event()
+            while not self.body_complete and self.body_size < PEEK_BYTES:
+                self.body_event.clear()
+                await self.body_event.wait()
+            head = b"".join(self.body)[:PEEK_BYTES]
+            return RequestKey(prefix=prompt_prefix(head, proxy.opts.prefix_chars))
+        return self._header_key()
+
+    async def _attempt(self, upstream: Upstream) -> int:
+        proxy = self.proxy
+        rid = str(upstream.replica_id)
+        try:
+            conn = await proxy.pool.acquire(upstream)
+        except (OSError, TimeoutError) as e:
+            proxy.replicas.discard(upstream.replica_id)  # until the controller's next push
+            proxy.metrics.error(rid, "connect")
+            log.warning("replica %s refused a connection: %s", rid, e or type(e).__name__)
+            raise _NotSent(str(e) or type(e).__name__) from None
+        if self.client.closed:
+            proxy.pool.release(conn)
+            raise asyncio.CancelledError
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._send(conn, upstream)
+        try:
+            outcome = await self._waiter
+        finally:
+            self._waiter = None
+        return self._conclude(outcome)
+
+
+# -- client side -----------------------------------------------------------------------------
+
+
+class ClientConn(asyncio.Protocol):
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[Exchange] = deque()  # pipelined requests wait their turn
+        self.building: Exchange | None = None
+        self.tunnel: Exchange | None = None
+        self.closed = False
+        self.paused = False
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self.peer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]).encode() if peer else b""
+        self.scheme = b"https" if transport.get_extra_info("sslcontext") else b"http"
+
+    def data_received(self, data: bytes) -> None:
+        if self.tunnel is not None:
+            self.tunnel.tunnel_from_client(data)
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as e:
+            ex = self.building
+            offset = e.args[0] if e.args and isinstance(e.args[0], int) else len(data)
+            if ex is not None and offset < len(data):
+                ex.tunnel_from_client(data[offset:])
+        except httptools.HttpParserError as e:
+            msg = f"malformed HTTP request: {e}"
+            self.write(error_response(400, "bad_request", msg, close=True))
+            self.close_after_write()
+
+    # parser callbacks
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        proxy = self.proxy
+        method = self.parser.get_method()
+        lower = {n.lower(): v for n, v in self._headers}
+        upgrade = self.parser.should_upgrade()
+        chunked = b"chunked" in lower.get(b"transfer-encoding", b"").lower()
+        has_body = chunked or int(lower.get(b"content-length", b"0") or 0) > 0
+        strip_auth = bool(proxy.keys)
+        out = [method, b" ", self._url, b" HTTP/1.1\r\n"]
+        for name, value in self._headers:
+            ln = name.lower()
+            if ln in HOP_BY_HOP or (strip_auth and ln == b"authorization"):
+                continue
+            out += (name, b": ", value, b"\r\n")
+        prior = lower.get(b"x-forwarded-for")
+        out += (b"X-Forwarded-For: ", prior + b", " + self.peer if prior else self.peer, b"\r\n")
+        out += (b"X-Forwarded-Proto: ", self.scheme, b"\r\n")
+        if b"host" in lower:
+            out += (b"Host: ", lower[b"host"], b"\r\nX-Forwarded-Host: ", lower[b"host"], b"\r\n")
+        if upgrade:
+            out += (b"Connection: upgrade\r\nUpgrade: ", lower.get(b"upgrade", b""), b"\r\n")
+        out.append(b"\r\n")
+        ex = Exchange(self, method, b"".join(out), has_body)
+        ex.chunked = chunked
+        ex.headers = lower
+        ex.keep_alive = self.parser.should_keep_alive()
+        if not proxy.authorized(lower.get(b"authorization")):
+            ex.local = error_response(
+                401,
+                "unauthorized",
+                "a valid API key is required: Authorization: Bearer <key>",
+                close=has_body,
+                extra={"WWW-Authenticate": "Bearer"},
+            )
+            if has_body:
+                ex.keep_alive = False
+        self.building = ex
+        self.queue.append(ex)
+        if len(self.queue) == 1:
+            self._start(ex)
+
+    def on_body(self, body: bytes) -> None:
+        if self.building is not None:
+            self.building.on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self.building is not None:
+            self.building.on_body_complete()
+
+    def _start(self, ex: Exchange) -> None:
+        if not ex.try_now():
+            ex.task = asyncio.get_running_loop().create_task(ex.run())
+
+    def exchange_done(self, ex: Exchange) -> None:
+        if self.queue and self.queue[0] is ex:
+            self.queue.popleft()
+        if ex.upgrade:
+            self.close()
+            return
+        if not ex.keep_alive or not ex.body_complete:
+            self.close_after_write()
+            return
+        if self.queue:
+            self._start(self.queue[0])
+
+    def tunnel_to(self, ex: Exchange) -> None:
+        self.tunnel = ex
+
+    # transport helpers
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.paused and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and self.paused and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        ex = self.queue[0] if self.queue else None
+        if ex is not None and ex.conn is not None and ex.conn.transport is not None:
+            ex.conn.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        ex = self.queue[0] if self.queue else None
+        if ex is not None and ex.conn is not None and ex.conn.transport is not None:
+            ex.conn.transport.resume_reading()
+
+    def close_after_write(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()  # flushes what was written, then closes
+
+    def close(self) -> None:
+        self.close_after_write()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        for ex in self.queue:
+            ex.client_gone()
+        self.queue.clear()
+
+
+# -- the proxy ---------------------------------------------------------------------------------
 
 
 class Proxy:
@@ -110,303 +787,67 @@ class Proxy:
         self.load = load or LoadTracker()
         self.wake = wake
         self.queued = 0
+        self.keys = [k.encode() for k in self.opts.api_keys]
+        self.pool = Pool(self.opts.connect_timeout_seconds)
+        self._server: asyncio.Server | None = None
         self._wake_task: asyncio.Task[None] | None = None
-        self._keys = [k.encode() for k in self.opts.api_keys]
-        self._session: aiohttp.ClientSession | None = None
 
-    async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                sock_connect=self.opts.connect_timeout_seconds,
-                sock_read=self.opts.read_timeout_seconds,
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    # -- the request path ------------------------------------------------------------------
-
-    def _authorized(self, request: web.Request) -> bool:
-        if not self._keys:
+    def authorized(self, header: bytes | None) -> bool:
+        if not self.keys:
             return True
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        scheme, _, token = (header or b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
             return False
-        given = token.strip().encode()
-        return any(hmac.compare_digest(given, key) for key in self._keys)
+        given = token.strip()
+        return any(hmac.compare_digest(given, key) for key in self.keys)
 
-    async def _key_and_body(
-        self, request: web.Request
-    ) -> tuple[RequestKey, AsyncIterator[bytes] | aiohttp.StreamReader | None]:
-        """The request's affinity key and the body to forward (its head re-attached)."""
-        body: AsyncIterator[bytes] | aiohttp.StreamReader | None = (
-            request.content if request.body_exists else None
-        )
-        policy = self.config.policy
-        if policy == "sticky":
-            session = None
-            if self.opts.session_header:
-                session = request.headers.get(self.opts.session_header)
-            if session is None and self.opts.session_cookie:
-                session = request.cookies.get(self.opts.session_cookie)
-            return RequestKey(session=session), body
-        if policy == "prefix_affinity" and request.body_exists:
-            head = b""
-            while len(head) < PEEK_BYTES:
-                chunk = await request.content.read(PEEK_BYTES - len(head))
-                if not chunk:
-                    break
-                head += chunk
-            rest = request.content
-
-            async def chained() -> AsyncIterator[bytes]:
-                if head:
-                    yield head
-                async for chunk in rest.iter_any():
-                    yield chunk
-
-            return RequestKey(prefix=prompt_prefix(head, self.opts.prefix_chars)), chained()
-        return NO_KEY, body
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        started = time.monotonic()
-        if not self._authorized(request):
-            resp = _error(
-                401,
-                "unauthorized",
-                "a valid API key is required: Authorization: Bearer <key>",
-                **{"WWW-Authenticate": "Bearer"},
-            )
-            self.metrics.done("none", 401, time.monotonic() - started)
-            return resp
-        if not self.replicas.upstreams and self.config.hold_when_empty:
-            held = await self._hold()
-            if held is not None:
-                self.metrics.done("none", held.status, time.monotonic() - started)
-                self.load.record("none")
-                return held
-        if request.headers.get("Upgrade", "").lower() == "websocket":
-            return await self._websocket(request)
-        key, body = await self._key_and_body(request)
-        headers = _forward_headers(request, strip_auth=bool(self._keys))
-        tried: set[int] = set()
-        failures: list[str] = []
-        for _ in range(self.opts.max_attempts):
-            upstream = self.replicas.pick(frozenset(tried), key)
-            if upstream is None:
-                break
-            tried.add(upstream.replica_id)
-            rid = str(upstream.replica_id)
-            self.load.record(rid)
-            with self.replicas.track(upstream.replica_id):
-                try:
-                    answered, code = await self._forward(request, upstream, headers, body)
-                except _Retry as e:
-                    failures.append(f"replica {rid}: {e}")
-                    continue
-            self.metrics.done(rid, code, time.monotonic() - started)
-            return answered
-        if not tried:
-            self.load.record("none")
-            resp = _error(
-                503,
-                "no_ready_replicas",
-                f"service {self.config.service!r} has no READY replica; "
-                f"see `fleetserve status {self.config.service}`",
-            )
-        else:
-            resp = _error(
-                502, "upstream_unreachable", "no replica could be reached: " + "; ".join(failures)
-            )
-        self.metrics.done("none", resp.status, time.monotonic() - started)
-        return resp
-
-    async def _hold(self) -> web.Response | None:
-        """No replica is ready and the service scales from zero: wait for one (bounded)."""
-        if self.queued >= self.opts.queue_size:
-            return _error(
+    async def hold(self) -> bytes | None:
+        """No replica is ready and the service scales from zero: wait for one (bounded).
+        Returns the refusal to send, or None once a replica is ready."""
+        opts = self.opts
+        service = self.config.service
+        if self.queued >= opts.queue_size:
+            return error_response(
                 503,
                 "queue_full",
-                f"service {self.config.service!r} is starting from zero and "
-                f"{self.queued} requests are already waiting; retry later",
-                **{"Retry-After": "5"},
+                f"service {service!r} is starting from zero and {self.queued} requests are "
+                "already waiting; retry later",
+                extra={"Retry-After": "5"},
             )
         self.queued += 1
         self.metrics.set_queued(self.queued)
         try:
             if self.wake is not None:
                 self._wake_task = asyncio.get_running_loop().create_task(self.wake())
-            if await self.replicas.wait_ready(self.opts.queue_timeout_seconds):
+            if await self.replicas.wait_ready(opts.queue_timeout_seconds):
                 return None
         finally:
             self.queued -= 1
             self.metrics.set_queued(self.queued)
-        return _error(
+        return error_response(
             503,
             "no_ready_replicas",
-            f"service {self.config.service!r} had no READY replica within "
-            f"{self.opts.queue_timeout_seconds:g} s",
-            **{"Retry-After": "5"},
+            f"service {service!r} had no READY replica within {opts.queue_timeout_seconds:g} s",
+            extra={"Retry-After": "5"},
         )
 
-    async def _forward(
-        self,
-        request: web.Request,
-        upstream: Upstream,
-        headers: CIMultiDict[str],
-        body: AsyncIterator[bytes] | aiohttp.StreamReader | None,
-    ) -> tuple[web.StreamResponse, int]:
-        assert self._session is not None, "Proxy.start() was not awaited"
-        rid = str(upstream.replica_id)
-        try:
-            resp = await self._session.request(
-                request.method,
-                upstream.url + request.rel_url.raw_path_qs,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-            )
-        except aiohttp.ClientConnectorError as e:
-            # Nothing was sent: safe to try another replica; stop routing to this one.
-            self.replicas.discard(upstream.replica_id)
-            self.metrics.error(rid, "connect")
-            log.warning("replica %s refused a connection: %s", rid, e.os_error or e)
-            raise _Retry(str(e.os_error or e)) from None
-        except aiohttp.ServerDisconnectedError as e:
-            self.metrics.error(rid, "disconnected")
-            if body is None:
-                # A bodiless request on a stale pooled connection: nothing was answered.
-                raise _Retry(str(e)) from None
-            return _error(502, "upstream_disconnected", self._said(upstream, e)), 502
-        except TimeoutError:
-            self.metrics.error(rid, "timeout")
-            return _error(
-                504,
-                "upstream_timeout",
-                f"replica {rid} sent no response within {self.opts.read_timeout_seconds:g} s",
-            ), 504
-        except aiohttp.ClientError as e:
-            self.metrics.error(rid, "other")
-            return _error(502, "upstream_error", self._said(upstream, e)), 502
-        return await self._relay(request, resp, rid), resp.status
-
-    def _said(self, upstream: Upstream, e: Exception) -> str:
-        return f"replica {upstream.replica_id} failed mid-request: {type(e).__name__}: {e}"
-
-    async def _relay(
-        self, request: web.Request, resp: aiohttp.ClientResponse, rid: str
-    ) -> web.StreamResponse:
-        async with resp:
-            out = web.StreamResponse(status=resp.status, reason=resp.reason)
-            out.headers.extend(_response_headers(resp))
-            if resp.headers.get("Content-Length") is None and request.method != "HEAD":
-                out.enable_chunked_encoding()
-            await out.prepare(request)
-            try:
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
-                # The replica died or stalled mid-response: close the client's connection so
-                # that it sees a truncated response rather than a complete-looking one.
-                self.metrics.error(rid, "mid_response")
-                log.warning("replica %s response cut short: %s", rid, e)
-                if request.transport is not None:
-                    request.transport.close()
-                return out
-            await out.write_eof()
-            return out
-
-    # -- WebSocket ---------------------------------------------------------------------------
-
-    async def _websocket(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
-        headers = {
-            k: v
-            for k, v in _forward_headers(request, strip_auth=bool(self._keys)).items()
-            if k.lower() not in WS_HANDSHAKE and k.lower() != "sec-websocket-protocol"
-        }
-        protocols = [
-            p.strip()
-            for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")
-            if p.strip()
-        ]
-        tried: set[int] = set()
-        for _ in range(self.opts.max_attempts):
-            upstream = self.replicas.pick(frozenset(tried))
-            if upstream is None:
-                break
-            tried.add(upstream.replica_id)
-            url = upstream.url.replace("http", "ws", 1) + request.rel_url.raw_path_qs
-            try:
-                upstream_ws = await self._session.ws_connect(
-                    url, headers=headers, protocols=protocols, autoping=False
-                )
-            except aiohttp.ClientConnectorError:
-                self.replicas.discard(upstream.replica_id)
-                self.metrics.error(str(upstream.replica_id), "connect")
-                continue
-            except aiohttp.WSServerHandshakeError as e:
-                return _error(502, "websocket_refused", f"replica refused the upgrade: {e.status}")
-            with self.replicas.track(upstream.replica_id):
-                return await self._pump(request, upstream_ws)
-        return _error(
-            503, "no_ready_replicas", f"service {self.config.service!r} has no READY replica"
+    async def serve(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> asyncio.Server:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: ClientConn(self), host, port, backlog=2048, reuse_address=True, ssl=ssl_context
         )
+        return self._server
 
-    async def _pump(
-        self, request: web.Request, upstream_ws: aiohttp.ClientWebSocketResponse
-    ) -> web.StreamResponse:
-        client_ws = web.WebSocketResponse(
-            protocols=[upstream_ws.protocol] if upstream_ws.protocol else (), autoping=False
-        )
-        await client_ws.prepare(request)
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
 
-        async def copy(src: Any, dst: Any) -> None:
-            async for msg in src:
-                if msg.type == aiohttp.WSMsgType.TEXT:
-                    await dst.send_str(msg.data)
-                elif msg.type == aiohttp.WSMsgType.BINARY:
-                    await dst.send_bytes(msg.data)
-                elif msg.type == aiohttp.WSMsgType.PING:
-                    await dst.ping(msg.data)
-                elif msg.type == aiohttp.WSMsgType.PONG:
-                    await dst.pong(msg.data)
-                else:
-                    break
-            await dst.close()
-
-        async with upstream_ws:
-            await asyncio.gather(
-                copy(client_ws, upstream_ws), copy(upstream_ws, client_ws), return_exceptions=True
-            )
-        return client_ws
-
-
-class _Retry(Exception):
-    """The request was not sent: another replica may take it."""
-
-
-def make_app(proxy: Proxy) -> web.Application:
-    app = web.Application(client_max_size=0)
-
-    async def _handle(request: web.Request) -> web.StreamResponse:
-        return await proxy.handle(request)
-
-    async def _on_startup(_app: Any) -> None:
-        await proxy.start()
-
-    async def _on_cleanup(_app: Any) -> None:
-        await proxy.close()
-
-    app.router.add_route("*", "/{tail:.*}", _handle)
-    app.on_startup.append(_on_startup)
-    app.on_cleanup.append(_on_cleanup)
-    return app
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        self.pool.close()

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.config import LbConfig
-from fleetserve.lb.proxy import Proxy, make_app, prompt_prefix
+from fleetserve.lb.proxy import Proxy, prompt_prefix
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.lb import make_selector
 from fleetserve.spec.models import LoadBalancerOptions
@@ -137,11 +137,9 @@ async def test_tls_at_the_load_balancer(start: Start, tmp_path: Path) -> None:
     )
     replicas = ReplicaSet(make_selector("least_load"))
     replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
-    runner = web.AppRunner(make_app(Proxy(cfg, replicas)))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=_tls(cfg))
-    await site.start()
-    port = runner.addresses[0][1]
+    proxy = Proxy(cfg, replicas)
+    await proxy.serve("127.0.0.1", 0, _tls(cfg))
+    port = proxy.port
     client_ctx = ssl.create_default_context()
     ca.configure_trust(client_ctx)
     try:
@@ -152,7 +150,7 @@ async def test_tls_at_the_load_balancer(start: Start, tmp_path: Path) -> None:
                 async with s.get(f"http://localhost:{port}/") as r:
                     await r.read()
     finally:
-        await runner.cleanup()
+        await proxy.close()
 
 
 async def test_held_requests_are_forwarded_once_a_replica_is_ready(start: Start) -> None:
@@ -169,7 +167,7 @@ async def test_held_requests_are_forwarded_once_a_replica_is_ready(start: Start)
         hold_when_empty=True,
         options=LoadBalancerOptions(queue_size=5, queue_timeout_seconds=10),
     )
-    port = await start(make_app(Proxy(cfg, replicas, wake=wake)))
+    port = await start(Proxy(cfg, replicas, wake=wake))
     a = await start(upstream_app("a"))
     async with aiohttp.ClientSession() as s:
         pending = [asyncio.create_task(s.get(f"http://127.0.0.1:{port}/held")) for _ in range(3)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -13,19 +14,25 @@ from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.config import LbConfig
-from fleetserve.lb.proxy import Proxy, make_app
+from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.lb import make_selector
 from fleetserve.spec.models import LoadBalancerOptions
 
-Start = Callable[[web.Application], Awaitable[int]]
+Start = Callable[[web.Application | Proxy], Awaitable[int]]
 
 
 @pytest.fixture
 async def start() -> AsyncIterator[Start]:
+    """Serve an aiohttp app (a replica, the admin API) or the proxy on a loopback port."""
     runners: list[web.AppRunner] = []
+    proxies: list[Proxy] = []
 
-    async def _start(app: web.Application) -> int:
+    async def _start(app: web.Application | Proxy) -> int:
+        if isinstance(app, Proxy):
+            await app.serve("127.0.0.1", 0)
+            proxies.append(app)
+            return app.port
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -34,6 +41,8 @@ async def start() -> AsyncIterator[Start]:
         return int(runner.addresses[0][1])
 
     yield _start
+    for p in proxies:
+        await p.close()
     for r in reversed(runners):
         await r.cleanup()
 
@@ -97,7 +106,7 @@ async def make_lb_proxy(
     replicas.selector = make_selector(policy, weights=replicas.weights)
     replicas.replace(upstreams)
     proxy = Proxy(config(policy, **options), replicas)
-    port = await start(make_app(proxy))
+    port = await start(proxy)
     return f"http://127.0.0.1:{port}", replicas, proxy
 
 
@@ -246,3 +255,72 @@ async def test_a_malformed_request_gets_a_400_and_the_lb_carries_on(start: Start
     assert b" 400 " in status_line, status_line
     async with aiohttp.ClientSession() as s, s.get(f"{lb}/after") as r:
         assert r.status == 200
+
+
+async def test_a_request_the_replica_dropped_unanswered_is_retried_elsewhere(start: Start) -> None:
+    """A replica that reads the request and closes without a byte of answer (it died): the
+    POST, body included, goes to another replica instead of failing."""
+    dropped = 0
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        await reader.readuntil(b"\r\n\r\n")
+        dropped += 1
+        writer.transport.abort()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    bad = server.sockets[0].getsockname()[1]
+    good = await start(upstream_app("good"))
+    lb, _ = await make_lb(
+        start,
+        "round_robin",
+        [Upstream(1, f"http://127.0.0.1:{bad}", 1), Upstream(2, f"http://127.0.0.1:{good}", 1)],
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(4):
+                async with s.post(f"{lb}/", data=b"x" * 1000) as r:
+                    assert r.status == 200
+                    body = await r.json()
+                    assert body["replica"] == "good" and body["bytes"] == 1000
+        assert dropped >= 1
+    finally:
+        server.close()
+
+
+async def test_a_response_cut_short_is_not_passed_off_as_complete(start: Start) -> None:
+    async def half(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await writer.drain()
+        writer.transport.abort()
+
+    server = await asyncio.start_server(half, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)])
+    try:
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with s.get(f"{lb}/") as r:
+                    await r.read()
+    finally:
+        server.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(start: Start) -> None:
+    a = await start(upstream_app("a"))
+    lb, _ = await make_lb(start, "least_load", [Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    host, port = lb.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /two HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+        b"GET /three HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    paths = []
+    for _ in range(3):
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        paths.append(json.loads(await reader.readexactly(length))["path"])
+    writer.close()
+    assert paths == ["/one", "/two", "/three"]
