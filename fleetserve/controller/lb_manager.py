@@ -31,6 +31,7 @@ from fleetserve.infra.local import (
     stop_processes,
 )
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.workers import PARENT_ENV
 
 log = logging.getLogger("fleetserve.controller")
 LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
@@ -69,7 +70,11 @@ class LbManager:
 
     async def start(self, svc: ServiceRecord, config: LbConfig) -> tuple[int, float]:
         """Start the LB process with `config`; returns (pid, create_time) once it answers."""
-        if not port_free(config.port):
+        for _ in range(50):  # workers of a load balancer that just died free it within a second
+            if port_free(config.port):
+                break
+            await asyncio.sleep(0.1)
+        else:
             raise TerminalError(f"load balancer port {config.port} is in use by another program")
         os.makedirs(os.path.dirname(self.log_path(svc.name)), exist_ok=True)
         config.write(self.config_path(svc.name))
@@ -179,9 +184,12 @@ class LbManager:
         procs = []
         for p in await asyncio.to_thread(processes_where, orphan):
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                pid, create_time = known.get(p.environ().get(LB_SERVICE_ENV, ""), (None, None))
-                if p.pid != pid or create_time is None or abs(p.create_time() - create_time) > 0.05:
-                    procs.append(p)
+                env = p.environ()
+                pid, create_time = known.get(env.get(LB_SERVICE_ENV, ""), (None, None))
+                if not process_alive(pid, create_time):
+                    procs.append(p)  # its service is gone, or has another LB now
+                elif p.pid != pid and env.get(PARENT_ENV) != str(pid):
+                    procs.append(p)  # neither that LB nor one of its workers
         if procs:
             await asyncio.to_thread(stop_processes, procs, 5.0)
         return len(procs)

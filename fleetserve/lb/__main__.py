@@ -1,13 +1,17 @@
 """`python -m fleetserve.lb --config FILE`: one service's load balancer (started by the
-controller, which writes FILE)."""
+controller, which writes FILE). With `load_balancer.workers` above 1 this process starts the
+other workers itself (fleetserve.lb.workers)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
+import json
 import logging
+import os
 import signal
+import socket
 import ssl
 import time
 from pathlib import Path
@@ -18,7 +22,8 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.proxy import Proxy
-from fleetserve.lb.replica_set import ReplicaSet
+from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.lb.workers import Supervisor
 from fleetserve.policies.lb import make_selector
 
 log = logging.getLogger("fleetserve.lb")
@@ -32,7 +37,12 @@ def _tls(config: LbConfig) -> ssl.SSLContext | None:
     return ctx
 
 
-async def serve(config: LbConfig) -> None:
+def worker_count(config: LbConfig) -> int:
+    wanted = config.options.workers
+    return wanted if wanted is not None else max(1, min(os.cpu_count() or 1, 4))
+
+
+def make_proxy(config: LbConfig) -> Proxy:
     replicas = ReplicaSet(make_selector("least_load"))
     # instance_aware_least_load reads the per-replica weights that each push installs.
     replicas.selector = make_selector(
@@ -56,50 +66,106 @@ async def serve(config: LbConfig) -> None:
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("could not wake the controller: %s", e)
 
-    proxy = Proxy(config, replicas, wake=wake)
-    admin = web.AppRunner(make_admin_app(proxy), access_log=None)
-    await admin.setup()
-    await proxy.serve(config.host, config.port, _tls(config))
-    await web.TCPSite(admin, "127.0.0.1", config.admin_port, reuse_address=True).start()
-    log.info(
-        "load balancer for %s on %s:%s (admin 127.0.0.1:%s, policy %s%s%s)",
-        config.service,
-        config.host,
-        config.port,
-        config.admin_port,
-        config.policy,
-        ", TLS" if config.tls_certfile else "",
-        ", API keys required" if config.options.api_keys else "",
-    )
+    return Proxy(config, replicas, wake=wake)
+
+
+async def _until_signalled() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def serve(config: LbConfig, config_path: Path) -> None:
+    """The primary: serves traffic, the admin API, and supervises the other workers."""
+    count = worker_count(config)
+    proxy = make_proxy(config)
+    supervisor = Supervisor(config_path, count) if count > 1 else None
+    admin = web.AppRunner(make_admin_app(proxy, supervisor), access_log=None)
+    await admin.setup()
+    await proxy.serve(config.host, config.port, _tls(config), reuse_port=count > 1)
+    await web.TCPSite(admin, "127.0.0.1", config.admin_port, reuse_address=True).start()
+    if supervisor is not None:
+        await supervisor.start()
+    log.info(
+        "load balancer for %s on %s:%s (admin 127.0.0.1:%s, policy %s, %s worker%s%s%s)",
+        config.service,
+        config.host,
+        config.port,
+        config.admin_port,
+        config.policy,
+        count,
+        "s" if count > 1 else "",
+        ", TLS" if config.tls_certfile else "",
+        ", API keys required" if config.options.api_keys else "",
+    )
+    await _until_signalled()
+    if supervisor is not None:
+        await supervisor.stop()
     await proxy.close()
     await admin.cleanup()
-    if wake_session is not None:
-        await wake_session.close()
+
+
+async def serve_worker(config: LbConfig, control_fd: int) -> None:
+    """An extra worker: serves traffic; takes pushes and answers report requests on its
+    control channel; exits when the channel closes."""
+    from prometheus_client import generate_latest
+
+    proxy = make_proxy(config)
+    await proxy.serve(config.host, config.port, _tls(config), reuse_port=True)
+    reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=control_fd))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, writer.close)
+    while line := await reader.readline():
+        msg = json.loads(line)
+        if msg.get("op") == "replicas":
+            proxy.replicas.replace(
+                [
+                    Upstream(r["replica_id"], r["url"], r.get("version", 1), r.get("weight", 1.0))
+                    for r in msg["replicas"]
+                ]
+            )
+        elif msg.get("op") == "report":
+            proxy.metrics.sync_inflight(proxy.replicas.inflight, set(proxy.replicas.upstreams))
+            proxy.metrics.set_queued(proxy.queued)
+            answer = {
+                "load": proxy.load.report(dict(proxy.replicas.inflight), proxy.queued),
+                "metrics": generate_latest(proxy.metrics.registry).decode(),
+            }
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+    # The channel closed: the primary is gone (or stops us). Free the port at once, so that
+    # a new primary can take it.
+    await proxy.close(drain_seconds=0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m fleetserve.lb")
     parser.add_argument("--config", required=True, type=Path, help="LB config (JSON)")
+    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--control-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s [w{args.worker}] %(message)s"
+    )
     config = LbConfig.read(args.config)
-    # Requests leave short-lived reference cycles (exchange <-> task); with the default
-    # thresholds the collector runs every few hundred requests and its full passes show up
-    # as latency spikes. Objects alive at start are frozen out of every collection.
+    # Requests leave short-lived reference cycles; objects alive at start are frozen out of
+    # every collection and collections run less often.
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+    if args.control_fd is not None:
+        main_coro = serve_worker(config, args.control_fd)
+    else:
+        main_coro = serve(config, args.config)
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config))
+        asyncio.run(main_coro)
     else:
-        uvloop.run(serve(config))
+        uvloop.run(main_coro)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import Upstream
+from fleetserve.lb.workers import MergedMetrics, Supervisor, merge_load
 
 log = logging.getLogger("fleetserve.lb")
 
@@ -28,7 +29,9 @@ class ReplicaPush(BaseModel):
     replicas: list[UpstreamIn]
 
 
-def make_admin_app(proxy: Proxy) -> web.Application:
+def make_admin_app(proxy: Proxy, supervisor: Supervisor | None = None) -> web.Application:
+    """The admin API of the primary; with a supervisor, pushes are relayed to the other
+    workers and reports and metrics are theirs added to its own."""
     replicas = proxy.replicas
     service = proxy.config.service
 
@@ -40,6 +43,8 @@ def make_admin_app(proxy: Proxy) -> web.Application:
         added, removed = replicas.replace(
             [Upstream(u.replica_id, u.url, u.version, u.weight) for u in push.replicas]
         )
+        if supervisor is not None:
+            await supervisor.push([u.model_dump() for u in push.replicas])
         if added or removed:
             log.info(
                 "replica set: %s (added %s, removed %s)",
@@ -65,12 +70,21 @@ def make_admin_app(proxy: Proxy) -> web.Application:
         )
 
     async def load(_request: web.Request) -> web.Response:
-        return web.json_response(proxy.load.report(dict(replicas.inflight), proxy.queued))
+        own = proxy.load.report(dict(replicas.inflight), proxy.queued)
+        if supervisor is None:
+            return web.json_response(own)
+        others = [r["load"] for r in await supervisor.reports()]
+        return web.json_response(merge_load([own, *others]))
 
     async def metrics(_request: web.Request) -> web.Response:
         proxy.metrics.sync_inflight(replicas.inflight, set(replicas.upstreams))
         proxy.metrics.set_queued(proxy.queued)
         body = generate_latest(proxy.metrics.registry)
+        if supervisor is not None:
+            texts = [body.decode(), *(r["metrics"] for r in await supervisor.reports())]
+            merged = CollectorRegistry()
+            merged.register(MergedMetrics(texts))
+            body = generate_latest(merged)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(_request: web.Request) -> web.Response:

@@ -620,6 +620,7 @@ class ClientConn(asyncio.Protocol):
         self.queue: deque[Exchange] = deque()  # pipelined requests wait their turn
         self.building: Exchange | None = None
         self.tunnel: Exchange | None = None
+        self.starting: Exchange | None = None
         self.closed = False
         self.paused = False
         self._url = b""
@@ -645,9 +646,14 @@ class ClientConn(asyncio.Protocol):
             if ex is not None and offset < len(data):
                 ex.tunnel_from_client(data[offset:])
         except httptools.HttpParserError as e:
+            self.starting = None
             msg = f"malformed HTTP request: {e}"
             self.write(error_response(400, "bad_request", msg, close=True))
             self.close_after_write()
+            return
+        if self.starting is not None:
+            ex, self.starting = self.starting, None
+            self._start(ex)
 
     # parser callbacks
     def on_message_begin(self) -> None:
@@ -699,7 +705,9 @@ class ClientConn(asyncio.Protocol):
         self.building = ex
         self.queue.append(ex)
         if len(self.queue) == 1:
-            self._start(ex)
+            # Started once this read is parsed, so that the part of the body that came with
+            # the head goes to the replica in the same send.
+            self.starting = ex
 
     def on_body(self, body: bytes) -> None:
         if self.building is not None:
@@ -763,9 +771,9 @@ class ClientConn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        for ex in self.queue:
+        pending, self.queue = list(self.queue), deque()
+        for ex in pending:
             ex.client_gone()
-        self.queue.clear()
 
 
 # -- the proxy ---------------------------------------------------------------------------------
@@ -832,11 +840,23 @@ class Proxy:
         )
 
     async def serve(
-        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+        self,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext | None = None,
+        reuse_port: bool = False,
     ) -> asyncio.Server:
+        """Listen; with `reuse_port` several worker processes share the port (SO_REUSEPORT)
+        and the kernel spreads connections over them."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: ClientConn(self), host, port, backlog=2048, reuse_address=True, ssl=ssl_context
+            lambda: ClientConn(self),
+            host,
+            port,
+            backlog=2048,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            ssl=ssl_context,
         )
         return self._server
 
@@ -845,9 +865,11 @@ class Proxy:
         assert self._server is not None
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def close(self) -> None:
+    async def close(self, drain_seconds: float = 5.0) -> None:
+        """Stop listening at once; wait up to `drain_seconds` for open connections."""
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
+            if drain_seconds > 0:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._server.wait_closed(), drain_seconds)
         self.pool.close()

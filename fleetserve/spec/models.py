@@ -135,6 +135,7 @@ class LoadBalancerOptions(_Strict):
     queue_size: Annotated[int, Field(ge=0)] = 256  # requests held while no replica is ready
     queue_timeout_seconds: Annotated[float, Field(ge=0)] = 300.0
     api_keys: list[Annotated[str, Field(min_length=16)]] = Field(default_factory=list, repr=False)
+    workers: Annotated[int, Field(ge=1, le=64)] | None = None  # processes; default: cores, <= 4
 
 
 class Pool(_Strict):

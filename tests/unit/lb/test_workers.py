@@ -1,0 +1,173 @@
+"""The load balancer as real processes: several workers on one port, pushes relayed to all,
+load reports and metrics added up, a dead worker restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+
+from fleetserve.lb.config import LbConfig
+from fleetserve.lb.workers import MergedMetrics, merge_load
+from fleetserve.spec.models import LoadBalancerOptions
+from tests.unit.lb.test_proxy import Start, closed_port, start, upstream_app
+
+__all__ = ["start"]
+
+
+@pytest.fixture
+async def lb_process(tmp_path: Path) -> AsyncIterator[tuple[LbConfig, subprocess.Popen[bytes]]]:
+    config = LbConfig(
+        service="w",
+        port=closed_port(),
+        admin_port=closed_port(),
+        options=LoadBalancerOptions(workers=2),
+    )
+    path = tmp_path / "lb.json"
+    config.write(path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetserve.lb", "--config", str(path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    async with aiohttp.ClientSession() as s:
+        for _ in range(100):
+            try:
+                async with s.get(f"http://127.0.0.1:{config.admin_port}/-/health") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+    yield config, proc
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+    assert not [
+        c
+        for c in psutil.Process().children(recursive=True)
+        if c.pid != proc.pid and "fleetserve.lb" in " ".join(c.cmdline())
+    ]
+
+
+def workers_of(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    found = []
+    for c in psutil.Process(proc.pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "--worker" in c.cmdline():
+                found.append(c)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def test_two_workers_share_the_port_and_report_together(
+    start: Start, lb_process: tuple[LbConfig, subprocess.Popen[bytes]]
+) -> None:
+    config, proc = lb_process
+    for _ in range(50):
+        if workers_of(proc):
+            break
+        await asyncio.sleep(0.1)
+    assert len(workers_of(proc)) == 1  # the primary plus one more
+    a = await start(upstream_app("a"))
+    admin = f"http://127.0.0.1:{config.admin_port}"
+    async with aiohttp.ClientSession() as s:
+        push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+        async with s.put(f"{admin}/-/replicas", json=push) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.2)
+        statuses = []
+        for _ in range(40):  # a new connection each time: the kernel spreads them
+            async with (
+                aiohttp.ClientSession() as fresh,
+                fresh.get(f"http://127.0.0.1:{config.port}/x") as r,
+            ):
+                statuses.append(r.status)
+        assert statuses == [200] * 40  # every worker got the push
+        async with s.get(f"{admin}/-/load") as r:
+            load = await r.json()
+        async with s.get(f"{admin}/metrics") as r:
+            text = await r.text()
+    assert load["total_requests"] == 40
+    assert load["replicas"]["1"]["requests_per_second"] == pytest.approx(40 / 60)
+    assert 'replica="1",service="w"} 40.0' in text
+
+
+async def test_a_dead_worker_is_restarted_and_gets_the_set(
+    start: Start, lb_process: tuple[LbConfig, subprocess.Popen[bytes]]
+) -> None:
+    config, proc = lb_process
+    for _ in range(50):
+        if workers_of(proc):
+            break
+        await asyncio.sleep(0.1)
+    a = await start(upstream_app("a"))
+    async with aiohttp.ClientSession() as s:
+        push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+        async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
+            pass
+    old = workers_of(proc)[0]
+    os.kill(old.pid, signal.SIGKILL)
+    for _ in range(50):
+        new = [w for w in workers_of(proc) if w.pid != old.pid]
+        if new:
+            break
+        await asyncio.sleep(0.1)
+    assert new, "the worker was not restarted"
+    await asyncio.sleep(0.5)
+    for _ in range(20):
+        async with (
+            aiohttp.ClientSession() as fresh,
+            fresh.get(f"http://127.0.0.1:{config.port}/") as r,
+        ):
+            assert r.status == 200
+
+
+def test_merge_load_adds_up() -> None:
+    a = {
+        "at": 1.0,
+        "window_seconds": 60,
+        "requests_per_second": 1.0,
+        "total_requests": 60,
+        "queued": 1,
+        "replicas": {"1": {"inflight": 2, "requests_per_second": 1.0}},
+    }
+    b = {
+        "at": 2.0,
+        "window_seconds": 60,
+        "requests_per_second": 0.5,
+        "total_requests": 30,
+        "queued": 0,
+        "replicas": {
+            "1": {"inflight": 1, "requests_per_second": 0.5},
+            "2": {"inflight": 3, "requests_per_second": 0.0},
+        },
+    }
+    m = merge_load([a, b])
+    assert m["total_requests"] == 90 and m["queued"] == 1 and m["at"] == 2.0
+    assert m["replicas"] == {
+        "1": {"inflight": 3, "requests_per_second": 1.5},
+        "2": {"inflight": 3, "requests_per_second": 0.0},
+    }
+
+
+def test_merged_metrics_sum_samples() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    text = (
+        "# HELP x_total things\n# TYPE x_total counter\n"
+        'x_total{replica="1"} 2.0\nx_total{replica="2"} 1.0\n'
+    )
+    reg = CollectorRegistry()
+    reg.register(MergedMetrics([text, text]))
+    out = generate_latest(reg).decode()
+    assert 'x_total{replica="1"} 4.0' in out and 'x_total{replica="2"} 2.0' in out
+    assert json.dumps(out)  # renders
