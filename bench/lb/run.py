@@ -233,6 +233,7 @@ async def streams(url: str, n: int = 32) -> tuple[float, float]:
 async def kill_case(
     url: str,
     victim: subprocess.Popen[bytes],
+    admin: int | None = None,
     seconds: float = 6,
     kill_at: float = 2,
     concurrency: int = 64,
@@ -263,18 +264,33 @@ async def kill_case(
                 failed += 1
                 last_failure = time.perf_counter()
 
+    out_of_rotation: float | None = None
+
     async def killer() -> None:
         nonlocal killed_at
         await asyncio.sleep(kill_at)
         victim.send_signal(signal.SIGKILL)
         killed_at = time.perf_counter()
 
+    async def watch_rotation(s: aiohttp.ClientSession) -> None:
+        # fleetserve only: when the dead replica leaves the routable set
+        nonlocal out_of_rotation
+        while admin is not None and time.perf_counter() < stop:
+            if killed_at is not None:
+                async with s.get(f"http://127.0.0.1:{admin}/-/replicas") as r:
+                    ids = {u["replica_id"] for u in (await r.json())["replicas"]}
+                if 1 not in ids:
+                    out_of_rotation = time.perf_counter() - killed_at
+                    return
+            await asyncio.sleep(0.005)
+
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=10)
     ) as s:
-        await asyncio.gather(killer(), *(worker(s) for _ in range(concurrency)))
+        await asyncio.gather(killer(), watch_rotation(s), *(worker(s) for _ in range(concurrency)))
     assert killed_at is not None
     return {
+        "out_of_rotation_after_s": -1.0 if out_of_rotation is None else out_of_rotation,
         "requests": ok + failed,
         "failed": failed,
         "last_failure_after_kill_s": max(0.0, last_failure - killed_at) if failed else 0.0,
@@ -372,11 +388,17 @@ def main() -> None:
         for name in ("nginx", "fleetserve"):
             p1, victim = start_replica(procs, 1)
             p2, _ = start_replica(procs, 2)
+            admin = None
             if name == "nginx":
                 url = f"http://127.0.0.1:{start_nginx(procs, 'nginx-kill', [p1, p2])}/"
             else:
-                url = f"http://127.0.0.1:{start_fleetserve(procs, 'fleetserve-kill', [p1, p2])[0]}/"
-            kill[name] = asyncio.run(kill_case(url, victim))
+                port, admin = start_fleetserve(procs, "fleetserve-kill", [p1, p2])
+                url = f"http://127.0.0.1:{port}/"
+            kill[name] = asyncio.run(kill_case(url, victim, admin))
+            if name == "nginx":
+                log = (procs.workdir / "nginx-kill" / "error.log").read_text()
+                errors = [line for line in log.splitlines() if f"127.0.0.1:{p1}" in line]
+                kill[name]["connect_errors_to_dead_replica"] = len(errors)
         results["kill"] = kill
         print("\nkill: 64 concurrent POSTs for 6 s, one replica SIGKILLed at 2 s")
         for name, k in kill.items():
@@ -384,8 +406,18 @@ def main() -> None:
                 f"{name:<12} {int(k['requests']):>7} requests, {int(k['failed'])} failed, "
                 f"last failure {k['last_failure_after_kill_s']:.3f} s after the kill, "
                 f"{int(k['answers_from_dead_replica_after_kill'])} answers from the dead replica "
-                "after it"
+                "after it (in flight at the kill)"
             )
+            if k["out_of_rotation_after_s"] >= 0:
+                print(
+                    f"{'':<12} the dead replica left the routable set "
+                    f"{k['out_of_rotation_after_s']:.3f} s after the kill"
+                )
+            if "connect_errors_to_dead_replica" in k:
+                print(
+                    f"{'':<12} {int(k['connect_errors_to_dead_replica'])} errors talking to the "
+                    "dead replica in nginx's log (it tries a failed server again every 10 s)"
+                )
         results["ratios"] = ratios
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
