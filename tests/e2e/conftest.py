@@ -113,7 +113,7 @@ class Fleet:
 
 
 def endpoint_of(output: str) -> str:
-    m = re.search(r"Endpoint: (http://\S+)", output)
+    m = re.search(r"Endpoint: (https?://\S+)", output)
     assert m, f"no endpoint in:\n{output}"
     return m.group(1)
 

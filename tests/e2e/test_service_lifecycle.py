@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import sqlite3
+import ssl
+import textwrap
 import threading
 import time
 import urllib.error
@@ -14,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+import trustme
 
 from tests.e2e.conftest import Fleet, endpoint_of, port_in_use
 
@@ -311,3 +314,35 @@ def test_scale_to_zero_first_request_succeeds_then_back_to_zero(fleet: Fleet) ->
 
     fleet.wait_for("the fleet to scale back to zero", scaled_to_zero, timeout=40)
     assert get(f"{endpoint}/again", timeout=60)["replica"] == "2"  # and up again
+
+
+def test_tls_and_api_keys_from_the_yaml(fleet: Fleet) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    cert.cert_chain_pems[0].write_to_path(str(fleet.workdir / "cert.pem"))
+    cert.private_key_pem.write_to_path(str(fleet.workdir / "key.pem"))
+    key = "sk-" + "a" * 29
+    body = TWO_REPLICAS.replace(
+        "      load_balancing_policy: round_robin\n",
+        "      load_balancing_policy: round_robin\n"
+        "      tls: {{keyfile: key.pem, certfile: cert.pem}}\n"
+        f"      load_balancer: {{{{api_keys: [{key}]}}}}\n",
+    )
+    path = fleet.workdir / "secure.yaml"  # tls paths are relative to the YAML's folder
+    path.write_text(textwrap.dedent(body.format(name="secure", workdir=fleet.workdir)))
+    out = fleet.cli("up", str(path))
+    endpoint = endpoint_of(out.stdout)
+    assert endpoint.startswith("https://127.0.0.1:")
+    ctx = ssl.create_default_context()
+    ca.configure_trust(ctx)
+    ctx.check_hostname = False  # the certificate names localhost, the endpoint 127.0.0.1
+    url = endpoint + "/secret"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url, context=ctx, timeout=5)
+    assert e.value.code == 401
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
+        assert json.loads(r.read())["path"] == "/secret"
+    lb_log = fleet.cli("logs", "secure", "--load-balancer").stdout
+    assert "TLS" in lb_log and "API keys required" in lb_log
+    assert key not in lb_log and key not in fleet.cli("logs", "--controller").stdout
