@@ -9,6 +9,16 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev,embeddings]'
 export PATH="$PWD/.venv/bin:$PATH"
+# The nginx data plane's tests need nginx (Debian's nginx-light); they are never skipped.
+if ! command -v nginx >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing nginx-light"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light) >/dev/null
+  else
+    echo "nginx is needed by the tests: sudo apt-get install nginx-light" >&2
+    exit 1
+  fi
+fi
 echo "== ruff";        ruff check . && ruff format --check .
 echo "== mypy";        mypy
 echo "== lint-imports"; lint-imports

@@ -122,14 +122,24 @@ def start_nginx(procs: Procs, name: str, upstreams: list[int]) -> int:
     return port
 
 
-def start_fleetserve(procs: Procs, name: str, upstreams: list[int]) -> tuple[int, int]:
+def start_fleetserve(
+    procs: Procs, name: str, upstreams: list[int], data_plane: str = "python"
+) -> tuple[int, int]:
     from fleetserve.lb.config import LbConfig
+    from fleetserve.spec.models import LoadBalancerOptions
 
     port, admin = free_port(), free_port()
-    config = LbConfig(service="bench", port=port, admin_port=admin, policy="least_load")
+    config = LbConfig(
+        service="bench",
+        port=port,
+        admin_port=admin,
+        policy="least_load",
+        options=LoadBalancerOptions(data_plane=data_plane),  # type: ignore[arg-type]
+    )
     path = procs.workdir / f"{name}.json"
     config.write(path)
-    procs.start([sys.executable, "-m", "fleetserve.lb", "--config", str(path)], f"{name}.log")
+    module = "fleetserve.lb.nginx" if data_plane == "nginx" else "fleetserve.lb"
+    procs.start([sys.executable, "-m", module, "--config", str(path)], f"{name}.log")
     wait_port(admin)
     body = {
         "replicas": [
@@ -319,10 +329,13 @@ def main() -> None:
         ports = [start_replica(procs, i)[0] for i in (1, 2)]
         nginx = start_nginx(procs, "nginx", ports)
         fleet, _admin = start_fleetserve(procs, "fleetserve", ports)
+        native, _ = start_fleetserve(procs, "fleetserve-nginx", ports, data_plane="nginx")
+        time.sleep(0.5)  # the nginx plane's first reload
         targets = {
             "direct": None,
             "nginx": f"http://127.0.0.1:{nginx}/",
             "fleetserve": f"http://127.0.0.1:{fleet}/",
+            "fs-nginx": f"http://127.0.0.1:{native}/",
         }
         runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in targets}
         for r in range(args.rounds):
@@ -348,6 +361,9 @@ def main() -> None:
         print(f"{'target':<12}{'req/s':>12}{'p50 ms':>10}{'p99 ms':>10}")
         for name, e in echo.items():
             print(f"{name:<12}{e['rps']:>12,.0f}{e['p50_ms']:>10.2f}{e['p99_ms']:>10.2f}")
+        print(
+            "(fs-nginx: fleetserve's optional native data plane, load_balancer.data_plane: nginx)"
+        )
         f, n = echo["fleetserve"], echo["nginx"]
         ratios = {
             "throughput_vs_nginx": f["rps"] / n["rps"],

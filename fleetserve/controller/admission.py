@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import shutil
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
@@ -40,6 +41,11 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
         raise InvalidSpec(
             f"resources.infra: {wanted!r} is not available; "
             f"supported: {', '.join(SUPPORTED_INFRAS)}"
+        )
+    if spec.service.load_balancer.data_plane == "nginx" and shutil.which("nginx") is None:
+        raise InvalidSpec(
+            "service.load_balancer.data_plane: nginx is not installed on this machine "
+            "(apt-get install nginx-light), or use the default python data plane"
         )
     _lo, hi = spec.service.replica_bounds()
     port = spec.replica_port()

@@ -31,10 +31,19 @@ from fleetserve.infra.local import (
     stop_processes,
 )
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.nginx import stop_stale_nginx
 from fleetserve.lb.workers import PARENT_ENV
 
 log = logging.getLogger("fleetserve.controller")
 LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
+
+
+def upstream_payload(endpoints: list[Endpoint]) -> list[dict[str, Any]]:
+    """The routable set as the load balancer's admin API (and its config file) take it."""
+    return [
+        {"replica_id": e.replica_id, "url": e.url, "version": e.version, "weight": e.weight}
+        for e in endpoints
+    ]
 
 
 @dataclass
@@ -70,11 +79,9 @@ class LbManager:
 
     async def start(self, svc: ServiceRecord, config: LbConfig) -> tuple[int, float]:
         """Start the LB process with `config`; returns (pid, create_time) once it answers."""
-        for _ in range(50):  # workers of a load balancer that just died free it within a second
-            if port_free(config.port):
-                break
-            await asyncio.sleep(0.1)
-        else:
+        # SO_REUSEPORT in the check: the lingering workers of a load balancer that died share
+        # the port with the new one; any other program holding it is an error.
+        if not port_free(config.port, reuse_port=True):
             raise TerminalError(f"load balancer port {config.port} is in use by another program")
         os.makedirs(os.path.dirname(self.log_path(svc.name)), exist_ok=True)
         config.write(self.config_path(svc.name))
@@ -86,7 +93,9 @@ class LbManager:
                 [
                     sys.executable,
                     "-m",
-                    "fleetserve.lb",
+                    "fleetserve.lb.nginx"
+                    if config.options.data_plane == "nginx"
+                    else "fleetserve.lb",
                     "--config",
                     str(self.config_path(svc.name)),
                 ],
@@ -124,12 +133,7 @@ class LbManager:
         due = now - state.pushed_at >= self.settings.lb_repush_interval
         if not force and key == state.pushed and not due:
             return True
-        body = {
-            "replicas": [
-                {"replica_id": e.replica_id, "url": e.url, "version": e.version, "weight": e.weight}
-                for e in endpoints
-            ]
-        }
+        body = {"replicas": upstream_payload(endpoints)}
         try:
             r = await self.client.put(
                 f"http://127.0.0.1:{svc.lb_admin_port}/-/replicas", json=body, timeout=2
@@ -166,6 +170,7 @@ class LbManager:
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        stop_stale_nginx(self.config_path(service).with_suffix(".nginx"))  # if its driver died
         self.config_path(service).unlink(missing_ok=True)
         state = self._state.pop(service, None)
         if state is not None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetserve.controller.executor import Executor, new_launch_token
-from fleetserve.controller.lb_manager import LbManager
+from fleetserve.controller.lb_manager import LbManager, upstream_payload
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import Clock
@@ -306,6 +306,7 @@ class ServiceReconciler:
             port = svc.lb_port or self.lb.pick_port(taken)
             admin_port = free_port()
             config = lb_config(spec, svc.name, port, admin_port, self.settings.api_port)
+            config = config.model_copy(update={"replicas": upstream_payload(self._endpoints(svc))})
             pid, create_time = await self.lb.start(svc, config)
         except FleetserveError as e:
             return self.store.update_service(
@@ -328,12 +329,14 @@ class ServiceReconciler:
             failure_reason=None,
         )
 
+    def _endpoints(self, svc: ServiceRecord) -> list[Endpoint]:
+        ready = routable(self.store.list_replicas(self.name), [svc.active_version])
+        return [Endpoint(r.replica_id, r.endpoint or "", r.version) for r in ready]
+
     async def _push(self, svc: ServiceRecord) -> None:
         if svc.lb_pid is None:
             return
-        ready = routable(self.store.list_replicas(self.name), [svc.active_version])
-        endpoints = [Endpoint(r.replica_id, r.endpoint or "", r.version) for r in ready]
-        await self.lb.push(svc, endpoints, self.clock.now())
+        await self.lb.push(svc, self._endpoints(svc), self.clock.now())
 
     # -- down ------------------------------------------------------------------------------
 

@@ -9,64 +9,20 @@ import asyncio
 import gc
 import json
 import logging
-import os
 import signal
 import socket
-import ssl
-import time
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
+from fleetserve.lb.build import make_proxy, tls_context, worker_count
 from fleetserve.lb.config import LbConfig
-from fleetserve.lb.proxy import Proxy
-from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.lb.replica_set import Upstream
 from fleetserve.lb.workers import Supervisor
-from fleetserve.policies.lb import make_selector
 
 log = logging.getLogger("fleetserve.lb")
-
-
-def _tls(config: LbConfig) -> ssl.SSLContext | None:
-    if not config.tls_certfile or not config.tls_keyfile:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(config.tls_certfile, config.tls_keyfile)
-    return ctx
-
-
-def worker_count(config: LbConfig) -> int:
-    wanted = config.options.workers
-    return wanted if wanted is not None else max(1, min(os.cpu_count() or 1, 4))
-
-
-def make_proxy(config: LbConfig) -> Proxy:
-    replicas = ReplicaSet(make_selector("least_load"))
-    # instance_aware_least_load reads the per-replica weights that each push installs.
-    replicas.selector = make_selector(
-        config.policy, weights=replicas.weights, max_extra_load=config.options.max_extra_load
-    )
-    last_wake = 0.0
-    wake_session: aiohttp.ClientSession | None = None
-
-    async def wake() -> None:
-        # Tell the controller at once that a request waits (at most once a second).
-        nonlocal last_wake, wake_session
-        if config.wake_url is None or time.monotonic() - last_wake < 1.0:
-            return
-        last_wake = time.monotonic()
-        if wake_session is None:
-            wake_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
-        try:
-            async with wake_session.post(config.wake_url) as r:
-                if r.status >= 400:
-                    log.warning("controller answered %s to a wake-up", r.status)
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("could not wake the controller: %s", e)
-
-    return Proxy(config, replicas, wake=wake)
+LINGER_SECONDS = 5.0  # a worker whose primary was killed serves this long more
 
 
 async def _until_signalled() -> None:
@@ -84,7 +40,7 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     supervisor = Supervisor(config_path, count) if count > 1 else None
     admin = web.AppRunner(make_admin_app(proxy, supervisor), access_log=None)
     await admin.setup()
-    await proxy.serve(config.host, config.port, _tls(config), reuse_port=count > 1)
+    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=count > 1)
     await web.TCPSite(admin, "127.0.0.1", config.admin_port, reuse_address=True).start()
     if supervisor is not None:
         await supervisor.start()
@@ -113,11 +69,18 @@ async def serve_worker(config: LbConfig, control_fd: int) -> None:
     from prometheus_client import generate_latest
 
     proxy = make_proxy(config)
-    await proxy.serve(config.host, config.port, _tls(config), reuse_port=True)
+    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=True)
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=control_fd))
     loop = asyncio.get_running_loop()
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        stopping = True
+        writer.close()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, writer.close)
+        loop.add_signal_handler(sig, stop)
     while line := await reader.readline():
         msg = json.loads(line)
         if msg.get("op") == "replicas":
@@ -136,8 +99,11 @@ async def serve_worker(config: LbConfig, control_fd: int) -> None:
             }
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
-    # The channel closed: the primary is gone (or stops us). Free the port at once, so that
-    # a new primary can take it.
+    # The channel closed: the primary is gone, or stops us. If it was killed, serve the last
+    # replica set a few seconds more, while the controller starts a new primary beside us
+    # (SO_REUSEPORT), so that no connection is refused meanwhile; then go.
+    if not stopping:
+        await asyncio.sleep(LINGER_SECONDS)
     await proxy.close(drain_seconds=0)
 
 

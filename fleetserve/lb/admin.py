@@ -4,6 +4,7 @@ and reads the load report; Prometheus scrapes /metrics."""
 from __future__ import annotations
 
 import logging
+from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import Upstream
-from fleetserve.lb.workers import MergedMetrics, Supervisor, merge_load
+from fleetserve.lb.workers import MergedMetrics, merge_load
 
 log = logging.getLogger("fleetserve.lb")
 
@@ -29,9 +30,18 @@ class ReplicaPush(BaseModel):
     replicas: list[UpstreamIn]
 
 
-def make_admin_app(proxy: Proxy, supervisor: Supervisor | None = None) -> web.Application:
-    """The admin API of the primary; with a supervisor, pushes are relayed to the other
-    workers and reports and metrics are theirs added to its own."""
+class Relay(Protocol):
+    """Who else must hear of a push, and whose reports add to this process's: the other
+    workers (Supervisor), or the nginx data plane."""
+
+    async def push(self, replicas: list[dict[str, Any]]) -> None: ...
+
+    async def reports(self) -> list[dict[str, Any]]: ...
+
+
+def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Application:
+    """The admin API of the primary; with a relay, pushes are passed on to it and its reports
+    and metrics are added to this process's own."""
     replicas = proxy.replicas
     service = proxy.config.service
 

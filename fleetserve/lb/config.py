@@ -4,6 +4,7 @@ API keys), read once at start."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +24,8 @@ class LbConfig(BaseModel):
     tls_keyfile: str | None = None
     hold_when_empty: bool = False  # min_replicas 0: hold requests until a replica is READY
     wake_url: str | None = None  # POSTed (at most once a second) when a request is held
+    # The routable set when the process starts (a restarted LB serves at once); pushes follow.
+    replicas: list[dict[str, Any]] = Field(default_factory=list)
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

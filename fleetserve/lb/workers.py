@@ -118,9 +118,9 @@ class Supervisor:
         if self._watch is not None:
             self._watch.cancel()
         for link in self.links.values():
-            link.writer.close()  # the worker exits when its channel closes
             if link.proc.poll() is None:
-                link.proc.terminate()
+                link.proc.terminate()  # a stop, not a crash: the worker goes at once
+            link.writer.close()
         for link in self.links.values():
             try:
                 await asyncio.to_thread(link.proc.wait, 5)

@@ -136,6 +136,7 @@ class LoadBalancerOptions(_Strict):
     queue_timeout_seconds: Annotated[float, Field(ge=0)] = 300.0
     api_keys: list[Annotated[str, Field(min_length=16)]] = Field(default_factory=list, repr=False)
     workers: Annotated[int, Field(ge=1, le=64)] | None = None  # processes; default: cores, <= 4
+    data_plane: Literal["python", "nginx"] = "python"  # nginx: the optional native data plane
 
 
 class Pool(_Strict):

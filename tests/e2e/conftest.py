@@ -144,7 +144,9 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         f.cli("down", "--all", "--purge", check=False)
         f.cli("server", "stop", check=False)
     leftovers = f.processes()
+    described = []
     for p in leftovers:
         with contextlib.suppress(psutil.Error):
+            described.append((p.pid, p.cmdline()))
             p.kill()
-    assert not leftovers, f"processes left running: {[(p.pid, p.cmdline()) for p in leftovers]}"
+    assert not described, f"processes left running: {described}"

@@ -15,6 +15,7 @@ import trustme
 from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
+from fleetserve.lb.build import tls_context
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.proxy import Proxy, prompt_prefix
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
@@ -124,8 +125,6 @@ async def test_api_keys_are_required_and_not_forwarded(start: Start) -> None:
 
 
 async def test_tls_at_the_load_balancer(start: Start, tmp_path: Path) -> None:
-    from fleetserve.lb.__main__ import _tls
-
     ca = trustme.CA()
     cert = ca.issue_cert("localhost")
     certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -138,7 +137,7 @@ async def test_tls_at_the_load_balancer(start: Start, tmp_path: Path) -> None:
     replicas = ReplicaSet(make_selector("least_load"))
     replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
     proxy = Proxy(cfg, replicas)
-    await proxy.serve("127.0.0.1", 0, _tls(cfg))
+    await proxy.serve("127.0.0.1", 0, tls_context(cfg))
     port = proxy.port
     client_ctx = ssl.create_default_context()
     ca.configure_trust(client_ctx)
