@@ -4,8 +4,6 @@ queue of requests waiting for the first READY replica."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fleetserve.policies.lb import NO_KEY, RequestKey, Selector
@@ -69,16 +67,3 @@ class ReplicaSet:
         if self.upstreams.pop(replica_id, None) is not None:
             self.order = tuple(r for r in self.order if r != replica_id)
             self._signal()
-
-    @contextmanager
-    def track(self, replica_id: int) -> Iterator[None]:
-        """Count one in-flight request on every exit path (success, error, cancellation)."""
-        self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
-        try:
-            yield
-        finally:
-            left = self.inflight.get(replica_id, 1) - 1
-            if left > 0:
-                self.inflight[replica_id] = left
-            else:
-                self.inflight.pop(replica_id, None)

@@ -12,16 +12,11 @@ import hashlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, get_args
 
-POLICIES = (
-    "round_robin",
-    "least_load",
-    "instance_aware_least_load",
-    "power_of_two",
-    "sticky",
-    "prefix_affinity",
-)
+from fleetserve.spec.models import LbPolicy
+
+POLICIES: tuple[str, ...] = get_args(LbPolicy)  # the names the YAML accepts
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.nginx import render
 from fleetserve.spec.models import LoadBalancerOptions
+from tests.unit.lb.helpers import start_lb_process
 from tests.unit.lb.test_proxy import Start, closed_port, start, upstream_app
 
 __all__ = ["start"]
@@ -55,17 +54,8 @@ async def nginx_lb(tmp_path: Path) -> AsyncIterator[LbConfig]:
         policy="round_robin",
         options=LoadBalancerOptions(data_plane="nginx", workers=1, api_keys=["t" * 24]),
     )
+    proc = await start_lb_process(config, tmp_path, "fleetserve.lb.nginx")
     path = tmp_path / "lb.json"
-    config.write(path)
-    proc = subprocess.Popen([sys.executable, "-m", "fleetserve.lb.nginx", "--config", str(path)])
-    async with aiohttp.ClientSession() as s:
-        for _ in range(100):
-            try:
-                async with s.get(f"http://127.0.0.1:{config.admin_port}/-/health") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.1)
     yield config
     proc.send_signal(signal.SIGTERM)
     proc.wait(15)

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.workers import MergedMetrics, merge_load
 from fleetserve.spec.models import LoadBalancerOptions
+from tests.unit.lb.helpers import start_lb_process, wait_workers, workers_of
 from tests.unit.lb.test_proxy import Start, closed_port, start, upstream_app
 
 __all__ = ["start"]
@@ -32,51 +32,20 @@ async def lb_process(tmp_path: Path) -> AsyncIterator[tuple[LbConfig, subprocess
         admin_port=closed_port(),
         options=LoadBalancerOptions(workers=2),
     )
-    path = tmp_path / "lb.json"
-    config.write(path)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleetserve.lb", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    async with aiohttp.ClientSession() as s:
-        for _ in range(100):
-            try:
-                async with s.get(f"http://127.0.0.1:{config.admin_port}/-/health") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.1)
+    proc = await start_lb_process(config, tmp_path)
     yield config, proc
+    workers = workers_of(proc)
     proc.send_signal(signal.SIGTERM)
     proc.wait(10)
-    assert not [
-        c
-        for c in psutil.Process().children(recursive=True)
-        if c.pid != proc.pid and "fleetserve.lb" in " ".join(c.cmdline())
-    ]
-
-
-def workers_of(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
-    found = []
-    for c in psutil.Process(proc.pid).children():
-        try:
-            if c.status() != psutil.STATUS_ZOMBIE and "--worker" in c.cmdline():
-                found.append(c)
-        except psutil.Error:
-            continue
-    return found
+    _, alive = psutil.wait_procs(workers, timeout=5)
+    assert not alive, "a worker outlived its primary's stop"
 
 
 async def test_two_workers_share_the_port_and_report_together(
     start: Start, lb_process: tuple[LbConfig, subprocess.Popen[bytes]]
 ) -> None:
     config, proc = lb_process
-    for _ in range(50):
-        if workers_of(proc):
-            break
-        await asyncio.sleep(0.1)
-    assert len(workers_of(proc)) == 1  # the primary plus one more
+    assert len(await wait_workers(proc)) == 1  # the primary plus one more
     a = await start(upstream_app("a"))
     admin = f"http://127.0.0.1:{config.admin_port}"
     async with aiohttp.ClientSession() as s:
@@ -105,10 +74,7 @@ async def test_a_dead_worker_is_restarted_and_gets_the_set(
     start: Start, lb_process: tuple[LbConfig, subprocess.Popen[bytes]]
 ) -> None:
     config, proc = lb_process
-    for _ in range(50):
-        if workers_of(proc):
-            break
-        await asyncio.sleep(0.1)
+    await wait_workers(proc)
     a = await start(upstream_app("a"))
     async with aiohttp.ClientSession() as s:
         push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
@@ -116,12 +82,7 @@ async def test_a_dead_worker_is_restarted_and_gets_the_set(
             pass
     old = workers_of(proc)[0]
     os.kill(old.pid, signal.SIGKILL)
-    for _ in range(50):
-        new = [w for w in workers_of(proc) if w.pid != old.pid]
-        if new:
-            break
-        await asyncio.sleep(0.1)
-    assert new, "the worker was not restarted"
+    assert await wait_workers(proc, exclude=old.pid), "the worker was not restarted"
     await asyncio.sleep(0.5)
     for _ in range(20):
         async with (

@@ -1,0 +1,56 @@
+"""Starting real load-balancer processes in tests."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from fleetserve.lb.config import LbConfig
+
+
+async def start_lb_process(
+    config: LbConfig, tmp_path: Path, module: str = "fleetserve.lb"
+) -> subprocess.Popen[bytes]:
+    """`python -m MODULE --config FILE`, returned once its admin API answers."""
+    path = tmp_path / "lb.json"
+    config.write(path)
+    proc = subprocess.Popen([sys.executable, "-m", module, "--config", str(path)])
+    async with aiohttp.ClientSession() as s:
+        for _ in range(100):
+            try:
+                async with s.get(f"http://127.0.0.1:{config.admin_port}/-/health") as r:
+                    if r.status == 200:
+                        return proc
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"{module} did not answer on its admin port")
+
+
+def workers_of(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The live extra workers a load balancer started."""
+    found = []
+    for c in psutil.Process(proc.pid).children():
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "--worker" in c.cmdline():
+                found.append(c)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def wait_workers(
+    proc: subprocess.Popen[bytes], exclude: int | None = None
+) -> list[psutil.Process]:
+    """Wait (5 s at most) for a worker other than `exclude` to be up."""
+    for _ in range(50):
+        found = [w for w in workers_of(proc) if w.pid != exclude]
+        if found:
+            return found
+        await asyncio.sleep(0.1)
+    return []
