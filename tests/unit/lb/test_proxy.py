@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -324,3 +325,36 @@ async def test_pipelined_requests_are_answered_in_order(start: Start) -> None:
         paths.append(json.loads(await reader.readexactly(length))["path"])
     writer.close()
     assert paths == ["/one", "/two", "/three"]
+
+
+async def test_in_flight_counts_return_to_zero_on_every_exit_path(start: Start) -> None:
+    """least_load's counts: success, replica error, refused connection, client disconnect,
+    and a replica removed from the set while its requests run."""
+    a = await start(upstream_app("a"))
+    lb, replicas = await make_lb(
+        start,
+        "least_load",
+        [
+            Upstream(1, f"http://127.0.0.1:{a}", 1),
+            Upstream(2, f"http://127.0.0.1:{closed_port()}", 1),
+        ],
+    )
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{lb}/ok") as r:  # success (after a refused connection, maybe)
+            assert r.status == 200
+        slow = asyncio.create_task(s.get(f"{lb}/slow"))
+        await asyncio.sleep(0.2)
+        assert replicas.inflight == {1: 1}
+        replicas.replace([])  # removed while its request runs: the count stays until it ends
+        assert replicas.inflight == {1: 1}
+        slow.cancel()  # the client goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await slow
+        for _ in range(50):
+            if not replicas.inflight:
+                break
+            await asyncio.sleep(0.05)
+        assert replicas.inflight == {}
+        async with s.get(f"{lb}/none") as r:  # nothing routable: a 503, nothing counted
+            assert r.status == 503
+    assert replicas.inflight == {}
