@@ -127,20 +127,24 @@ class Controller:
             return
         if rec.status is ReplicaStatus.SHUTTING_DOWN:
             return
-        reconciler.executor.terminate(rec, rec.status, "terminated by user", delete_row=True)
+        reconciler.executor.terminate(
+            rec,
+            rec.status,
+            "terminated by user",
+            delete_row=True,
+            drain_seconds=self.settings.drain_seconds,
+        )
         reconciler.wake.set()
 
     def wake(self, name: str) -> None:
         """The load balancer holds a request and no replica is ready: scale up from zero now."""
         self.store.service(name)
-        reconciler = self._run(name)
-        reconciler.record_demand(self.clock.now())
-        reconciler.wake.set()
+        self._run(name).wake.set()  # its next round reads the held request in the LB's report
 
     def load_report(self, name: str) -> dict[str, object] | None:
         self.store.service(name)
         rec = self.reconcilers.get(name)
-        return None if rec is None else rec.load
+        return None if rec is None else rec.scaler.load
 
     # -- views -----------------------------------------------------------------------------
 

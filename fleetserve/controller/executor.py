@@ -68,6 +68,7 @@ class Executor:
         self.on_change = on_change
         self.launches: dict[int, asyncio.Task[None]] = {}
         self.terminations: dict[int, asyncio.Task[None]] = {}
+        self.inflight_of: Callable[[int], int] = lambda _rid: 0  # from the LB's load report
 
     def busy(self, replica_id: int) -> bool:
         return replica_id in self.launches or replica_id in self.terminations
@@ -125,8 +126,10 @@ class Executor:
         reason: str,
         delete_row: bool,
         exit_code: int | None = None,
+        drain_seconds: float = 0.0,
     ) -> None:
-        """Mark SHUTTING_DOWN (out of the LB set at once), stop it, then record how it ended."""
+        """Mark SHUTTING_DOWN (out of the LB set at once), let its in-flight requests finish
+        (up to `drain_seconds`), stop it, then record how it ended."""
         if rec.replica_id in self.terminations:
             return
         rec = self.store.update_replica(
@@ -139,13 +142,28 @@ class Executor:
             exit_code=exit_code,
         )
         task = asyncio.create_task(
-            self._terminate(rec, final_status, reason, delete_row), name=f"term-{rec.replica_id}"
+            self._terminate(rec, final_status, reason, delete_row, drain_seconds),
+            name=f"term-{rec.replica_id}",
         )
         self.terminations[rec.replica_id] = task
         task.add_done_callback(lambda _t: self._done(self.terminations, rec.replica_id))
 
+    async def _drain(self, replica_id: int, seconds: float) -> None:
+        """Wait until the LB reports no request in flight to the replica (bounded). The first
+        second lets the push that removes it from the LB's set land."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        await asyncio.sleep(min(1.0, seconds))
+        while loop.time() < deadline and self.inflight_of(replica_id) > 0:
+            await asyncio.sleep(0.2)
+
     async def _terminate(
-        self, rec: ReplicaRecord, final_status: ReplicaStatus, reason: str, delete_row: bool
+        self,
+        rec: ReplicaRecord,
+        final_status: ReplicaStatus,
+        reason: str,
+        delete_row: bool,
+        drain_seconds: float = 0.0,
     ) -> None:
         launch = self.launches.get(rec.replica_id)
         if launch is not None:
@@ -154,6 +172,8 @@ class Executor:
                 await launch
             fresh = self.store.get_replica(rec.service, rec.replica_id)
             rec = fresh or rec
+        elif drain_seconds > 0 and rec.handle:
+            await self._drain(rec.replica_id, drain_seconds)
         try:
             await self.infra.terminate(rec.handle, rec.launch_token)
         except Exception as e:

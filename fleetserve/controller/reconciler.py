@@ -10,11 +10,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 from fleetserve.controller.executor import Executor, new_launch_token
 from fleetserve.controller.lb_manager import LbManager, upstream_payload
 from fleetserve.controller.prober import Prober
+from fleetserve.controller.scaling import Scaler
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError
@@ -23,7 +23,6 @@ from fleetserve.core.types import Endpoint, ReplicaRecord, ServicePhase, Service
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.infra.local import free_port
 from fleetserve.lb.config import LbConfig
-from fleetserve.policies.demand import fleet_target
 from fleetserve.policies.fleet import (
     Action,
     CreateReplicas,
@@ -38,13 +37,12 @@ from fleetserve.policies.fleet import (
     plan_shutdown,
     routable,
 )
-from fleetserve.spec.models import DEFAULT_DOWNSCALE_DELAY_SECONDS, ServiceTask
+from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
 
 _RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY)
-DEMAND = "demand"  # policy-state key: when the service last had a request
 
 
 def lb_config(
@@ -88,8 +86,8 @@ class ServiceReconciler:
         self.executor = Executor(name, store, infra, clock, settings.home, self.wake.set)
         self.finished = asyncio.Event()
         self._specs: dict[int, ServiceTask] = {}
-        self.load: dict[str, Any] | None = None  # the LB's latest load report
-        self._seen_requests = 0
+        self.scaler = Scaler(name, store, clock, settings.autoscale_interval)
+        self.executor.inflight_of = self.scaler.inflight_of
 
     def spec(self, version: int) -> ServiceTask:
         if version not in self._specs:
@@ -169,13 +167,11 @@ class ServiceReconciler:
         svc = await self._ensure_lb(svc, spec)
         replicas = self.store.list_replicas(self.name)
         observations = await self._observe(replicas, spec)
-        lo, hi = spec.service.replica_bounds()
         probe = spec.service.readiness_probe
-        await self._observe_load(svc)
+        if svc.lb_pid is not None:
+            self.scaler.observe(await self.lb.load(svc))
         settings = FleetSettings(
-            target_replicas=fleet_target(
-                lo, hi, self.last_request_at, self.clock.now(), self._idle_seconds(spec)
-            ),
+            target_replicas=self.scaler.target(spec),
             version=svc.active_version,
             initial_delay_seconds=probe.initial_delay_seconds if probe else 0,
             failure_window_seconds=self.settings.failure_window,
@@ -192,33 +188,6 @@ class ServiceReconciler:
                 self.store.add_event(self.name, self.clock.now(), "service", plan.failure_reason)
         await self._push(svc)
         return False
-
-    def _idle_seconds(self, spec: ServiceTask) -> float:
-        policy = spec.service.replica_policy
-        return policy.downscale_delay_seconds if policy else DEFAULT_DOWNSCALE_DELAY_SECONDS
-
-    @property
-    def last_request_at(self) -> float | None:
-        state = self.store.get_policy_state(self.name, DEMAND)
-        return None if state is None else float(state["last_request_at"])
-
-    def record_demand(self, now: float) -> None:
-        """A request came (or waits): persisted, at most every few seconds under traffic."""
-        last = self.last_request_at
-        if last is None or now - last >= 5.0:
-            self.store.put_policy_state(self.name, DEMAND, {"last_request_at": now}, now)
-
-    async def _observe_load(self, svc: ServiceRecord) -> None:
-        if svc.lb_pid is None:
-            return
-        report = await self.lb.load(svc)
-        if report is None:
-            return
-        self.load = report
-        total = int(report.get("total_requests", 0))
-        if total > self._seen_requests or int(report.get("queued", 0)) > 0:
-            self.record_demand(self.clock.now())
-        self._seen_requests = total
 
     async def _observe(
         self, replicas: list[ReplicaRecord], spec: ServiceTask
@@ -278,6 +247,7 @@ class ServiceReconciler:
                     action.reason,
                     action.delete_row,
                     action.exit_code,
+                    drain_seconds=self.settings.drain_seconds if action.drain else 0.0,
                 )
             elif isinstance(action, CreateReplicas):
                 for _ in range(action.count):

@@ -39,6 +39,8 @@ class Settings:
     max_concurrent_launches: int = 4
     lb_port_start: int = 30001
     lb_repush_interval: float = 10.0  # the set is pushed on every change, and again this often
+    autoscale_interval: float = 1.0  # seconds between two autoscaler decisions
+    drain_seconds: float = 120.0  # the longest wait for a scaled-down replica's requests
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -59,6 +61,8 @@ class Settings:
             terminate_grace=num("FLEETSERVE_TERMINATE_GRACE", 10.0),
             max_concurrent_launches=int(num("FLEETSERVE_MAX_LAUNCHES", 4)),
             lb_port_start=int(num("FLEETSERVE_LB_PORT_START", 30001)),
+            autoscale_interval=num("FLEETSERVE_AUTOSCALE_INTERVAL", 1.0),
+            drain_seconds=num("FLEETSERVE_DRAIN_SECONDS", 120.0),
         )
 
     @property

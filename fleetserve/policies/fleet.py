@@ -66,6 +66,7 @@ class Terminate:
     reason: str
     delete_row: bool = False
     exit_code: int | None = None
+    drain: bool = False  # wait (bounded) for its in-flight requests after leaving the LB set
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,9 @@ def plan_fleet(
         actions.append(CreateReplicas(missing))
     elif missing < 0:
         for r in scale_down_order(alive)[:-missing]:
-            actions.append(Terminate(r.replica_id, r.status, "scaled down", delete_row=True))
+            actions.append(
+                Terminate(r.replica_id, r.status, "scaled down", delete_row=True, drain=True)
+            )
             ending.add(r.replica_id)
 
     launching = sum(1 for r in alive if r.status is ReplicaStatus.PROVISIONING)

@@ -75,6 +75,10 @@ class ReplicaPolicy(_Strict):
     min_replicas: Annotated[int, Field(ge=0)]
     max_replicas: Annotated[int, Field(ge=0)] | None = None
     target_qps_per_replica: Annotated[float, Field(gt=0)] | dict[str, float] | None = None
+    # fleetserve's extensions: scale on requests in flight (as Ray Serve does) and the length
+    # of the request-rate window.
+    target_ongoing_requests_per_replica: Annotated[float, Field(gt=0)] | None = None
+    qps_window_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
     num_overprovision: Annotated[int, Field(ge=0)] | None = None
     upscale_delay_seconds: Annotated[float, Field(ge=0)] = DEFAULT_UPSCALE_DELAY_SECONDS
     downscale_delay_seconds: Annotated[float, Field(ge=0)] = DEFAULT_DOWNSCALE_DELAY_SECONDS
@@ -101,16 +105,27 @@ class ReplicaPolicy(_Strict):
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
             )
-        if self.target_qps_per_replica is not None:
+        if self.autoscaled:
             if self.max_replicas is None:
-                raise ValueError("max_replicas is required when target_qps_per_replica is set")
+                raise ValueError(
+                    "max_replicas is required when target_qps_per_replica or "
+                    "target_ongoing_requests_per_replica is set"
+                )
         elif self.max_replicas is not None and self.max_replicas != self.min_replicas:
             raise ValueError(
-                "without target_qps_per_replica there is nothing to autoscale on: "
+                "without target_qps_per_replica (or target_ongoing_requests_per_replica) there "
+                "is nothing to autoscale on: "
                 f"max_replicas ({self.max_replicas}) must equal min_replicas "
                 f"({self.min_replicas}) or be left out"
             )
         return self
+
+    @property
+    def autoscaled(self) -> bool:
+        return (
+            self.target_qps_per_replica is not None
+            or self.target_ongoing_requests_per_replica is not None
+        )
 
     @property
     def effective_max(self) -> int:

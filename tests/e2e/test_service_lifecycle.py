@@ -48,6 +48,7 @@ class Load:
     url: str
     limit: int = 20000
     seconds: float = 90
+    pause: float = 0.005
     ok: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -61,7 +62,7 @@ class Load:
                 self.ok[get(self.url, timeout=5)["replica"]] += 1
             except (urllib.error.URLError, OSError, ValueError) as e:
                 self.failures.append(repr(e))
-            time.sleep(0.005)
+            time.sleep(self.pause)
 
     def __enter__(self) -> Load:
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -297,6 +298,7 @@ SCALE_TO_ZERO = """\
         min_replicas: 0
         max_replicas: 1
         target_qps_per_replica: 1
+        qps_window_seconds: 2
         downscale_delay_seconds: 4
     workdir: {workdir}
     run: python3 server.py
