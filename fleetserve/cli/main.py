@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from fleetserve.api.models import ServiceInfo
 from fleetserve.cli.render import events_table, replicas_table, services_table, styled
@@ -201,6 +202,111 @@ def down(
             raise typer.Exit(1)
     except FleetserveError as e:
         raise _fail(e) from None
+
+
+@app.command()
+def simulate(
+    trace: Annotated[
+        str | None, typer.Option(help="CSV of time_s,qps (or 'Time (min),Requests'); maf1: MAF")
+    ] = None,
+    burst: Annotated[
+        str | None, typer.Option(help="Generated: BASE:PEAK:PERIOD:LENGTH (req/s, seconds)")
+    ] = None,
+    duration: Annotated[float | None, typer.Option(help="Seconds of the trace to replay")] = None,
+    scale: Annotated[float, typer.Option(help="Multiply the trace's rates")] = 1.0,
+    policies: Annotated[
+        str, typer.Option("--policy", help="Comma-separated: request_rate,in_flight,skyserve")
+    ] = "request_rate,in_flight,skyserve",
+    target_qps: Annotated[float, typer.Option(help="Requests/s per replica (its capacity)")] = 5.0,
+    target_inflight: Annotated[float, typer.Option(help="For in_flight")] = 5.0,
+    latency: Annotated[
+        float, typer.Option(help="Seconds per request (in flight = rate x this)")
+    ] = 1.0,
+    min_replicas: Annotated[int, typer.Option("--min")] = 1,
+    max_replicas: Annotated[int, typer.Option("--max")] = 10,
+    upscale_delay: Annotated[float, typer.Option(help="Seconds")] = 300.0,
+    downscale_delay: Annotated[float, typer.Option(help="Seconds")] = 1200.0,
+    window: Annotated[float, typer.Option(help="Request-rate window, seconds")] = 60.0,
+    cold_start: Annotated[float, typer.Option(help="Seconds from launch to READY")] = 60.0,
+    step: Annotated[float, typer.Option(help="Seconds between decisions")] = 1.0,
+    plot_file: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here")] = None,
+) -> None:
+    """Replay a request trace through autoscaling policies on a virtual clock and compare them:
+    replicas over time, requests over capacity, replica-hours."""
+    from fleetserve.sim.simulator import (
+        burst_trace,
+        load_trace,
+        plot,
+        policy_for,
+    )
+    from fleetserve.sim.simulator import (
+        simulate as run_sim,
+    )
+
+    try:
+        if (trace is None) == (burst is None):
+            raise InvalidSpec("give --trace FILE (or maf1) or --burst BASE:PEAK:PERIOD:LENGTH")
+        if burst is not None:
+            try:
+                base, peak, period, length = (float(x) for x in burst.split(":"))
+            except ValueError:
+                raise InvalidSpec(f"--burst {burst!r}: expected BASE:PEAK:PERIOD:LENGTH") from None
+            tr = burst_trace(base, peak, period, length, duration or 3600)
+        else:
+            assert trace is not None
+            tr = load_trace(trace, scale, duration)
+        runs = []
+        for name in [p.strip() for p in policies.split(",") if p.strip()]:
+            pol = policy_for(
+                name,
+                min_replicas,
+                max_replicas,
+                target_qps,
+                target_inflight,
+                upscale_delay,
+                downscale_delay,
+                window,
+            )
+            runs.append(run_sim(tr, pol, name, target_qps, latency, cold_start, step))
+    except ValueError as e:
+        raise _fail(InvalidSpec(str(e))) from None
+    out.print(
+        f"{tr.name}: {tr.seconds / 3600:.1f} h, mean {sum(tr.qps) / len(tr.qps):.2f} req/s, "
+        f"peak {max(tr.qps):.2f} req/s; capacity {target_qps:g} req/s per replica, "
+        f"cold start {cold_start:g} s, delays up {upscale_delay:g} s / down {downscale_delay:g} s",
+        highlight=False,
+    )
+    table = Table(title="Policies on the same trace", title_justify="left")
+    for col in ("POLICY", "REPLICA-HOURS", "OVER CAPACITY", "NO READY REPLICA", "MAX READY"):
+        table.add_column(col)
+    for r in runs:
+        table.add_row(
+            r.policy,
+            f"{r.replica_hours:.1f}",
+            f"{r.over_capacity_requests:,.0f} req ({100 * r.over_capacity_share:.1f}%)",
+            f"{r.seconds_without_ready:,.0f} s",
+            str(max(r.ready)),
+        )
+    out.print(table)
+    samples = Table(title="Ready replicas over time", title_justify="left")
+    samples.add_column("TIME")
+    samples.add_column("REQ/S")
+    for r in runs:
+        samples.add_column(r.policy.upper())
+    n = len(runs[0].times)
+    for i in range(0, n, max(1, n // 12)):
+        samples.add_row(
+            f"{runs[0].times[i] / 3600:.2f} h",
+            f"{runs[0].qps[i]:.1f}",
+            *(str(r.ready[i]) for r in runs),
+        )
+    out.print(samples)
+    if plot_file is not None:
+        try:
+            plot(runs, tr, target_qps, plot_file)
+        except ValueError as e:
+            raise _fail(InvalidSpec(str(e))) from None
+        out.print(f"Plot written to {plot_file}")
 
 
 @server_app.command("start")

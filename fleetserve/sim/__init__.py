@@ -1,0 +1,1 @@
+"""`fleetserve simulate`: replay request traces through autoscaling policies, fast."""
