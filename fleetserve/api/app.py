@@ -59,6 +59,7 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
         load_balancing_policy=spec.service.load_balancing_policy,
         min_replicas=lo,
         max_replicas=hi,
+        target_replicas=ctl.target_of(svc.name, lo),
         replicas=[
             ReplicaInfo(
                 replica_id=r.replica_id,

@@ -47,6 +47,7 @@ class ServiceInfo(BaseModel):
     load_balancing_policy: str
     min_replicas: int
     max_replicas: int
+    target_replicas: int = Field(0, description="What the autoscaler wants now (or min).")
     replicas: list[ReplicaInfo] = Field(default_factory=list)
 
 

@@ -39,7 +39,7 @@ def ago(ts: float | None, now: float | None = None) -> str:
 
 def services_table(services: list[ServiceInfo]) -> Table:
     t = Table(title="Services", title_justify="left")
-    for col in ("NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "ENDPOINT", "POLICY"):
+    for col in ("NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "TARGET", "ENDPOINT", "POLICY"):
         t.add_column(col)
     for s in services:
         ready = sum(1 for r in s.replicas if r.status == "READY")
@@ -50,6 +50,7 @@ def services_table(services: list[ServiceInfo]) -> Table:
             ago(s.created_at).removesuffix(" ago"),
             styled(s.status),
             f"{ready}/{alive}",
+            f"{s.target_replicas} ({s.min_replicas}-{s.max_replicas})",
             s.endpoint or "-",
             s.load_balancing_policy,
         )

@@ -15,6 +15,7 @@ from fleetserve.controller.admission import check_deployable, resolve_paths, ser
 from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
+from fleetserve.controller.scaling import STATE_KEY
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import Clock, SystemClock
 from fleetserve.core.errors import Conflict, InvalidSpec, NotFound
@@ -140,6 +141,10 @@ class Controller:
         """The load balancer holds a request and no replica is ready: scale up from zero now."""
         self.store.service(name)
         self._run(name).wake.set()  # its next round reads the held request in the LB's report
+
+    def target_of(self, name: str, default: int) -> int:
+        state = self.store.get_policy_state(name, STATE_KEY)
+        return int(state["target"]) if state else default
 
     def load_report(self, name: str) -> dict[str, object] | None:
         self.store.service(name)
