@@ -21,7 +21,13 @@ import psutil
 
 from fleetserve.api.models import EventInfo, ServiceInfo
 from fleetserve.controller.settings import Settings
-from fleetserve.core.errors import ERROR_KINDS, FleetserveError, NotFound, TransientError
+from fleetserve.core.errors import (
+    ERROR_KINDS,
+    FleetserveError,
+    InvalidSpec,
+    NotFound,
+    TransientError,
+)
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -167,10 +173,35 @@ class Client:
         try:
             text = p.read_text()
         except OSError as e:
-            from fleetserve.core.errors import InvalidSpec
-
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
         return self.up(text, name, str(p.resolve().parent))
+
+    def update_file(
+        self,
+        name: str,
+        path: str | Path,
+        mode: str = "rolling",
+        traffic_percent: int | None = None,
+    ) -> ServiceInfo:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
+        body = {
+            "yaml": text,
+            "base_dir": str(p.resolve().parent),
+            "mode": mode,
+            "traffic_percent": traffic_percent,
+        }
+        resp = self._call("POST", f"/services/{name}/update", json=body)
+        return ServiceInfo.model_validate(resp.json())
+
+    def rollback(self, name: str) -> ServiceInfo:
+        return ServiceInfo.model_validate(self._call("POST", f"/services/{name}/rollback").json())
+
+    def promote(self, name: str) -> ServiceInfo:
+        return ServiceInfo.model_validate(self._call("POST", f"/services/{name}/promote").json())
 
     def status(self, name: str | None = None) -> list[ServiceInfo]:
         if name is not None:

@@ -19,6 +19,7 @@ from fleetserve.api.models import (
     Health,
     ReplicaInfo,
     ServiceInfo,
+    UpdateService,
 )
 from fleetserve.controller.controller import Controller
 from fleetserve.core.errors import FleetserveError, NotFound
@@ -54,6 +55,9 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
             else None
         ),
         active_version=svc.active_version,
+        serving_version=svc.serving_version,
+        update_mode=svc.update_mode,
+        traffic_percent=svc.traffic_percent,
         created_at=svc.created_at,
         failure_reason=svc.failure_reason,
         load_balancing_policy=spec.service.load_balancing_policy,
@@ -158,6 +162,19 @@ def create_app(controller: Controller, on_stopped: Callable[[], None] | None = N
     async def terminate_replica(name: str, replica_id: int, purge: bool = False) -> dict[str, str]:
         ctl.terminate_replica(name, replica_id, purge)
         return {"status": "terminating"}
+
+    @app.post(f"{PREFIX}/services/{{name}}/update", response_model=ServiceInfo, responses=_ERRORS)
+    async def update_service(name: str, body: UpdateService) -> ServiceInfo:
+        svc = ctl.update_service(name, body.yaml, body.base_dir, body.mode, body.traffic_percent)
+        return service_info(ctl, svc)
+
+    @app.post(f"{PREFIX}/services/{{name}}/rollback", response_model=ServiceInfo, responses=_ERRORS)
+    async def rollback(name: str) -> ServiceInfo:
+        return service_info(ctl, ctl.rollback(name))
+
+    @app.post(f"{PREFIX}/services/{{name}}/promote", response_model=ServiceInfo, responses=_ERRORS)
+    async def promote(name: str) -> ServiceInfo:
+        return service_info(ctl, ctl.promote(name))
 
     @app.post(f"{PREFIX}/services/{{name}}/wake", status_code=202, responses=_ERRORS)
     async def wake(name: str) -> dict[str, str]:

@@ -14,6 +14,16 @@ class CreateService(BaseModel):
     )
 
 
+class UpdateService(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    yaml: str = Field(description="The new service YAML, as text.")
+    base_dir: str | None = None
+    mode: str = Field("rolling", description="rolling or blue_green")
+    traffic_percent: int | None = Field(
+        None, ge=1, le=99, description="A canary: this share of requests to the new version."
+    )
+
+
 class ReplicaInfo(BaseModel):
     replica_id: int
     version: int
@@ -42,6 +52,9 @@ class ServiceInfo(BaseModel):
     status: str
     endpoint: str | None = None
     active_version: int
+    serving_version: int = 0
+    update_mode: str | None = None
+    traffic_percent: int | None = None
     created_at: float
     failure_reason: str | None = None
     load_balancing_policy: str

@@ -98,6 +98,92 @@ def up(
     out.print(f"Endpoint: {svc.endpoint}", highlight=False)
 
 
+def _follow_rollout(client: Client, name: str, version: int) -> ServiceInfo:
+    """Print replica changes until `version` serves (or, for a canary, has a READY replica),
+    or the rollout fails."""
+    seen: dict[int, str] = {}
+    while True:
+        svc = client.service(name)
+        for r in svc.replicas:
+            if seen.get(r.replica_id) != r.status:
+                seen[r.replica_id] = r.status
+                extra = f" - {r.reason}" if r.reason else ""
+                out.print(
+                    f"  replica {r.replica_id} (v{r.version}): {styled(r.status)}{extra}",
+                    highlight=False,
+                )
+        if svc.active_version != version:
+            raise FleetserveError(f"the rollout of version {version} was abandoned (rollback)")
+        if svc.failure_reason:
+            raise FleetserveError(
+                f"version {version} failed; version {svc.serving_version} keeps serving. "
+                f"{svc.failure_reason}"
+            )
+        if svc.serving_version == version:
+            return svc
+        if svc.traffic_percent is not None and any(
+            r.version == version and r.status == "READY" for r in svc.replicas
+        ):
+            return svc
+        time.sleep(0.5)
+
+
+@app.command()
+def update(
+    name: Annotated[str, typer.Argument(help="Service to update.")],
+    file: Annotated[Path, typer.Argument(help="The new service YAML.")],
+    mode: Annotated[str, typer.Option(help="rolling or blue_green")] = "rolling",
+    traffic_percent: Annotated[
+        int | None, typer.Option(help="A canary: send this % of requests to the new version")
+    ] = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once accepted.")] = False,
+) -> None:
+    """Roll out a new version with no failed request (rolling, blue-green or canary)."""
+    try:
+        load_spec_file(file)
+        client = Client()
+        svc = client.update_file(name, file, mode, traffic_percent)
+        version = svc.active_version
+        if svc.serving_version == version:
+            out.print(f"Version {version} serves: the replicas moved to it in place.")
+            return
+        out.print(f"Rolling out version {version} of {name} ({svc.update_mode}).")
+        if detach:
+            return
+        svc = _follow_rollout(client, name, version)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    if svc.traffic_percent is not None and svc.serving_version != version:
+        out.print(
+            f"Canary version {version} takes {svc.traffic_percent}% of requests; "
+            f"`fleetserve promote {name}` to roll it out, `fleetserve rollback {name}` to drop it."
+        )
+    else:
+        out.print(
+            f"Version {version} serves. `fleetserve rollback {name}` returns to the last one."
+        )
+
+
+@app.command()
+def rollback(name: Annotated[str, typer.Argument(help="Service.")]) -> None:
+    """Return to the version that served before (abandons a rollout in progress)."""
+    try:
+        svc = Client().rollback(name)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    out.print(f"{name}: rolling back to version {svc.active_version}.")
+
+
+@app.command()
+def promote(name: Annotated[str, typer.Argument(help="Service.")]) -> None:
+    """Roll a canary out to the whole fleet."""
+    try:
+        svc = Client().promote(name)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    out.print(f"{name}: promoting version {svc.active_version} to the whole fleet.")
+
+
 @app.command()
 def status(
     name: Annotated[str | None, typer.Argument(help="One service (default: all).")] = None,

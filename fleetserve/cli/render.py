@@ -44,9 +44,13 @@ def services_table(services: list[ServiceInfo]) -> Table:
     for s in services:
         ready = sum(1 for r in s.replicas if r.status == "READY")
         alive = sum(1 for r in s.replicas if "FAIL" not in r.status and r.status != "PREEMPTED")
+        version = str(s.serving_version or s.active_version)
+        if s.serving_version and s.serving_version != s.active_version:
+            how = f"canary {s.traffic_percent}%" if s.traffic_percent else s.update_mode
+            version += f" -> {s.active_version} ({how})"
         t.add_row(
             s.name,
-            str(s.active_version),
+            version,
             ago(s.created_at).removesuffix(" ago"),
             styled(s.status),
             f"{ready}/{alive}",

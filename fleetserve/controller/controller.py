@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from fleetserve.controller import updates
 from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
 from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.prober import Prober
@@ -103,6 +104,40 @@ class Controller:
             svc_name, yaml_text, spec.model_dump_json(), self.clock.now()
         )
         self._run(svc_name)
+        return svc
+
+    def update_service(
+        self,
+        name: str,
+        yaml_text: str,
+        base_dir: str | None = None,
+        mode: str = "rolling",
+        traffic_percent: int | None = None,
+    ) -> ServiceRecord:
+        svc = self.store.service(name)
+        current = self.spec_of(svc)
+        svc, _in_place = updates.apply_update(
+            self.store,
+            svc,
+            current,
+            yaml_text,
+            Path(base_dir or Path.cwd()),
+            mode,
+            traffic_percent,
+            self.infra.name,
+            self.clock.now(),
+        )
+        self._run(name).wake.set()
+        return svc
+
+    def rollback(self, name: str) -> ServiceRecord:
+        svc = updates.rollback(self.store, self.store.service(name), self.clock.now())
+        self._run(name).wake.set()
+        return svc
+
+    def promote(self, name: str) -> ServiceRecord:
+        svc = updates.promote(self.store, self.store.service(name), self.clock.now())
+        self._run(name).wake.set()
         return svc
 
     def delete_service(self, name: str, purge: bool = False) -> ServiceRecord:

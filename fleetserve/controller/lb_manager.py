@@ -48,7 +48,7 @@ def upstream_payload(endpoints: list[Endpoint]) -> list[dict[str, Any]]:
 
 @dataclass
 class LbState:
-    pushed: tuple[tuple[int, str, int, float], ...] | None = None
+    pushed: object = None  # what was pushed last (replicas and canary split)
     pushed_at: float = 0.0
     children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -125,15 +125,25 @@ class LbManager:
         raise TerminalError("load balancer did not answer within 10 s of its start")
 
     async def push(
-        self, svc: ServiceRecord, endpoints: list[Endpoint], now: float, force: bool = False
+        self,
+        svc: ServiceRecord,
+        endpoints: list[Endpoint],
+        now: float,
+        force: bool = False,
+        canary: dict[str, int] | None = None,
     ) -> bool:
         """Send the routable set if it changed (or is due again); False if the LB is unreachable."""
         state = self._state.setdefault(svc.name, LbState())
-        key = tuple((e.replica_id, e.url, e.version, e.weight) for e in endpoints)
+        key = (
+            tuple((e.replica_id, e.url, e.version, e.weight) for e in endpoints),
+            tuple(sorted((canary or {}).items())),
+        )
         due = now - state.pushed_at >= self.settings.lb_repush_interval
         if not force and key == state.pushed and not due:
             return True
-        body = {"replicas": upstream_payload(endpoints)}
+        body: dict[str, Any] = {"replicas": upstream_payload(endpoints)}
+        if canary is not None:
+            body["canary"] = canary
         try:
             r = await self.client.put(
                 f"http://127.0.0.1:{svc.lb_admin_port}/-/replicas", json=body, timeout=2

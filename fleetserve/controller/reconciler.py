@@ -37,6 +37,7 @@ from fleetserve.policies.fleet import (
     plan_shutdown,
     routable,
 )
+from fleetserve.policies.rollout import BLUE_GREEN, ROLLING, RolloutSettings
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
 
@@ -170,16 +171,27 @@ class ServiceReconciler:
         probe = spec.service.readiness_probe
         if svc.lb_pid is not None:
             self.scaler.observe(await self.lb.load(svc))
+        target = self.scaler.target(spec)
+        lo, _hi = spec.service.replica_bounds()
         settings = FleetSettings(
-            target_replicas=self.scaler.target(spec),
+            target_replicas=target,
             version=svc.active_version,
             initial_delay_seconds=probe.initial_delay_seconds if probe else 0,
             failure_window_seconds=self.settings.failure_window,
             max_concurrent_launches=self.settings.max_concurrent_launches,
+            rollout=RolloutSettings(
+                target=target,
+                version=svc.active_version,
+                mode=svc.update_mode or ROLLING,
+                max_surge=spec.service.max_surge,
+                switch_ready=max(1, lo),
+                canary_percent=svc.traffic_percent,
+            ),
         )
         plan = plan_fleet(replicas, observations, settings, self.clock.now())
         by_id = {r.replica_id: r for r in replicas}
         self._apply(plan.actions, by_id, svc, spec)
+        svc = self._advance_rollout(svc, plan.rollout_complete, plan.switch_traffic)
         if plan.failure_reason != svc.failure_reason and svc.lb_pid is not None:
             svc = self.store.update_service(
                 self.name, self.clock.now(), failure_reason=plan.failure_reason
@@ -189,11 +201,31 @@ class ServiceReconciler:
         await self._push(svc)
         return False
 
+    def _advance_rollout(self, svc: ServiceRecord, complete: bool, switch: bool) -> ServiceRecord:
+        """A rollout ends when only the active version is left (rolling), or when traffic moves
+        to it (blue-green): it becomes the serving version."""
+        if not svc.rolling_out or not (complete or switch):
+            return svc
+        now = self.clock.now()
+        old = svc.serving_version
+        message = f"version {svc.active_version} serves" + (
+            f" (was {old}); `fleetserve rollback {self.name}` returns to {old}" if old else ""
+        )
+        self.store.add_event(self.name, now, "rollout", message)
+        log.info("service %s: %s", self.name, message)
+        return self.store.update_service(
+            self.name,
+            now,
+            stable_version=svc.active_version,
+            previous_version=old,
+            update_mode=None,
+            traffic_percent=None,
+        )
+
     async def _observe(
         self, replicas: list[ReplicaRecord], spec: ServiceTask
     ) -> Mapping[int, Observation]:
         now = self.clock.now()
-        probe = spec.service.readiness_probe
         out: dict[int, Observation] = {}
         for r in replicas:
             if r.status not in _RUNNING or not r.handle or self.executor.busy(r.replica_id):
@@ -207,6 +239,7 @@ class ServiceReconciler:
                 detail=state.detail,
             )
             result = None
+            probe = self.spec(r.version).service.readiness_probe  # each version's own probe
             if inst.alive and probe is not None and r.endpoint:
                 result = self.prober.take(r.replica_id)
                 interval = (
@@ -300,13 +333,23 @@ class ServiceReconciler:
         )
 
     def _endpoints(self, svc: ServiceRecord) -> list[Endpoint]:
-        ready = routable(self.store.list_replicas(self.name), [svc.active_version])
+        replicas = self.store.list_replicas(self.name)
+        if svc.rolling_out and svc.update_mode == BLUE_GREEN:
+            versions = {svc.serving_version}  # blue-green: the old version until the switch
+        else:
+            versions = {r.version for r in replicas}  # rolling and canary: versions mix
+        ready = routable(replicas, versions)
         return [Endpoint(r.replica_id, r.endpoint or "", r.version) for r in ready]
+
+    def _canary(self, svc: ServiceRecord) -> dict[str, int] | None:
+        if svc.traffic_percent is None or not svc.rolling_out:
+            return None
+        return {"version": svc.active_version, "percent": svc.traffic_percent}
 
     async def _push(self, svc: ServiceRecord) -> None:
         if svc.lb_pid is None:
             return
-        await self.lb.push(svc, self._endpoints(svc), self.clock.now())
+        await self.lb.push(svc, self._endpoints(svc), self.clock.now(), canary=self._canary(svc))
 
     # -- down ------------------------------------------------------------------------------
 

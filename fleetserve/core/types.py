@@ -56,6 +56,18 @@ class ServiceRecord:
     next_replica_id: ReplicaId = 1
     failure_reason: str | None = None
     purge: bool = False
+    stable_version: int | None = None
+    previous_version: int | None = None
+    update_mode: str | None = None
+    traffic_percent: int | None = None
+
+    @property
+    def serving_version(self) -> int:
+        return self.stable_version if self.stable_version is not None else self.active_version
+
+    @property
+    def rolling_out(self) -> bool:
+        return self.serving_version != self.active_version
 
 
 @dataclass(frozen=True)

@@ -84,11 +84,13 @@ async def serve_worker(config: LbConfig, control_fd: int) -> None:
     while line := await reader.readline():
         msg = json.loads(line)
         if msg.get("op") == "replicas":
+            canary = msg.get("canary")
             proxy.replicas.replace(
                 [
                     Upstream(r["replica_id"], r["url"], r.get("version", 1), r.get("weight", 1.0))
                     for r in msg["replicas"]
-                ]
+                ],
+                (canary["version"], canary["percent"]) if canary else None,
             )
         elif msg.get("op") == "report":
             proxy.metrics.sync_inflight(proxy.replicas.inflight, set(proxy.replicas.upstreams))

@@ -25,16 +25,25 @@ class UpstreamIn(BaseModel):
     weight: float = Field(1.0, gt=0)
 
 
+class CanaryIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int
+    percent: int = Field(ge=0, le=100)
+
+
 class ReplicaPush(BaseModel):
     model_config = ConfigDict(extra="forbid")
     replicas: list[UpstreamIn]
+    canary: CanaryIn | None = None
 
 
 class Relay(Protocol):
     """Who else must hear of a push, and whose reports add to this process's: the other
     workers (Supervisor), or the nginx data plane."""
 
-    async def push(self, replicas: list[dict[str, Any]]) -> None: ...
+    async def push(
+        self, replicas: list[dict[str, Any]], canary: dict[str, int] | None = None
+    ) -> None: ...
 
     async def reports(self) -> list[dict[str, Any]]: ...
 
@@ -51,10 +60,14 @@ def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Applica
         except ValidationError as e:
             return web.json_response({"error": "invalid_payload", "message": str(e)}, status=400)
         added, removed = replicas.replace(
-            [Upstream(u.replica_id, u.url, u.version, u.weight) for u in push.replicas]
+            [Upstream(u.replica_id, u.url, u.version, u.weight) for u in push.replicas],
+            (push.canary.version, push.canary.percent) if push.canary else None,
         )
         if supervisor is not None:
-            await supervisor.push([u.model_dump() for u in push.replicas])
+            await supervisor.push(
+                [u.model_dump() for u in push.replicas],
+                push.canary.model_dump() if push.canary else None,
+            )
         if added or removed:
             log.info(
                 "replica set: %s (added %s, removed %s)",

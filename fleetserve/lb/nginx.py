@@ -177,7 +177,11 @@ class Nginx:
         if self.proc.poll() is not None:
             raise SystemExit(f"nginx exited at start: see {self.home / 'error.log'}")
 
-    async def push(self, replicas: list[dict[str, Any]]) -> None:
+    async def push(
+        self, replicas: list[dict[str, Any]], canary: dict[str, int] | None = None
+    ) -> None:
+        """Canary splits are not applied by nginx here: both versions share by its policy
+        (the Python fallback applies them only to requests it serves)."""
         self.replicas = replicas
         self._by_addr = {
             u["url"].removeprefix("http://").rstrip("/"): str(u["replica_id"]) for u in replicas

@@ -4,6 +4,7 @@ queue of requests waiting for the first READY replica."""
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass
 
 from fleetserve.policies.lb import NO_KEY, RequestKey, Selector
@@ -25,9 +26,14 @@ class ReplicaSet:
         self.inflight: dict[int, int] = {}
         self.weights: dict[int, float] = {}  # shared with a weighted selector
         self.generation = 0  # bumped by each push from the controller
+        self.canary: tuple[int, int] | None = None  # (new version, percent of requests)
+        self._sides: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.rng = random.Random()
         self._ready = asyncio.Event()
 
-    def replace(self, upstreams: list[Upstream]) -> tuple[set[int], set[int]]:
+    def replace(
+        self, upstreams: list[Upstream], canary: tuple[int, int] | None = None
+    ) -> tuple[set[int], set[int]]:
         """Install a new set; returns (added ids, removed ids). In-flight counts of replicas
         that stay are kept; requests still running on a removed replica finish normally."""
         new = {u.replica_id: u for u in upstreams}
@@ -35,6 +41,8 @@ class ReplicaSet:
         removed = set(self.upstreams) - set(new)
         self.upstreams = new
         self.order = tuple(sorted(new))
+        self.canary = canary
+        self._split()
         self.weights.clear()
         self.weights.update({u.replica_id: u.weight for u in upstreams})
         self.generation += 1
@@ -58,12 +66,32 @@ class ReplicaSet:
             return False
         return bool(self.upstreams)
 
+    def _split(self) -> None:
+        """The candidates of each side of a canary split (none without a canary)."""
+        if self.canary is None:
+            self._sides = None
+            return
+        version = self.canary[0]
+        new = tuple(r for r in self.order if self.upstreams[r].version == version)
+        old = tuple(r for r in self.order if self.upstreams[r].version != version)
+        self._sides = (new, old) if new and old else None
+
     def pick(self, exclude: frozenset[int], key: RequestKey = NO_KEY) -> Upstream | None:
-        rid = self.selector.select(self.order, self.inflight, exclude, key)
+        candidates = self.order
+        if self._sides is not None and self.canary is not None:
+            # A canary: its share of requests goes to the new version, the rest to the old.
+            new, old = self._sides
+            first, second = (new, old) if self.rng.random() * 100 < self.canary[1] else (old, new)
+            rid = self.selector.select(first, self.inflight, exclude, key)
+            if rid is None:
+                rid = self.selector.select(second, self.inflight, exclude, key)
+            return None if rid is None else self.upstreams[rid]
+        rid = self.selector.select(candidates, self.inflight, exclude, key)
         return None if rid is None else self.upstreams[rid]
 
     def discard(self, replica_id: int) -> None:
         """Stop routing to a replica that refused a connection, until the next push."""
         if self.upstreams.pop(replica_id, None) is not None:
             self.order = tuple(r for r in self.order if r != replica_id)
+            self._split()
             self._signal()

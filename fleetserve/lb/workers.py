@@ -47,6 +47,7 @@ class Supervisor:
         self.count = count
         self.links: dict[int, _Link] = {}
         self.replicas: list[dict[str, Any]] = []
+        self.canary: dict[str, int] | None = None
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -75,7 +76,8 @@ class Supervisor:
         link = _Link(index, proc, reader, writer)
         self.links[index] = link
         if self.replicas:
-            await self._send(link, {"op": "replicas", "replicas": self.replicas})
+            msg = {"op": "replicas", "replicas": self.replicas, "canary": self.canary}
+            await self._send(link, msg)
         log.info("worker %s started (pid %s)", index, proc.pid)
 
     async def _watch_loop(self) -> None:
@@ -94,10 +96,12 @@ class Supervisor:
         with contextlib.suppress(ConnectionError):
             await link.writer.drain()
 
-    async def push(self, replicas: list[dict[str, Any]]) -> None:
-        self.replicas = replicas
+    async def push(
+        self, replicas: list[dict[str, Any]], canary: dict[str, int] | None = None
+    ) -> None:
+        self.replicas, self.canary = replicas, canary
         for link in list(self.links.values()):
-            await self._send(link, {"op": "replicas", "replicas": replicas})
+            await self._send(link, {"op": "replicas", "replicas": replicas, "canary": canary})
 
     async def reports(self) -> list[dict[str, Any]]:
         """Each live worker's {"load": ..., "metrics": "<prometheus text>"}."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from fleetserve.core.status import FAILED_STATUSES, SCALE_DOWN_ORDER, ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
+from fleetserve.policies.rollout import RolloutSettings, plan_rollout
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class FleetSettings:
     max_concurrent_launches: int = 4
     crash_loop_limit: int = 3  # consecutive never-ready failures of a version that stop launches
     keep_terminal_rows: int = 20  # failed rows kept for debugging, newest first
+    rollout: RolloutSettings | None = None  # how replicas of older versions give way
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class FleetPlan:
     actions: list[Action]
     scaling_stopped: bool = False
     failure_reason: str | None = None
+    rollout_complete: bool = True  # only the active version is left
+    switch_traffic: bool = False  # blue-green: the active version takes all traffic now
 
 
 def _lifecycle(
@@ -230,15 +234,18 @@ def plan_fleet(
     }
     reason = crash_loop_reason(replicas, settings, failing_now)
     stopped = reason is not None
-    missing = settings.target_replicas - len(alive)
-    if missing > 0 and not stopped:
-        actions.append(CreateReplicas(missing))
-    elif missing < 0:
-        for r in scale_down_order(alive)[:-missing]:
-            actions.append(
-                Terminate(r.replica_id, r.status, "scaled down", delete_row=True, drain=True)
-            )
-            ending.add(r.replica_id)
+    rollout = settings.rollout or RolloutSettings(settings.target_replicas, settings.version)
+    rs = plan_rollout(alive, rollout, stopped)
+    if rs.create > 0:
+        actions.append(CreateReplicas(rs.create))
+    for r in rs.retire:
+        why = (
+            "scaled down"
+            if r.version == settings.version
+            else f"replaced by version {settings.version}"
+        )
+        actions.append(Terminate(r.replica_id, r.status, why, delete_row=True, drain=True))
+        ending.add(r.replica_id)
 
     launching = sum(1 for r in alive if r.status is ReplicaStatus.PROVISIONING)
     slots = settings.max_concurrent_launches - launching
@@ -254,7 +261,13 @@ def plan_fleet(
     )
     for r in finished[settings.keep_terminal_rows :]:
         actions.append(DeleteRow(r.replica_id))
-    return FleetPlan(actions, scaling_stopped=stopped, failure_reason=reason)
+    return FleetPlan(
+        actions,
+        scaling_stopped=stopped,
+        failure_reason=reason,
+        rollout_complete=rs.complete,
+        switch_traffic=rs.switch,
+    )
 
 
 def plan_shutdown(replicas: list[ReplicaRecord]) -> list[Terminate]:

@@ -195,6 +195,9 @@ class ServiceSection(_Strict):
     tls: Tls | None = None
     pool: Pool | None = None
     load_balancer: LoadBalancerOptions = Field(default_factory=LoadBalancerOptions)
+    # fleetserve's extension: replicas above the target while a rolling update overlaps
+    # old and new versions (SkyServe's surge is unbounded).
+    max_surge: Annotated[int, Field(ge=1)] = 1
 
     @field_validator("readiness_probe", mode="before")
     @classmethod

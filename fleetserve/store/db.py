@@ -145,6 +145,27 @@ class Store:
                 conn.execute(delete(table).where(table.c.service == name))
             conn.execute(delete(t.services).where(t.services.c.name == name))
 
+    def add_version(self, service: str, yaml_text: str, spec_json: str, now: float) -> int:
+        """Store a new version of the service's spec; returns its number."""
+        with self.engine.begin() as conn:
+            latest = conn.execute(
+                select(t.versions.c.version)
+                .where(t.versions.c.service == service)
+                .order_by(t.versions.c.version.desc())
+                .limit(1)
+            ).scalar_one()
+            version = int(latest) + 1
+            conn.execute(
+                insert(t.versions).values(
+                    service=service,
+                    version=version,
+                    yaml_text=yaml_text,
+                    spec_json=spec_json,
+                    created_at=now,
+                )
+            )
+        return version
+
     def version(self, service: str, version: int) -> VersionRecord:
         with self.engine.connect() as conn:
             row = conn.execute(

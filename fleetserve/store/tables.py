@@ -33,6 +33,12 @@ services = Table(
     Column("next_replica_id", Integer, nullable=False, default=1),
     Column("failure_reason", Text),
     Column("purge", Boolean, nullable=False, default=False),
+    # Rollouts (migration 0002): active_version is what new replicas launch with; the stable
+    # version serves until a rollout completes; previous_version is what `rollback` returns to.
+    Column("stable_version", Integer),
+    Column("previous_version", Integer),
+    Column("update_mode", String(16)),
+    Column("traffic_percent", Integer),  # a canary's share of requests, until `promote`
 )
 
 versions = Table(

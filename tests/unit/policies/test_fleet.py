@@ -133,15 +133,10 @@ def test_no_probe_result_changes_nothing() -> None:
 
 
 def test_too_many_replicas_scale_down_in_skyserve_order() -> None:
-    replicas = [
-        rep(1, R.READY, version=1),
-        rep(2, R.READY, version=2),
-        rep(3, R.READY, version=2),
-        rep(4, R.STARTING, version=2),
-    ]
+    replicas = [rep(1, R.READY), rep(2, R.READY), rep(3, R.READY), rep(4, R.STARTING)]
     plan = plan_fleet(replicas, {i: ALIVE for i in range(1, 5)}, settings(target_replicas=1), T0)
     downs = [a.replica_id for a in plan.actions if isinstance(a, Terminate)]
-    assert downs == [4, 1, 3]  # not ready first, then the older version, then the newest id
+    assert downs == [4, 3, 2]  # not ready first, then the newest id
     assert all(a.delete_row for a in plan.actions if isinstance(a, Terminate))
 
 

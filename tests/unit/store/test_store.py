@@ -29,7 +29,7 @@ def test_schema_is_created_by_alembic_in_wal_mode(store: Store) -> None:
     } <= tables
     with store.engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0001"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0002"
 
 
 def test_reopening_keeps_data(tmp_path: Path) -> None:
@@ -83,3 +83,32 @@ def test_policy_state_round_trip_and_delete_service_removes_everything(store: St
     with store.engine.connect() as conn:
         for table in ("services", "versions", "replicas", "events", "policy_state"):
             assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0
+
+
+def test_a_database_of_the_first_schema_is_upgraded_in_place(tmp_path: Path) -> None:
+    """A store written before migration 0002 opens with its rows intact and the new columns."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from fleetserve.store.db import _MIGRATIONS
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    engine = create_engine(url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+        conn.execute(
+            text(
+                "INSERT INTO services (name, phase, active_version, created_at, updated_at, "
+                "next_replica_id, purge) VALUES ('old', 'ACTIVE', 1, 1.0, 1.0, 3, 0)"
+            )
+        )
+    engine.dispose()
+    store = Store(url)
+    svc = store.service("old")
+    assert svc.next_replica_id == 3 and svc.stable_version is None and svc.serving_version == 1
+    store.create_service("new", "y", "{}", 2.0)
+    assert store.add_version("new", "y2", "{}", 3.0) == 2
