@@ -27,10 +27,11 @@ SERVER = textwrap.dedent(
     import json, os
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     RID = os.environ["FLEETSERVE_REPLICA_ID"]
+    VERSION = os.environ.get("FLEETSERVE_VERSION", "?")
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         def do_GET(self):
-            body = json.dumps({"replica": RID, "path": self.path}).encode()
+            body = json.dumps({"replica": RID, "version": VERSION, "path": self.path}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

@@ -50,6 +50,7 @@ class Load:
     seconds: float = 90
     pause: float = 0.005
     ok: Counter[str] = field(default_factory=Counter)
+    versions: list[str] = field(default_factory=list)  # of each answer, in order
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -59,7 +60,9 @@ class Load:
             if self.stop.is_set() or time.monotonic() > deadline:
                 return
             try:
-                self.ok[get(self.url, timeout=5)["replica"]] += 1
+                reply = get(self.url, timeout=5)
+                self.ok[reply["replica"]] += 1
+                self.versions.append(reply.get("version", "?"))
             except (urllib.error.URLError, OSError, ValueError) as e:
                 self.failures.append(repr(e))
             time.sleep(self.pause)
