@@ -169,7 +169,15 @@ class LbManager:
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def stop(self, service: str, pid: int | None, create_time: float | None) -> None:
+    def running_config(self, service: str) -> LbConfig | None:
+        """The config the running LB was started with (its file), if readable."""
+        try:
+            return LbConfig.read(self.config_path(service))
+        except (OSError, ValueError):
+            return None
+
+    async def stop_process(self, pid: int | None, create_time: float | None) -> None:
+        """SIGTERM one LB process (it drains), SIGKILL after 5 s."""
         if pid is not None and process_alive(pid, create_time):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -180,6 +188,10 @@ class LbManager:
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+    async def stop(self, service: str, pid: int | None, create_time: float | None) -> None:
+        """Stop the service's LB for good (`down`): its process, a stray nginx, its config."""
+        await self.stop_process(pid, create_time)
         stop_stale_nginx(self.config_path(service).with_suffix(".nginx"))  # if its driver died
         self.config_path(service).unlink(missing_ok=True)
         state = self._state.pop(service, None)

@@ -297,10 +297,31 @@ class ServiceReconciler:
 
     # -- load balancer ---------------------------------------------------------------------
 
+    def _lb_outdated(self, svc: ServiceRecord, spec: ServiceTask) -> bool:
+        """Whether the running LB's settings differ from the active version's (an update
+        changed the policy or the load_balancer section)."""
+        running = self.lb.running_config(svc.name)
+        if running is None:
+            return False
+        wanted = lb_config(spec, svc.name, running.port, running.admin_port, self.settings.api_port)
+        ignore = {"replicas", "admin_port"}
+        return running.model_dump(exclude=ignore) != wanted.model_dump(exclude=ignore)
+
     async def _ensure_lb(self, svc: ServiceRecord, spec: ServiceTask) -> ServiceRecord:
+        old: tuple[int | None, float | None] | None = None
         if self.lb.is_running(svc):
-            return svc
-        if svc.lb_pid is not None:
+            if not self._lb_outdated(svc, spec):
+                return svc
+            # New settings: start a new load balancer beside the old one (SO_REUSEPORT), then
+            # stop the old one, which finishes its requests.
+            old = (svc.lb_pid, svc.lb_create_time)
+            self.store.add_event(
+                self.name,
+                self.clock.now(),
+                "service",
+                "load balancer settings changed: replacing it",
+            )
+        elif svc.lb_pid is not None:
             self.store.add_event(
                 self.name, self.clock.now(), "service", "load balancer not running: restarting it"
             )
@@ -322,6 +343,8 @@ class ServiceReconciler:
         self.store.add_event(
             self.name, self.clock.now(), "service", f"load balancer started on port {port}"
         )
+        if old is not None:
+            await self.lb.stop_process(*old)
         return self.store.update_service(
             self.name,
             self.clock.now(),

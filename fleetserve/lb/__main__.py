@@ -40,7 +40,9 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     supervisor = Supervisor(config_path, count) if count > 1 else None
     admin = web.AppRunner(make_admin_app(proxy, supervisor), access_log=None)
     await admin.setup()
-    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=count > 1)
+    # SO_REUSEPORT always: workers share the port, and a load balancer with new settings
+    # starts beside the old one before the old one stops (no refused connection).
+    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=True)
     await web.TCPSite(admin, "127.0.0.1", config.admin_port, reuse_address=True).start()
     if supervisor is not None:
         await supervisor.start()

@@ -148,3 +148,24 @@ def test_canary_split_then_promote(fleet: Fleet) -> None:
         return svc.serving_version == 2 and all(r.version == 2 for r in alive)
 
     fleet.wait_for("the canary promoted to the whole fleet", promoted, timeout=60)
+
+
+def test_an_update_that_changes_the_lb_settings_replaces_it_without_a_failed_request(
+    fleet: Fleet,
+) -> None:
+    endpoint = up(fleet, "lbset")
+    changed = TWO_REPLICAS.replace(
+        "load_balancing_policy: round_robin", "load_balancing_policy: least_load"
+    )
+    path = new_version(fleet, "lbset", changed)
+    with Load(f"{endpoint}/l", pause=0.01) as load:
+        time.sleep(0.3)
+        fleet.cli("update", "lbset", path)
+        time.sleep(2)
+    report(load)
+    assert load.failures == []
+    log = fleet.cli("logs", "lbset", "--load-balancer").stdout
+    assert "policy least_load" in log
+    with fleet.client() as c:
+        events = [e.message for e in c.events("lbset", 200)]
+    assert "load balancer settings changed: replacing it" in events
