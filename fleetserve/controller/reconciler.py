@@ -23,6 +23,7 @@ from fleetserve.core.types import Endpoint, ReplicaRecord, ServicePhase, Service
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.infra.local import free_port
 from fleetserve.lb.config import LbConfig
+from fleetserve.policies.autoscaler import per_replica_qps
 from fleetserve.policies.fleet import (
     Action,
     CreateReplicas,
@@ -184,6 +185,7 @@ class ServiceReconciler:
                 version=svc.active_version,
                 mode=svc.update_mode or ROLLING,
                 max_surge=spec.service.max_surge,
+                max_unavailable=spec.service.max_unavailable,
                 switch_ready=max(1, lo),
                 canary_percent=svc.traffic_percent,
             ),
@@ -362,7 +364,18 @@ class ServiceReconciler:
         else:
             versions = {r.version for r in replicas}  # rolling and canary: versions mix
         ready = routable(replicas, versions)
-        return [Endpoint(r.replica_id, r.endpoint or "", r.version) for r in ready]
+        return [
+            Endpoint(r.replica_id, r.endpoint or "", r.version, self._weight(r.version))
+            for r in ready
+        ]
+
+    def _weight(self, version: int) -> float:
+        """instance_aware_least_load: a replica counts by its accelerator's target QPS."""
+        spec = self.spec(version)
+        policy = spec.service.replica_policy
+        if policy is None or not isinstance(policy.target_qps_per_replica, dict):
+            return 1.0
+        return per_replica_qps(policy, spec.accelerator()) or 1.0
 
     def _canary(self, svc: ServiceRecord) -> dict[str, int] | None:
         if svc.traffic_percent is None or not svc.rolling_out:

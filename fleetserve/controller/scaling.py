@@ -48,7 +48,7 @@ class Scaler:
             self._pending += total - self._last_total if total >= self._last_total else total
         self._last_total = total
 
-    def target(self, spec: ServiceTask, accelerator: str | None = None) -> int:
+    def target(self, spec: ServiceTask) -> int:
         """Replicas wanted now: min_replicas for a fixed fleet, else the autoscaler's."""
         policy = spec.service.replica_policy
         lo, _hi = spec.service.replica_bounds()
@@ -63,7 +63,7 @@ class Scaler:
         state = AutoscalerState.from_json(raw) if raw else initial_state(policy)
         inflight = sum(int(r.get("inflight", 0)) for r in report.get("replicas", {}).values())
         decision = autoscale(
-            policy, state, LoadObservation(self._pending, inflight, queued), now, accelerator
+            policy, state, LoadObservation(self._pending, inflight, queued), now, spec.accelerator()
         )
         self._pending = 0
         self._decided_at = now

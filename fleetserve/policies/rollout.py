@@ -22,6 +22,7 @@ class RolloutSettings:
     version: int  # the active version: new replicas launch with it
     mode: str = ROLLING
     max_surge: int = 1  # rolling: replicas above `target` while old and new overlap
+    max_unavailable: int = 0  # rolling: READY replicas the fleet may lack meanwhile
     switch_ready: int = 1  # blue-green: READY new replicas before traffic moves
     canary_percent: int | None = None  # canary: the new version's share until promoted
 
@@ -66,6 +67,6 @@ def plan_rollout(
     create = min(create, max(0, s.target + s.max_surge - len(alive)))
     if launches_stopped:
         return RolloutStep(0, (), False)  # the new version fails: the old one keeps serving
-    keep_old = max(0, s.target - new_ready)
+    keep_old = max(0, s.target - new_ready - s.max_unavailable)
     retire = _order(old)[: max(0, len(old) - keep_old)]
     return RolloutStep(create, tuple(retire), len(retire) == len(old) and new_ready > 0)

@@ -198,6 +198,9 @@ class ServiceSection(_Strict):
     # fleetserve's extension: replicas above the target while a rolling update overlaps
     # old and new versions (SkyServe's surge is unbounded).
     max_surge: Annotated[int, Field(ge=1)] = 1
+    # ... and how many READY replicas the fleet may lack meanwhile (0: an old replica goes
+    # only when a new one is READY in its place).
+    max_unavailable: Annotated[int, Field(ge=0)] = 0
 
     @field_validator("readiness_probe", mode="before")
     @classmethod
@@ -402,6 +405,18 @@ class ServiceTask(_Strict):
     @property
     def uses_spot(self) -> bool:
         return bool(self.resources.candidates()[0].use_spot)
+
+    def accelerator(self) -> str | None:
+        """The accelerator a replica of this spec has, when every candidate names the same one
+        (what instance-aware policies weigh it by)."""
+        names = set()
+        for c in self.resources.candidates():
+            acc = c.accelerators
+            if isinstance(acc, dict | list):
+                names |= set(acc)
+            elif isinstance(acc, str):
+                names.add(acc)
+        return names.pop().split(":")[0] if len(names) == 1 else None
 
     def replica_port(self) -> int | None:
         """The port a replica must listen on, when the YAML fixes one; None means 'any'."""

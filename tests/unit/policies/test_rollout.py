@@ -50,6 +50,12 @@ def test_rolling_never_exceeds_target_plus_surge() -> None:
         assert len(alive) + step.create <= max(len(alive), 5)  # never launches past 4 + 1
 
 
+def test_max_unavailable_lets_old_replicas_go_before_new_ones_are_ready() -> None:
+    s = RolloutSettings(target=2, version=2, max_surge=1, max_unavailable=1)
+    step = plan_rollout([rep(1, 1), rep(2, 1)], s, False)
+    assert step.create == 1 and ids(step.retire) == [2]
+
+
 def test_a_failing_new_version_leaves_the_old_one_serving() -> None:
     s = RolloutSettings(target=2, version=2)
     step = plan_rollout([rep(1, 1), rep(2, 1)], s, launches_stopped=True)

@@ -220,6 +220,16 @@ def test_replica_port_from_service_or_resources() -> None:
     assert parse_spec("service:\n  readiness_probe: /h\n").replica_port() is None
 
 
+def test_the_accelerator_a_replica_has() -> None:
+    spec = parse_spec("service:\n  readiness_probe: /h\nresources:\n  accelerators: A100:1\n")
+    assert spec.accelerator() == "A100"
+    spec = parse_spec(
+        "service:\n  readiness_probe: /h\nresources:\n  accelerators: {L4: 1, A10G: 1}\n"
+    )
+    assert spec.accelerator() is None  # any of several: unknown until placed
+    assert parse_spec("service:\n  readiness_probe: /h\n").accelerator() is None
+
+
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidSpec, match="no such file"):
         load_spec_file(tmp_path / "nope.yaml")
