@@ -51,16 +51,22 @@ def validate(file: Annotated[Path, typer.Argument(help="Service YAML to check.")
     )
 
 
+def _print_changes(svc: ServiceInfo, seen: dict[int, str], versions: bool = False) -> None:
+    """One line per replica whose status changed since the last call."""
+    for r in svc.replicas:
+        if seen.get(r.replica_id) != r.status:
+            seen[r.replica_id] = r.status
+            extra = f" - {r.reason}" if r.reason else ""
+            which = f"{r.replica_id} (v{r.version})" if versions else str(r.replica_id)
+            out.print(f"  replica {which}: {styled(r.status)}{extra}", highlight=False)
+
+
 def _follow_up(client: Client, name: str) -> ServiceInfo:
     """Print replica status changes until one is READY or the service fails."""
     seen: dict[int, str] = {}
     while True:
         svc = client.service(name)
-        for r in svc.replicas:
-            if seen.get(r.replica_id) != r.status:
-                seen[r.replica_id] = r.status
-                extra = f" - {r.reason}" if r.reason else ""
-                out.print(f"  replica {r.replica_id}: {styled(r.status)}{extra}", highlight=False)
+        _print_changes(svc, seen)
         if svc.status == "READY":
             return svc
         if svc.min_replicas == 0 and svc.endpoint and not svc.replicas:
@@ -104,14 +110,7 @@ def _follow_rollout(client: Client, name: str, version: int) -> ServiceInfo:
     seen: dict[int, str] = {}
     while True:
         svc = client.service(name)
-        for r in svc.replicas:
-            if seen.get(r.replica_id) != r.status:
-                seen[r.replica_id] = r.status
-                extra = f" - {r.reason}" if r.reason else ""
-                out.print(
-                    f"  replica {r.replica_id} (v{r.version}): {styled(r.status)}{extra}",
-                    highlight=False,
-                )
+        _print_changes(svc, seen, versions=True)
         if svc.active_version != version:
             raise FleetserveError(f"the rollout of version {version} was abandoned (rollback)")
         if svc.failure_reason:
