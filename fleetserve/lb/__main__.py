@@ -65,12 +65,12 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     await admin.cleanup()
 
 
-async def serve_worker(config: LbConfig, control_fd: int) -> None:
+async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
     """An extra worker: serves traffic; takes pushes and answers report requests on its
     control channel; exits when the channel closes."""
     from prometheus_client import generate_latest
 
-    proxy = make_proxy(config)
+    proxy = make_proxy(config, worker)
     await proxy.serve(config.host, config.port, tls_context(config), reuse_port=True)
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=control_fd))
     loop = asyncio.get_running_loop()
@@ -127,7 +127,7 @@ def main() -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     if args.control_fd is not None:
-        main_coro = serve_worker(config, args.control_fd)
+        main_coro = serve_worker(config, args.control_fd, args.worker)
     else:
         main_coro = serve(config, args.config)
     try:

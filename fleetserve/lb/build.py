@@ -13,7 +13,7 @@ import aiohttp
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
-from fleetserve.policies.lb import make_selector
+from fleetserve.policies.lb import LeastLoad, RoundRobin, make_selector
 
 log = logging.getLogger("fleetserve.lb")
 
@@ -31,12 +31,18 @@ def worker_count(config: LbConfig) -> int:
     return wanted if wanted is not None else max(1, min(os.cpu_count() or 1, 4))
 
 
-def make_proxy(config: LbConfig) -> Proxy:
+def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
     replicas = ReplicaSet(make_selector("least_load"))
     # instance_aware_least_load reads the per-replica weights that each push installs.
     replicas.selector = make_selector(
         config.policy, weights=replicas.weights, max_extra_load=config.options.max_extra_load
     )
+    # Workers take connections independently: each starts its rotation at another replica,
+    # so that a few requests on new connections still spread.
+    if isinstance(replicas.selector, RoundRobin):
+        replicas.selector.next_index = worker
+    elif isinstance(replicas.selector, LeastLoad):
+        replicas.selector.tie_break = worker
     last_wake = 0.0
     wake_session: aiohttp.ClientSession | None = None
 
