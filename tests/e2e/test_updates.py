@@ -169,3 +169,28 @@ def test_an_update_that_changes_the_lb_settings_replaces_it_without_a_failed_req
     with fleet.client() as c:
         events = [e.message for e in c.events("lbset", 200)]
     assert "load balancer settings changed: replacing it" in events
+
+
+def test_update_errors_are_clear_and_change_nothing(fleet: Fleet) -> None:
+    up(fleet, "firm")
+    path = new_version(fleet, "firm")
+    cases = [
+        (["update", "nope", path], 3, "does not exist"),
+        (["update", "firm", path, "--mode", "sideways"], 2, "rolling or blue_green"),
+        (["update", "firm", path, "--traffic-percent", "150"], 2, "traffic_percent"),
+        (["rollback", "firm"], 4, "no earlier version"),
+        (["promote", "firm"], 4, "no canary"),
+    ]
+    for args, code, words in cases:
+        proc = fleet.cli(*args, check=False)
+        assert proc.returncode == code, (args, proc.stderr)
+        assert words in proc.stderr, (args, proc.stderr)
+    bad = fleet.write_service("firm-bad", "service:\n  readiness_probe: nope\n")
+    proc = fleet.cli("update", "firm", str(bad), check=False)
+    assert proc.returncode == 2 and "must start with '/'" in proc.stderr
+    with fleet.client() as c:
+        svc = c.service("firm")
+    assert svc.active_version == 1 and svc.serving_version == 1  # no version row was added
+    fleet.cli("update", "firm", path, "--detach")
+    proc = fleet.cli("update", "firm", path, check=False)
+    assert proc.returncode == 4 and "still rolling out" in proc.stderr
