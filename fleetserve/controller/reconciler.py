@@ -89,6 +89,7 @@ class ServiceReconciler:
         self.finished = asyncio.Event()
         self._specs: dict[int, ServiceTask] = {}
         self.scaler = Scaler(name, store, clock, settings.autoscale_interval)
+        self._lb_checked: tuple[int, int | None] | None = None  # (version, LB pid) compared
         self.executor.inflight_of = self.scaler.inflight_of
 
     def spec(self, version: int) -> ServiceTask:
@@ -301,7 +302,11 @@ class ServiceReconciler:
 
     def _lb_outdated(self, svc: ServiceRecord, spec: ServiceTask) -> bool:
         """Whether the running LB's settings differ from the active version's (an update
-        changed the policy or the load_balancer section)."""
+        changed the policy or the load_balancer section). Checked once per version and LB."""
+        key = (svc.active_version, svc.lb_pid)
+        if key == self._lb_checked:
+            return False
+        self._lb_checked = key
         running = self.lb.running_config(svc.name)
         if running is None:
             return False
