@@ -163,18 +163,24 @@ class Client:
     # -- services --------------------------------------------------------------------------
 
     def up(
-        self, yaml_text: str, name: str | None = None, base_dir: str | None = None
+        self,
+        yaml_text: str,
+        name: str | None = None,
+        base_dir: str | None = None,
+        infra: str | None = None,
     ) -> ServiceInfo:
-        body = {"yaml": yaml_text, "name": name, "base_dir": base_dir}
+        body = {"yaml": yaml_text, "name": name, "base_dir": base_dir, "infra": infra}
         return ServiceInfo.model_validate(self._call("POST", "/services", json=body).json())
 
-    def up_file(self, path: str | Path, name: str | None = None) -> ServiceInfo:
+    def up_file(
+        self, path: str | Path, name: str | None = None, infra: str | None = None
+    ) -> ServiceInfo:
         p = Path(path)
         try:
             text = p.read_text()
         except OSError as e:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
-        return self.up(text, name, str(p.resolve().parent))
+        return self.up(text, name, str(p.resolve().parent), infra)
 
     def update_file(
         self,

@@ -7,9 +7,13 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[dev,embeddings]'
+.venv/bin/python -m pip install -q -e '.[dev,embeddings,ray]'
 export PATH="$PWD/.venv/bin:$PATH"
-# The nginx data plane's tests need nginx (Debian's nginx-light); they are never skipped.
+# The nginx data plane's tests need nginx (Debian's nginx-light), the Ray tests a network
+# namespace (iproute2, root); they are never skipped.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) >/dev/null
+fi
 if ! command -v nginx >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "== installing nginx-light"

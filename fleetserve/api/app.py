@@ -32,14 +32,13 @@ _ERRORS: dict[int | str, dict[str, object]] = {
 }
 
 
-def _pid(r: ReplicaRecord) -> int | None:
+def _handle_field(r: ReplicaRecord, key: str) -> object:
     if not r.handle:
         return None
     try:
-        pid = json.loads(r.handle).get("pid")
+        return json.loads(r.handle).get(key)
     except (ValueError, AttributeError):
         return None
-    return int(pid) if isinstance(pid, int) else None
 
 
 def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
@@ -71,7 +70,8 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
                 status=r.status.value,
                 reason=r.reason,
                 endpoint=r.endpoint,
-                pid=_pid(r),
+                pid=pid if isinstance(pid := _handle_field(r, "pid"), int) else None,
+                node=node if isinstance(node := _handle_field(r, "node_id"), str) else None,
                 exit_code=r.exit_code,
                 created_at=r.created_at,
                 launched_at=r.launched_at,
@@ -117,7 +117,7 @@ def create_app(controller: Controller, on_stopped: Callable[[], None] | None = N
 
     @app.post(f"{PREFIX}/services", response_model=ServiceInfo, status_code=201, responses=_ERRORS)
     async def create_service(body: CreateService) -> ServiceInfo:
-        svc = ctl.create_service(body.yaml, body.name, body.base_dir)
+        svc = ctl.create_service(body.yaml, body.name, body.base_dir, body.infra)
         return service_info(ctl, svc)
 
     @app.get(f"{PREFIX}/services", response_model=list[ServiceInfo])

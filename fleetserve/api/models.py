@@ -12,6 +12,7 @@ class CreateService(BaseModel):
     base_dir: str | None = Field(
         None, description="Folder that relative workdir / file_mounts paths start from."
     )
+    infra: str | None = Field(None, description="local or ray; default: the YAML's, else local")
 
 
 class UpdateService(BaseModel):
@@ -31,6 +32,7 @@ class ReplicaInfo(BaseModel):
     reason: str | None = None
     endpoint: str | None = None
     pid: int | None = None
+    node: str | None = Field(None, description="The Ray node id, on the ray infra")
     exit_code: int | None = None
     created_at: float
     launched_at: float | None = None

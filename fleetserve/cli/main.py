@@ -83,12 +83,15 @@ def up(
     file: Annotated[Path, typer.Argument(help="Service YAML (SkyServe format).")],
     name: Annotated[str | None, typer.Option("-n", "--name", help="Service name.")] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once accepted.")] = False,
+    infra: Annotated[
+        str | None, typer.Option(help="local (default) or ray: where the replicas run")
+    ] = None,
 ) -> None:
     """Start a service: its replicas and a load balancer; print the endpoint."""
     try:
         load_spec_file(file)  # a clear local error before anything starts
         client = Client()
-        svc = client.up_file(file, name)
+        svc = client.up_file(file, name, infra)
         out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
         if detach:
             out.print(f"Check it with `fleetserve status {svc.name}`.")

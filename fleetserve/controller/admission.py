@@ -13,7 +13,7 @@ from fleetserve.spec.models import ServiceTask
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _REMOTE = re.compile(r"^[a-z][a-z0-9+.-]*://")
-SUPPORTED_INFRAS = ("local",)
+SUPPORTED_INFRAS = ("local", "ray")
 
 
 def service_name(requested: str | None, spec: ServiceTask) -> str:
@@ -49,7 +49,7 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
         )
     _lo, hi = spec.service.replica_bounds()
     port = spec.replica_port()
-    if infra == "local" and port is not None and hi > 1:
+    if (wanted or infra).split("/")[0] == "local" and port is not None and hi > 1:
         raise InvalidSpec(
             f"the spec fixes port {port} and asks for up to {hi} replicas, but on the local infra "
             f"every replica shares this machine and port {port} can be bound only once. Remove "

@@ -45,16 +45,42 @@ class Controller:
         self.infra: Infra = infra or LocalInfra(
             settings.home, grace_seconds=settings.terminate_grace
         )
+        self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)
         self.lb = LbManager(settings, self.http)
         self.prober = Prober(self.http)
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
+    def infra_for(self, name: str) -> Infra:
+        """The infra of that name: local, or ray (connected on first use)."""
+        kind = name.split("/")[0]
+        if kind not in self.infras:
+            if kind != "ray":
+                raise InvalidSpec(f"resources.infra: no infra called {name!r}")
+            from fleetserve.infra.ray import RayInfra
+
+            self.infras[kind] = RayInfra(grace_seconds=self.settings.terminate_grace)
+        return self.infras[kind]
+
+    def service_infra(self, name: str) -> Infra:
+        """The infra a service's replicas run on (its spec's `resources.infra`)."""
+        spec = self.spec_of(self.store.service(name))
+        infra = self.infra_for(spec.requested_infra() or self.infra.name)
+        configure = getattr(infra, "set_resources", None)
+        if configure is not None:
+            configure(name, spec.resources.candidates()[0].model_dump(exclude_none=True))
+        return infra
+
     async def start(self) -> None:
         services = self.store.list_services()
         tokens = {r.launch_token for s in services for r in self.store.list_replicas(s.name)}
-        orphans = await self.infra.sweep(tokens)
+        kinds = {self.infra.name} | {
+            r.infra for s in services for r in self.store.list_replicas(s.name)
+        }
+        orphans = 0
+        for kind in sorted(kinds):
+            orphans += await self.infra_for(kind).sweep(tokens)
         stray_lbs = await self.lb.sweep(services)
         if orphans or stray_lbs:
             log.warning("stopped %s orphaned replica and %s stray LB processes", orphans, stray_lbs)
@@ -77,7 +103,13 @@ class Controller:
         if task is not None and not task.done():
             return self.reconcilers[name]
         rec = ServiceReconciler(
-            name, self.store, self.infra, self.lb, self.prober, self.settings, self.clock
+            name,
+            self.store,
+            self.service_infra(name),
+            self.lb,
+            self.prober,
+            self.settings,
+            self.clock,
         )
         self.reconcilers[name] = rec
         self._tasks[name] = asyncio.create_task(rec.run(), name=f"reconcile-{name}")
@@ -86,9 +118,17 @@ class Controller:
     # -- operations ------------------------------------------------------------------------
 
     def create_service(
-        self, yaml_text: str, name: str | None = None, base_dir: str | None = None
+        self,
+        yaml_text: str,
+        name: str | None = None,
+        base_dir: str | None = None,
+        infra: str | None = None,
     ) -> ServiceRecord:
         spec = parse_spec(yaml_text)
+        if infra is not None:  # `up --infra NAME` overrides the YAML's resources.infra
+            spec = spec.model_copy(
+                update={"resources": spec.resources.model_copy(update={"infra": infra})}
+            )
         check_deployable(spec, self.infra.name)
         spec = resolve_paths(spec, Path(base_dir or Path.cwd()))
         svc_name = service_name(name, spec)
@@ -208,7 +248,9 @@ class Controller:
             name, f"replica-{replica_id}.log"
         ):
             raise NotFound(f"service {name!r} has no replica {replica_id}")
-        return self.infra.logs(name, replica_id, follow)
+        row = self.store.get_replica(name, replica_id)
+        infra = self.infra_for(row.infra) if row else self.infra
+        return infra.logs(name, replica_id, follow, row.handle if row else None)
 
     def _log_exists(self, name: str, file: str) -> bool:
         return (self.settings.logs_dir / name / file).exists()

@@ -344,7 +344,9 @@ class LocalInfra:
             await asyncio.to_thread(stop_processes, procs, self.grace_seconds)
         return len(procs)
 
-    def logs(self, service: str, replica_id: int, follow: bool) -> AsyncIterator[str]:
+    def logs(
+        self, service: str, replica_id: int, follow: bool, handle: str | None = None
+    ) -> AsyncIterator[str]:
         return read_lines(self.log_path(service, replica_id), follow)
 
 

@@ -1,0 +1,346 @@
+"""The `ray` infra: each replica is a detached named Ray actor that runs the replica's setup
+and run on its node, so that a fleet can grow past one machine (Ray's autoscaler or KubeRay
+brings the nodes).
+
+The actor is named after the replica's launch token (`fs-<token>`, namespace `fleetserve`), so
+a restarted controller finds it from the replica's row, and an actor no row knows is an orphan.
+The replica command is the actor's direct child (setup, then `exec` of run): Ray kills a
+worker's direct child when it kills the worker, and a node that dies takes both with it. A dead
+actor or node is LOST (preempted); a process that exits is EXITED with its code.
+
+Placement: `resources.cpus` / `accelerators` become num_cpus / num_gpus; `resources.zone`
+becomes the custom resource `zone:<name>` and `use_spot` the resource `spot`, which the
+cluster's nodes declare (`ray start --resources '{"zone:us-east-1a": 100, "spot": 100}'`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fleetserve.core.errors import TerminalError, TransientError
+from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
+
+NAMESPACE = "fleetserve"
+ACTOR_PREFIX = "fs-"
+
+
+class ReplicaProcess:
+    """The actor's body (wrapped by ray.remote at first use): owns one replica's process."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.dir: Path | None = None
+
+    def start(self, req: dict[str, Any]) -> dict[str, Any]:
+        import ray
+
+        rdir = self.root / req["service"] / str(req["replica_id"])
+        shutil.rmtree(rdir, ignore_errors=True)
+        workdir = rdir / "workdir"
+        src = req.get("workdir")
+        if src and Path(src).is_dir():
+            shutil.copytree(src, workdir, symlinks=True)
+        else:
+            workdir.mkdir(parents=True)
+        (rdir / "setup.sh").write_text(req.get("setup") or "")
+        (rdir / "run.sh").write_text(req["run"])
+        port = req.get("port")
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        env = dict(os.environ)
+        env.update(req["envs"])
+        env.update(
+            {
+                "PORT": str(port),
+                "FLEETSERVE_REPLICA_ID": str(req["replica_id"]),
+                "SKYPILOT_SERVE_REPLICA_ID": str(req["replica_id"]),
+                "FLEETSERVE_SERVICE": req["service"],
+                "FLEETSERVE_VERSION": str(req["version"]),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        d = shlex.quote(str(rdir))
+        script = (
+            f"cd {shlex.quote(str(workdir))} && bash {d}/setup.sh && : > {d}/setup.done "
+            f"&& exec bash {d}/run.sh"
+        )
+        log = open(rdir / "replica.log", "ab")  # noqa: SIM115 - the child's output
+        self.proc = subprocess.Popen(
+            ["bash", "-c", script],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        self.dir = rdir
+        return {
+            "pid": self.proc.pid,
+            "port": port,
+            "host": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+
+    def state(self) -> list[Any]:
+        """["SETUP" | "RUNNING" | "EXITED", exit code, setup finished]."""
+        assert self.proc is not None and self.dir is not None
+        code = self.proc.poll()
+        done = (self.dir / "setup.done").exists()
+        if code is not None:
+            return ["EXITED", code, done]
+        return ["RUNNING" if done else "SETUP", None, done]
+
+    def stop(self, grace: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        import psutil
+
+        procs = [psutil.Process(self.proc.pid)]
+        with contextlib.suppress(psutil.Error):
+            procs += procs[0].children(recursive=True)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self.proc.wait(5)
+
+    def read_log(self, offset: int, limit: int = 1 << 20) -> list[Any]:
+        assert self.dir is not None
+        path = self.dir / "replica.log"
+        if not path.exists():
+            return [b"", offset]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(limit)
+        return [data, offset + len(data)]
+
+
+def _cpus(value: object) -> float | None:
+    if value is None:
+        return None
+    m = re.match(r"^(\d+(\.\d+)?)", str(value))
+    return float(m.group(1)) if m else None
+
+
+def _gpus(accelerators: object) -> float:
+    if accelerators is None:
+        return 0.0
+    if isinstance(accelerators, dict):
+        counts = [float(v or 1) for v in accelerators.values()]
+        return min(counts) if counts else 0.0
+    text = accelerators[0] if isinstance(accelerators, list) and accelerators else accelerators
+    _, _, count = str(text).partition(":")
+    return float(count or 1)
+
+
+class RayInfra:
+    name = "ray"
+
+    def __init__(
+        self,
+        address: str | None = None,
+        root: str = "/tmp/fleetserve-ray",
+        grace_seconds: float = 10.0,
+        call_timeout: float = 10.0,
+    ) -> None:
+        self.address = address or os.environ.get("FLEETSERVE_RAY_ADDRESS") or "auto"
+        self.root = root
+        self.grace_seconds = grace_seconds
+        self.call_timeout = call_timeout
+        self._actor_cls: Any = None
+        self._launch_options: dict[str, dict[str, Any]] = {}
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address=self.address,
+                namespace=NAMESPACE,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+        if self._actor_cls is None:
+            self._actor_cls = ray.remote(num_cpus=0)(ReplicaProcess)
+        return ray
+
+    async def _ray(self) -> Any:
+        try:
+            return await asyncio.to_thread(self._connect)
+        except Exception as e:  # ConnectionError, RuntimeError from ray.init
+            raise TransientError(f"cannot reach the Ray cluster at {self.address}: {e}") from e
+
+    async def _call(self, ray: Any, ref: Any, limit: float | None = None) -> Any:
+        return await asyncio.to_thread(ray.get, ref, timeout=limit or self.call_timeout)
+
+    def placement(self, resources: dict[str, Any]) -> dict[str, Any]:
+        """Actor options for a replica's `resources` (see the module's docstring)."""
+        custom: dict[str, float] = {}
+        if resources.get("zone"):
+            custom[f"zone:{resources['zone']}"] = 0.001
+        if resources.get("use_spot"):
+            custom["spot"] = 0.001
+        opts: dict[str, Any] = {"num_gpus": _gpus(resources.get("accelerators"))}
+        cpus = _cpus(resources.get("cpus"))
+        if cpus is not None:
+            opts["num_cpus"] = cpus
+        if resources.get("memory") is not None:
+            gib = _cpus(resources.get("memory"))
+            if gib:
+                opts["memory"] = int(gib * 1024**3)
+        if custom:
+            opts["resources"] = custom
+        return opts
+
+    def set_resources(self, service: str, resources: dict[str, Any]) -> None:
+        """The resources a service's replicas ask for (the controller tells the infra)."""
+        self._launch_options[service] = self.placement(resources)
+
+    # -- the Infra protocol ----------------------------------------------------------------------
+
+    def locations(self) -> list[Location]:
+        ray = self._connect()
+        zones = sorted(k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("zone:"))
+        return [Location(zone=z, region=z.rsplit("-", 1)[0]) for z in zones] or [
+            Location(zone="ray", region="ray")
+        ]
+
+    async def launch(self, request: LaunchRequest) -> Launched:
+        ray = await self._ray()
+        name = ACTOR_PREFIX + request.launch_token
+        options = {
+            "name": name,
+            "namespace": NAMESPACE,
+            "lifetime": "detached",
+            **self._launch_options.get(request.service, {}),
+        }
+        actor = self._actor_cls.options(**options).remote(self.root)
+        req = {
+            "service": request.service,
+            "replica_id": request.replica_id,
+            "version": request.version,
+            "run": request.run,
+            "setup": request.setup,
+            "envs": request.envs,
+            "workdir": str(request.workdir) if request.workdir else None,
+            "port": request.port,
+        }
+        try:
+            # Scheduling waits for a node with the resources (Ray's autoscaler may add one).
+            info = await asyncio.to_thread(ray.get, actor.start.remote(req))
+            while True:
+                kind, code, _done = await self._call(ray, actor.state.remote())
+                if kind == "RUNNING":
+                    break
+                if kind == "EXITED":
+                    raise TerminalError(
+                        f"setup or run exited with code {code} on node {info['host']} "
+                        f"(see `fleetserve logs {request.service} {request.replica_id}`)"
+                    )
+                await asyncio.sleep(0.2)
+        except BaseException:
+            await self.terminate(None, request.launch_token)
+            raise
+        handle = json.dumps({"actor": name, **info}, sort_keys=True)
+        return Launched(handle=handle, host=info["host"], port=int(info["port"]))
+
+    async def poll(self, handle: str) -> InstanceState:
+        ray = await self._ray()
+        name = json.loads(handle)["actor"]
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return InstanceState(InstanceKind.LOST, detail=f"actor {name} is gone")
+        try:
+            kind, code, _ = await self._call(ray, actor.state.remote(), limit=5)
+        except ray.exceptions.GetTimeoutError:
+            return InstanceState(InstanceKind.RUNNING, detail="no answer yet")
+        except ray.exceptions.RayActorError as e:
+            return InstanceState(
+                InstanceKind.LOST, detail=f"actor or node died: {type(e).__name__}"
+            )
+        if kind == "EXITED":
+            return InstanceState(
+                InstanceKind.EXITED, exit_code=code, detail=f"exited with code {code}"
+            )
+        return InstanceState(InstanceKind.RUNNING)
+
+    async def terminate(self, handle: str | None, launch_token: str) -> None:
+        ray = await self._ray()
+        name = ACTOR_PREFIX + launch_token
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return  # never started, or already gone
+        # If the node is gone or the call hangs, killing the actor is enough.
+        with contextlib.suppress(Exception):
+            await self._call(ray, actor.stop.remote(self.grace_seconds), self.grace_seconds + 10)
+        await asyncio.to_thread(ray.kill, actor, no_restart=True)
+
+    async def sweep(self, known_tokens: set[str]) -> int:
+        """Kill actors of ours that no replica row knows (orphans)."""
+        try:
+            ray = await self._ray()
+        except TransientError:
+            return 0
+        names = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        killed = 0
+        for entry in names:
+            name = entry["name"] if isinstance(entry, dict) else entry
+            ns = entry.get("namespace") if isinstance(entry, dict) else NAMESPACE
+            token = name.removeprefix(ACTOR_PREFIX)
+            if ns == NAMESPACE and name.startswith(ACTOR_PREFIX) and token not in known_tokens:
+                await self.terminate(None, token)
+                killed += 1
+        return killed
+
+    def forget_service(self, service: str) -> None:
+        self._launch_options.pop(service, None)
+
+    async def logs(
+        self, service: str, replica_id: int, follow: bool, handle: str | None = None
+    ) -> AsyncIterator[str]:
+        if not handle:
+            return
+        ray = await self._ray()
+        try:
+            actor = ray.get_actor(json.loads(handle)["actor"], namespace=NAMESPACE)
+        except ValueError:
+            return
+        offset, pending = 0, ""
+        while True:
+            try:
+                data, offset = await self._call(ray, actor.read_log.remote(offset))
+            except Exception:
+                return
+            text = pending + data.decode(errors="replace")
+            lines = text.split("\n")
+            pending = lines.pop()
+            for line in lines:
+                yield line + "\n"
+            if not data:
+                if not follow:
+                    if pending:
+                        yield pending
+                    return
+                await asyncio.sleep(0.5)

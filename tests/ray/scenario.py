@@ -1,0 +1,169 @@
+"""The Ray scenario, run inside a network namespace of the test's own (see test_ray_infra.py):
+a real 3-node Ray cluster, the real controller, CLI and load balancer. Prints one JSON line of
+findings; the test asserts on them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.update(
+    RAY_health_check_period_ms="500",
+    RAY_health_check_timeout_ms="500",
+    RAY_health_check_failure_threshold="3",
+)
+
+import ray
+from ray.cluster_utils import Cluster
+
+SERVER = """
+import json, os
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"replica": os.environ["FLEETSERVE_REPLICA_ID"]}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+print("replica", os.environ["FLEETSERVE_REPLICA_ID"], "serving on", os.environ["PORT"], flush=True)
+ThreadingHTTPServer(("0.0.0.0", int(os.environ["PORT"])), H).serve_forever()
+"""
+
+
+def main(work: Path) -> None:
+    found: dict[str, object] = {}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    node_a = cluster.add_node(num_cpus=1, resources={"zone:a": 10})
+    node_b = cluster.add_node(num_cpus=1, resources={"zone:b": 10})
+    node_c = cluster.add_node(num_cpus=1, resources={"zone:c": 10})
+    cluster.wait_for_nodes()
+    env = dict(os.environ)
+    env.update(
+        FLEETSERVE_HOME=str(work / "home"),
+        FLEETSERVE_API_PORT="47999",
+        FLEETSERVE_LB_PORT_START="35001",
+        FLEETSERVE_RAY_ADDRESS=cluster.address,
+        FLEETSERVE_PROBE_INTERVAL="1",
+        FLEETSERVE_TERMINATE_GRACE="2",
+    )
+
+    def cli(*args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "fleetserve", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        if out.returncode != 0:
+            raise SystemExit(f"fleetserve {args} failed: {out.stdout}\n{out.stderr}")
+        return out.stdout
+
+    def service(name: str) -> dict[str, object]:
+        return dict(
+            json.loads(
+                urllib.request.urlopen(
+                    f"http://127.0.0.1:47999/api/v1/services/{name}", timeout=10
+                ).read()
+            )
+        )
+
+    def get(url: str) -> dict[str, object]:
+        return dict(json.loads(urllib.request.urlopen(url, timeout=10).read()))
+
+    app = work / "app"
+    app.mkdir()
+    (app / "server.py").write_text(SERVER)
+    (work / "pinned.yaml").write_text(
+        "service:\n  readiness_probe: {path: /, initial_delay_seconds: 60}\n  replicas: 1\n"
+        f"resources: {{infra: ray, zone: b, cpus: 1}}\nrun: python3 {app}/server.py\n"
+    )
+    (work / "roaming.yaml").write_text(
+        "service:\n  readiness_probe: {path: /, initial_delay_seconds: 60}\n  replicas: 1\n"
+        f"resources: {{cpus: 1}}\nrun: python3 {app}/server.py\n"
+    )
+    started = time.monotonic()
+    cli("up", str(work / "pinned.yaml"), "-n", "pinned")
+    found["pinned_up_seconds"] = round(time.monotonic() - started, 1)
+    pinned = service("pinned")
+    rep = pinned["replicas"][0]  # type: ignore[index]
+    found["pinned_endpoint"] = pinned["endpoint"]
+    found["pinned_answer"] = get(f"{pinned['endpoint']}/")
+    found["pinned_node_is_b"] = _node_of(rep) == node_b.node_id
+    found["pinned_log"] = cli("logs", "pinned", "1")  # streamed from the node
+    cli("up", str(work / "roaming.yaml"), "-n", "roaming", "--infra", "ray")
+    roaming = service("roaming")
+    first = roaming["replicas"][0]  # type: ignore[index]
+    node = _node_of(first)
+    # The pinned replica holds zone b's only CPU: the roaming one is on node a or c.
+    names = {node_a.node_id: "a", node_b.node_id: "b", node_c.node_id: "c"}
+    found["roaming_first_node"] = names.get(node or "", "?")
+    # Kill that worker node: the replica is LOST (PREEMPTED) and replaced on the other node.
+    victim = node_a if node == node_a.node_id else node_c
+    killed_at = time.monotonic()
+    cluster.remove_node(victim, allow_graceful=False)
+    detected = replaced = None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        reps = {r["replica_id"]: r for r in service("roaming")["replicas"]}  # type: ignore[index,union-attr]
+        if detected is None and reps[first["replica_id"]]["status"] in (
+            "PREEMPTED",
+            "SHUTTING_DOWN",
+        ):
+            detected = time.monotonic() - killed_at
+        ready = [
+            r for rid, r in reps.items() if rid != first["replica_id"] and r["status"] == "READY"
+        ]
+        if ready:
+            replaced = time.monotonic() - killed_at
+            found["replacement_node_differs"] = _node_of(ready[0]) != node
+            break
+        time.sleep(0.3)
+    found["lost_detected_after_s"] = None if detected is None else round(detected, 1)
+    found["replaced_after_s"] = None if replaced is None else round(replaced, 1)
+    found["roaming_answer_after_replacement"] = get(f"{service('roaming')['endpoint']}/")
+    # Restart the controller: the running actors are adopted, none relaunched.
+    before = {r["replica_id"]: r["pid"] for r in service("pinned")["replicas"]}  # type: ignore[index,union-attr]
+    pid = json.loads((work / "home" / "server.json").read_text())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1)
+    cli("server", "start")
+    time.sleep(3)
+    after = service("pinned")
+    found["pinned_before_restart"] = before
+    found["pinned_after_restart"] = [
+        (r["replica_id"], r["pid"], r["status"], r["reason"])
+        for r in after["replicas"]  # type: ignore[union-attr]
+    ]
+    found["adopted_same_replicas"] = {
+        r["replica_id"]: r["pid"]
+        for r in after["replicas"]  # type: ignore[union-attr]
+    } == before and all(r["status"] == "READY" for r in after["replicas"])  # type: ignore[union-attr]
+    events = json.loads(
+        urllib.request.urlopen(
+            "http://127.0.0.1:47999/api/v1/services/pinned/events", timeout=10
+        ).read()
+    )
+    found["adoption_event"] = any("adopted" in e["message"] for e in events)
+    cli("down", "--all", "--purge")
+    ray.init(address=cluster.address, namespace="fleetserve", logging_level="error")
+    found["actors_left"] = ray.util.list_named_actors()
+    ray.shutdown()
+    cli("server", "stop")
+    cluster.shutdown()
+    print(json.dumps(found))
+
+
+def _node_of(replica: object) -> str | None:
+    """The Ray node id a replica runs on, as the API shows it."""
+    return replica.get("node") if isinstance(replica, dict) else None
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
