@@ -67,9 +67,7 @@ class Controller:
         """The infra a service's replicas run on (its spec's `resources.infra`)."""
         spec = self.spec_of(self.store.service(name))
         infra = self.infra_for(spec.requested_infra() or self.infra.name)
-        configure = getattr(infra, "set_resources", None)
-        if configure is not None:
-            configure(name, spec.resources.candidates()[0].model_dump(exclude_none=True))
+        infra.prepare(name, spec.resources.candidates()[0].model_dump(exclude_none=True))
         return infra
 
     async def start(self) -> None:

@@ -6,7 +6,7 @@ import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ class Infra(Protocol):
     name: str
 
     def locations(self) -> list[Location]: ...
+
+    def prepare(self, service: str, resources: dict[str, Any]) -> None:
+        """Learn the resources a service's replicas ask for (placement)."""
+        ...
 
     async def launch(self, request: LaunchRequest) -> Launched:
         """Start the replica and run its setup; return once `run` has started.

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -178,6 +179,9 @@ class LocalInfra:
 
     def locations(self) -> list[Location]:
         return [Location(zone="local", region="local")]
+
+    def prepare(self, service: str, resources: dict[str, Any]) -> None:
+        """Nothing to place: every replica runs on this machine."""
 
     def replica_dir(self, service: str, replica_id: int) -> Path:
         return self.home / "replicas" / service / str(replica_id)

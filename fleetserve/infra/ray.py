@@ -212,7 +212,7 @@ class RayInfra:
             opts["resources"] = custom
         return opts
 
-    def set_resources(self, service: str, resources: dict[str, Any]) -> None:
+    def prepare(self, service: str, resources: dict[str, Any]) -> None:
         """The resources a service's replicas ask for (the controller tells the infra)."""
         self._launch_options[service] = self.placement(resources)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetserve.core.status import FAILED_STATUSES, SCALE_DOWN_ORDER, ReplicaStatus
+from fleetserve.core.status import FAILED_STATUSES, ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 from fleetserve.policies.rollout import RolloutSettings, plan_rollout
 
@@ -160,15 +160,6 @@ def _lifecycle(
             f"{s.failure_window_seconds:g} s): {probe.detail}",
         )
     return None
-
-
-def scale_down_order(replicas: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:
-    """Least useful first: by status (PENDING ... READY), then older versions, then newest id."""
-    rank = {status: i for i, status in enumerate(SCALE_DOWN_ORDER)}
-    return sorted(
-        replicas,
-        key=lambda r: (rank.get(r.status, len(rank)), r.version, -r.replica_id),
-    )
 
 
 def crash_loop_reason(

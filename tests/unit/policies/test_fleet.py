@@ -20,8 +20,8 @@ from fleetserve.policies.fleet import (
     plan_fleet,
     plan_shutdown,
     routable,
-    scale_down_order,
 )
+from fleetserve.policies.rollout import scale_down_order
 
 T0 = 1_000_000.0
 OK = Observation(InstanceObservation(alive=True), ProbeResult(True, "200"))
