@@ -105,10 +105,11 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
             await writer.drain()
     # The channel closed: the primary is gone, or stops us. If it was killed, serve the last
     # replica set a few seconds more, while the controller starts a new primary beside us
-    # (SO_REUSEPORT), so that no connection is refused meanwhile; then go.
+    # (SO_REUSEPORT), so that no connection is refused meanwhile. Then stop listening and let
+    # the requests in progress finish.
     if not stopping:
         await asyncio.sleep(LINGER_SECONDS)
-    await proxy.close(drain_seconds=0)
+    await proxy.close()
 
 
 def main() -> None:

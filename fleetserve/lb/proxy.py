@@ -14,7 +14,6 @@ this path costs (bench/lb), and the load balancer is the one component every req
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -628,6 +627,7 @@ class ClientConn(asyncio.Protocol):
         self.peer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.proxy.clients.add(self)
         self.transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
         peer = transport.get_extra_info("peername")
@@ -770,6 +770,7 @@ class ClientConn(asyncio.Protocol):
         self.close_after_write()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.proxy.clients.discard(self)
         self.closed = True
         pending, self.queue = list(self.queue), deque()
         for ex in pending:
@@ -798,6 +799,7 @@ class Proxy:
         self.keys = [k.encode() for k in self.opts.api_keys]
         self.pool = Pool(self.opts.connect_timeout_seconds)
         self._server: asyncio.Server | None = None
+        self.clients: set[ClientConn] = set()  # open client connections (drained on close)
         self._wake_task: asyncio.Task[None] | None = None
 
     def authorized(self, header: bytes | None) -> bool:
@@ -866,10 +868,14 @@ class Proxy:
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self, drain_seconds: float = 5.0) -> None:
-        """Stop listening at once; wait up to `drain_seconds` for open connections."""
+        """Stop listening at once; let requests in progress finish (up to `drain_seconds`),
+        then close every connection. (Python 3.11's Server.wait_closed does not wait for
+        connections, so the proxy tracks them itself.)"""
         if self._server is not None:
             self._server.close()
-            if drain_seconds > 0:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._server.wait_closed(), drain_seconds)
+        deadline = time.monotonic() + drain_seconds
+        while time.monotonic() < deadline and any(c.queue for c in self.clients):
+            await asyncio.sleep(0.05)
+        for client in list(self.clients):
+            client.close()
         self.pool.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -63,8 +64,8 @@ class Load:
                 reply = get(self.url, timeout=5)
                 self.ok[reply["replica"]] += 1
                 self.versions.append(reply.get("version", "?"))
-            except (urllib.error.URLError, OSError, ValueError) as e:
-                self.failures.append(repr(e))
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+                self.failures.append(repr(e))  # a truncated response counts as a failure
             time.sleep(self.pause)
 
     def __enter__(self) -> Load:
