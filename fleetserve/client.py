@@ -2,10 +2,16 @@
 
 The CLI is built on it. With `auto_start` (the default) the first call starts the controller
 in the background if none answers for this FLEETSERVE_HOME.
+
+Every call but /health carries the API token: the `token` argument, else FLEETSERVE_API_TOKEN,
+else the home's token file (which only its owner can read). A controller on another machine is
+reached with FLEETSERVE_API_URL (https), the token, and FLEETSERVE_API_CA when its certificate
+is signed by a private CA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,12 +33,18 @@ from fleetserve.core.errors import (
     InvalidSpec,
     NotFound,
     TransientError,
+    Unauthorized,
 )
+from fleetserve.infra.local import open_private
+
+_WRITES = ("POST", "PUT", "PATCH", "DELETE")
 
 
-def _raise_for(resp: httpx.Response) -> None:
+def _raise_for(resp: httpx.Response, hint: str = "") -> None:
     if resp.is_success:
         return
+    if resp.status_code == 401:
+        raise Unauthorized(f"the controller refused the API token{hint}")
     try:
         err = resp.json()["error"]
         kind, message = str(err["kind"]), str(err["message"])
@@ -56,31 +68,49 @@ def server_pid(settings: Settings) -> int | None:
 
 
 def start_server(settings: Settings, wait: float = 30.0) -> int:
-    """Start the controller in the background; returns its pid once its API answers."""
-    settings.logs_dir.mkdir(parents=True, exist_ok=True)
+    """Start the controller in the background; returns its pid once its API answers.
+
+    A start that fails says why in one line (the controller's own, from its stderr), and the
+    log of a controller that already runs is only ever appended to."""
+    settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    settings.home.chmod(0o700)
     env = dict(os.environ)
     env["FLEETSERVE_HOME"] = str(settings.home)
     env["FLEETSERVE_API_PORT"] = str(settings.api_port)
-    with open(settings.logs_dir / "controller.log", "ab") as out:
+    env["FLEETSERVE_API_HOST"] = settings.api_host
+    env["FLEETSERVE_TLS_CERTFILE"] = settings.tls_certfile or ""
+    env["FLEETSERVE_TLS_KEYFILE"] = settings.tls_keyfile or ""
+    env["FLEETSERVE_ALLOWED_HOSTS"] = ",".join(settings.allowed_hosts)
+    out = open_private(settings.logs_dir / "controller.log")
+    try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fleetserve.api.server"],
             stdin=subprocess.DEVNULL,
             stdout=out,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             env=env,
             start_new_session=True,
         )
+    finally:
+        os.close(out)
     client = Client(settings=settings, auto_start=False)
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise FleetserveError(
-                f"the controller exited at start (code {proc.returncode}); see "
-                f"{settings.logs_dir / 'controller.log'}"
-            )
-        if client.healthy():
-            return proc.pid
-        time.sleep(0.1)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                why = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
+                last = why.strip().splitlines()[-1] if why.strip() else ""
+                raise FleetserveError(
+                    last.removeprefix("fleetserve controller: ")
+                    or f"the controller exited at start (code {proc.returncode}); see "
+                    f"{settings.logs_dir / 'controller.log'}"
+                )
+            if client.healthy():
+                return proc.pid
+            time.sleep(0.1)
+    finally:
+        if proc.stderr is not None:
+            proc.stderr.close()  # the controller's stderr then goes nowhere; it logs to stdout
     raise TransientError(f"the controller did not answer within {wait:.0f} s")
 
 
@@ -99,6 +129,14 @@ def stop_server(settings: Settings, wait: float = 60.0) -> bool:
     return True
 
 
+def _local_url(settings: Settings) -> str:
+    """The controller of this home: its scheme from server.json (it may serve TLS)."""
+    scheme = settings.api_scheme
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        scheme = str(json.loads(settings.server_file.read_text()).get("scheme") or scheme)
+    return f"{scheme}://127.0.0.1:{settings.api_port}"
+
+
 class Client:
     def __init__(
         self,
@@ -106,11 +144,21 @@ class Client:
         settings: Settings | None = None,
         auto_start: bool = True,
         timeout: float = 30.0,
+        token: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
-        self.url = (url or f"http://127.0.0.1:{self.settings.api_port}").rstrip("/")
-        self.auto_start = auto_start and url is None
-        self._http = httpx.Client(base_url=self.url + "/api/v1", timeout=timeout, trust_env=False)
+        url = url or os.environ.get("FLEETSERVE_API_URL") or None
+        self.remote = url is not None
+        self.url = (url or _local_url(self.settings)).rstrip("/")
+        self.auto_start = auto_start and not self.remote
+        self._token = token or os.environ.get("FLEETSERVE_API_TOKEN") or None
+        ca = ca_file or os.environ.get("FLEETSERVE_API_CA") or None
+        if ca is not None and not os.path.isfile(ca):
+            raise InvalidSpec(f"CA file {ca} does not exist (FLEETSERVE_API_CA)")
+        self._http = httpx.Client(
+            base_url=self.url + "/api/v1", timeout=timeout, trust_env=False, verify=ca or True
+        )
         self._checked = False
 
     def close(self) -> None:
@@ -124,15 +172,52 @@ class Client:
 
     # -- plumbing --------------------------------------------------------------------------
 
+    def token(self) -> str:
+        """The API token: given, from FLEETSERVE_API_TOKEN, or this home's token file."""
+        if self._token:
+            return self._token
+        path = self.settings.token_file
+        try:
+            self._token = path.read_text().strip()
+        except FileNotFoundError:
+            raise Unauthorized(
+                f"no API token: {path} does not exist (the controller writes it at its first "
+                "start); for a controller elsewhere set FLEETSERVE_API_TOKEN"
+            ) from None
+        except PermissionError:
+            raise Unauthorized(
+                f"no API token: {path} is not readable by this user; ask its owner for the "
+                "token and set FLEETSERVE_API_TOKEN"
+            ) from None
+        return self._token
+
+    def _headers(self, method: str, has_body: bool) -> dict[str, str]:
+        headers = {"Authorization": f"Bearer {self.token()}"}
+        if method in _WRITES and not has_body:
+            headers["Content-Type"] = "application/json"
+        return headers
+
+    def _hint(self) -> str:
+        if self._token and os.environ.get("FLEETSERVE_API_TOKEN") == self._token:
+            return " (FLEETSERVE_API_TOKEN is not this controller's token)"
+        return f" (the token in {self.settings.token_file} is not this controller's)"
+
     def healthy(self) -> bool:
         try:
             r = self._http.get("/health", timeout=2)
+        except httpx.ConnectError as e:
+            if "CERTIFICATE_VERIFY_FAILED" in str(e):
+                raise TransientError(
+                    f"the controller at {self.url} has a certificate this client does not "
+                    f"trust ({e}): set FLEETSERVE_API_CA to its CA file"
+                ) from None
+            return False
         except httpx.HTTPError:
             return False
         if r.status_code != 200:
             return False
         home = r.json().get("home")
-        if home != str(self.settings.home) and self.url.endswith(f":{self.settings.api_port}"):
+        if not self.remote and home != str(self.settings.home):
             raise FleetserveError(
                 f"port {self.settings.api_port} is taken by a fleetserve controller for {home}; "
                 "set FLEETSERVE_API_PORT to use another port for this FLEETSERVE_HOME"
@@ -153,11 +238,14 @@ class Client:
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         self._ensure()
+        headers = self._headers(method, "json" in kw or "content" in kw)
+        if method in _WRITES and "json" not in kw and "content" not in kw:
+            kw["content"] = b"{}"
         try:
-            resp = self._http.request(method, path, **kw)
+            resp = self._http.request(method, path, headers=headers, **kw)
         except httpx.HTTPError as e:
             raise TransientError(f"controller at {self.url} is unreachable: {e}") from None
-        _raise_for(resp)
+        _raise_for(resp, self._hint())
         return resp
 
     # -- services --------------------------------------------------------------------------
@@ -259,8 +347,9 @@ class Client:
 
     def _stream(self, path: str, params: dict[str, Any]) -> Iterator[str]:
         self._ensure()
-        with self._http.stream("GET", path, params=params, timeout=None) as resp:
+        headers = self._headers("GET", False)
+        with self._http.stream("GET", path, params=params, timeout=None, headers=headers) as resp:
             if not resp.is_success:
                 resp.read()
-                _raise_for(resp)
+                _raise_for(resp, self._hint())
             yield from resp.iter_lines()

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fleetserve._version import __version__
+from fleetserve.api.auth import ApiGuard, allowed_host_names, ensure_token
 from fleetserve.api.models import (
     CreateService,
     ErrorResponse,
@@ -83,10 +84,20 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
     )
 
 
-def create_app(controller: Controller, on_stopped: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    controller: Controller,
+    on_stopped: Callable[[], None] | None = None,
+    token: str | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The REST API over `controller`. Every route but /health needs the `token` (see
+    fleetserve.api.auth); `None` makes and reads the token file of the controller's home."""
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await controller.start()
+        if on_started is not None:
+            on_started()
         yield
         await controller.stop()
         if on_stopped is not None:
@@ -94,6 +105,17 @@ def create_app(controller: Controller, on_stopped: Callable[[], None] | None = N
 
     app = FastAPI(title="fleetserve", version=__version__, lifespan=lifespan)
     ctl = controller
+
+    def wake_secret(name: str) -> str | None:
+        svc = ctl.store.get_service(name)
+        return svc.lb_secret if svc is not None else None
+
+    app.add_middleware(
+        ApiGuard,
+        token=token if token is not None else ensure_token(ctl.settings.token_file),
+        hosts=allowed_host_names(ctl.settings),
+        wake_secret=wake_secret,
+    )
 
     @app.exception_handler(FleetserveError)
     async def _fleetserve_error(_req: Request, exc: FleetserveError) -> JSONResponse:

@@ -1,7 +1,12 @@
 """`python -m fleetserve.api.server`: the controller process (REST API + reconcilers).
 
 Started in the background by the CLI (`fleetserve server start`, or on demand). One controller
-per FLEETSERVE_HOME: a lock file keeps a second one from starting.
+per FLEETSERVE_HOME: a lock file keeps a second one from starting. Everything it writes is
+the owner's only (umask 077, home 0700); the replicas keep the user's own umask.
+
+A start that cannot go on (another controller, a busy port, an unusable database, a public
+address without TLS) prints one line, exits non-zero and touches nothing: no process, no
+server.json, no log of the running controller.
 """
 
 from __future__ import annotations
@@ -10,31 +15,90 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import sys
+from typing import NoReturn
 
 import psutil
 import uvicorn
 
 from fleetserve.api.app import create_app
+from fleetserve.api.auth import ensure_token, secure_home
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.settings import Settings
+from fleetserve.core.errors import FleetserveError, InvalidSpec
+
+EXIT_REFUSED = 2
+
+
+def _refuse(message: str, code: int = EXIT_REFUSED) -> NoReturn:
+    """One line on stderr (the CLI that started us shows it) and in the log (stdout)."""
+    line = f"fleetserve controller: {message}"
+    print(line, file=sys.stderr, flush=True)
+    if not sys.stdout.isatty():
+        print(line, flush=True)
+    sys.exit(code)
+
+
+def bind(settings: Settings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in settings.api_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.api_host, settings.api_port))
+    except OSError as e:
+        sock.close()
+        raise InvalidSpec(
+            f"cannot listen on {settings.api_host}:{settings.api_port} ({e.strerror}): "
+            "set FLEETSERVE_API_PORT to another port"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def main() -> None:
+    user_umask = os.umask(0o077)
     settings = Settings.from_env()
-    settings.home.mkdir(parents=True, exist_ok=True)
-    lock = open(settings.home / "server.lock", "w")  # noqa: SIM115 - held for the process's life
+    try:
+        settings.check_exposure()
+    except FleetserveError as e:
+        _refuse(e.message)
+    secure_home(settings.home)
+    lock = open(settings.home / "server.lock", "a")  # noqa: SIM115 - held for the process's life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        print(f"another fleetserve controller is running for {settings.home}", file=sys.stderr)
-        sys.exit(1)
+        _refuse(f"another fleetserve controller is running for {settings.home}", 1)
+    try:
+        sock = bind(settings)
+        controller = Controller(settings, replica_umask=user_umask)
+    except FleetserveError as e:
+        _refuse(e.message, e.exit_code)
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
     )
     for noisy in ("httpx", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     me = psutil.Process()
+    info = {
+        "pid": me.pid,
+        "create_time": me.create_time(),
+        "port": settings.api_port,
+        "host": settings.api_host,
+        "scheme": settings.api_scheme,
+    }
+
+    def publish() -> None:
+        # Only once the controller has started: a failed start leaves the file as it was.
+        # From now on stray stderr output (the CLI stops reading it) goes to the log too.
+        sys.stderr.flush()
+        os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+        tmp = settings.server_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, settings.server_file)
 
     def forget_server_file() -> None:
         # uvicorn re-raises SIGTERM once shut down, so this runs from the lifespan's end.
@@ -46,25 +110,31 @@ def main() -> None:
             pass
         logging.getLogger("fleetserve.controller").info("controller stopped")
 
-    controller = Controller(settings)
-    app = create_app(controller, on_stopped=forget_server_file)
-    info = {"pid": me.pid, "create_time": me.create_time(), "port": settings.api_port}
-    tmp = settings.server_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, settings.server_file)
+    app = create_app(
+        controller,
+        on_stopped=forget_server_file,
+        token=ensure_token(settings.token_file),
+        on_started=publish,
+    )
     config = uvicorn.Config(
         app,
-        host="127.0.0.1",
-        port=settings.api_port,
         log_level="warning",
         access_log=False,
         lifespan="on",
+        ssl_certfile=settings.tls_certfile,
+        ssl_keyfile=settings.tls_keyfile,
+        timeout_graceful_shutdown=10,
     )
     server = uvicorn.Server(config)
     logging.getLogger("fleetserve.controller").info(
-        "controller starting on 127.0.0.1:%s (home %s)", settings.api_port, settings.home
+        "controller starting on %s://%s:%s (home %s, home id %s)",
+        settings.api_scheme,
+        settings.api_host,
+        settings.api_port,
+        settings.home,
+        controller.home_id,
     )
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:
         sys.exit(1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from rich.table import Table
 from fleetserve.api.models import ServiceInfo
 from fleetserve.cli.render import events_table, replicas_table, services_table, styled
 from fleetserve.client import Client, server_pid, start_server, stop_server
-from fleetserve.controller.settings import Settings
+from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 from fleetserve.spec.loader import load_spec_file
 
@@ -398,17 +399,50 @@ def simulate(
 
 
 @server_app.command("start")
-def server_start() -> None:
+def server_start(
+    host: Annotated[
+        str | None,
+        typer.Option(help="Address to listen on (default 127.0.0.1); beyond loopback needs TLS"),
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="API port (FLEETSERVE_API_PORT)")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="TLS certificate (PEM)")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(help="A Host name clients use to reach the API (repeatable)"),
+    ] = None,
+) -> None:
     """Start the controller in the background (the CLI also does it on demand)."""
     settings = Settings.from_env()
+    changes: dict[str, object] = {}
+    if host is not None:
+        changes["api_host"] = host
+    if port is not None:
+        changes["api_port"] = port
+    if tls_cert is not None:
+        changes["tls_certfile"] = str(tls_cert.resolve())
+    if tls_key is not None:
+        changes["tls_keyfile"] = str(tls_key.resolve())
+    if allowed_host:
+        changes["allowed_hosts"] = (*settings.allowed_hosts, *allowed_host)
+    settings = dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
     try:
+        settings.check_exposure()
         if Client(settings=settings, auto_start=False).healthy():
-            out.print(f"Controller already running on 127.0.0.1:{settings.api_port}.")
+            out.print(f"Controller already running on port {settings.api_port}.")
             return
         pid = start_server(settings)
     except FleetserveError as e:
         raise _fail(e) from None
-    out.print(f"Controller started (pid {pid}) on 127.0.0.1:{settings.api_port}.")
+    where = f"{settings.api_scheme}://{settings.api_host}:{settings.api_port}"
+    out.print(f"Controller started (pid {pid}) on {where}.", highlight=False)
+    if not is_loopback(settings.api_host):
+        out.print(
+            f"Remote clients: FLEETSERVE_API_URL=https://<this host>:{settings.api_port} and "
+            f"FLEETSERVE_API_TOKEN=<the token in {settings.token_file}> "
+            "(+ FLEETSERVE_API_CA if the certificate's CA is private).",
+            highlight=False,
+        )
 
 
 @server_app.command("stop")

@@ -38,17 +38,22 @@ class Controller:
         clock: Clock | None = None,
         infra: Infra | None = None,
         store: Store | None = None,
+        replica_umask: int | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock or SystemClock()
+        # Refuses an empty, corrupt, foreign or newer database before anything is touched.
         self.store = store or Store.at_path(settings.db_path)
+        self.home_id = self.store.claim_home(settings.home)
         self.infra: Infra = infra or LocalInfra(
-            settings.home, grace_seconds=settings.terminate_grace
+            settings.home,
+            grace_seconds=settings.terminate_grace,
+            home_id=self.home_id,
+            umask=replica_umask,
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)
-        self.lb = LbManager(settings, self.http)
-        self.prober = Prober(self.http)
+        self.lb = LbManager(settings, self.http, self.home_id)
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -60,7 +65,9 @@ class Controller:
                 raise InvalidSpec(f"resources.infra: no infra called {name!r}")
             from fleetserve.infra.ray import RayInfra
 
-            self.infras[kind] = RayInfra(grace_seconds=self.settings.terminate_grace)
+            self.infras[kind] = RayInfra(
+                grace_seconds=self.settings.terminate_grace, home_id=self.home_id
+            )
         return self.infras[kind]
 
     def service_infra(self, name: str) -> Infra:
@@ -92,7 +99,6 @@ class Controller:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
             await self.reconcilers[name].stop()
-        self.prober.close()
         await self.http.aclose()
         self.store.close()
 
@@ -105,9 +111,10 @@ class Controller:
             self.store,
             self.service_infra(name),
             self.lb,
-            self.prober,
+            Prober(self.http),  # one per service: probe results never cross services
             self.settings,
             self.clock,
+            self.home_id,
         )
         self.reconcilers[name] = rec
         self._tasks[name] = asyncio.create_task(rec.run(), name=f"reconcile-{name}")

@@ -14,18 +14,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleetserve.core.clock import Clock
-from fleetserve.core.errors import FleetserveError
+from fleetserve.core.errors import FleetserveError, TransientError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
-from fleetserve.infra.base import FileMount, Infra, LaunchRequest
+from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
 
 
-def new_launch_token() -> str:
-    return uuid.uuid4().hex
+# Transient infra errors (a cluster that does not answer yet) retry the launch after these
+# delays, in seconds, before the replica counts as FAILED_PROVISION.
+TRANSIENT_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
+
+def new_launch_token(home_id: str = "") -> str:
+    """A replica's launch token: the home's id, then a random part. Every process (or Ray
+    actor) of the replica carries it, so a controller finds, adopts and stops only its own."""
+    return f"{home_id}-{uuid.uuid4().hex}" if home_id else uuid.uuid4().hex
 
 
 def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchRequest:
@@ -87,9 +94,24 @@ class Executor:
         self.launches[rec.replica_id] = task
         task.add_done_callback(lambda _t: self._done(self.launches, rec.replica_id))
 
+    async def _launch_retrying(self, rec: ReplicaRecord, spec: ServiceTask) -> Launched:
+        """The infra's launch; a transient error (the cluster does not answer yet) is retried
+        with backoff instead of failing the replica."""
+        for delay in (*TRANSIENT_RETRY_DELAYS, None):
+            try:
+                return await self.infra.launch(launch_request(spec, rec, self.home))
+            except TransientError as e:
+                if delay is None:
+                    raise
+                self.store.update_replica(
+                    rec, self.clock.now(), f"{e.message}; retrying the launch in {delay:g} s"
+                )
+                await self.clock.sleep(delay)
+        raise AssertionError("unreachable")
+
     async def _launch(self, rec: ReplicaRecord, spec: ServiceTask) -> None:
         try:
-            launched = await self.infra.launch(launch_request(spec, rec, self.home))
+            launched = await self._launch_retrying(rec, spec)
         except asyncio.CancelledError:
             raise
         except FleetserveError as e:

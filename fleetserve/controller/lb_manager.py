@@ -25,6 +25,10 @@ from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServiceRecord
 from fleetserve.infra.local import (
+    HOME_ID_ENV,
+    listeners_on,
+    open_private,
+    owned_by,
     port_free,
     process_alive,
     processes_where,
@@ -53,42 +57,61 @@ class LbState:
     children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
 
+def _auth(svc: ServiceRecord) -> dict[str, str]:
+    return {"Authorization": f"Bearer {svc.lb_secret}"} if svc.lb_secret else {}
+
+
 class LbManager:
-    def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
+    def __init__(self, settings: Settings, client: httpx.AsyncClient, home_id: str = "") -> None:
         self.settings = settings
         self.client = client
+        self.home_id = home_id
         self._state: dict[str, LbState] = {}
 
     def log_path(self, service: str) -> str:
         return str(self.settings.logs_dir / service / "load-balancer.log")
 
-    def pick_port(self, taken: set[int]) -> int:
-        port = self.settings.lb_port_start
-        while port < 65535:
-            if port not in taken and port_free(port):
-                return port
-            port += 1
-        raise TerminalError("no free port for a load balancer")
-
     def is_running(self, svc: ServiceRecord) -> bool:
         self.reap()  # an LB this controller started and that died is a zombie until reaped
-        return process_alive(svc.lb_pid, svc.lb_create_time)
+        return process_alive(svc.lb_pid, svc.lb_create_time, self.home_id or None)
+
+    def _ours(self, pid: int | None, service: str) -> bool:
+        """Whether `pid` is a load-balancer process (primary or worker) of this home's
+        `service`: the only programs an LB may share its port with."""
+        if pid is None:
+            return False  # another user's process: its details are hidden from us
+        try:
+            p = psutil.Process(pid)
+            env = p.environ()
+        except (psutil.Error, OSError):
+            return False
+        return env.get(LB_SERVICE_ENV) == service and (
+            not self.home_id or owned_by(p, self.home_id)
+        )
+
+    def check_port(self, service: str, port: int) -> None:
+        """The reserved port must be free, or held only by this service's own lingering LB
+        workers (SO_REUSEPORT, same user): never by another program or service."""
+        if port_free(port):
+            return
+        holders = listeners_on(port)
+        if holders and all(self._ours(pid, service) for pid in holders):
+            return
+        raise TerminalError(f"load balancer port {port} is in use by another program")
 
     def config_path(self, service: str) -> Path:
         return self.settings.home / "lb" / f"{service}.json"
 
     async def start(self, svc: ServiceRecord, config: LbConfig) -> tuple[int, float]:
         """Start the LB process with `config`; returns (pid, create_time) once it answers."""
-        # SO_REUSEPORT in the check: the lingering workers of a load balancer that died share
-        # the port with the new one; any other program holding it is an error.
-        if not port_free(config.port, reuse_port=True):
-            raise TerminalError(f"load balancer port {config.port} is in use by another program")
-        os.makedirs(os.path.dirname(self.log_path(svc.name)), exist_ok=True)
+        self.check_port(svc.name, config.port)
         config.write(self.config_path(svc.name))
         env = dict(os.environ)
         env[LB_SERVICE_ENV] = svc.name
         env["FLEETSERVE_HOME"] = str(self.settings.home)
-        with open(self.log_path(svc.name), "ab") as out:
+        env[HOME_ID_ENV] = self.home_id
+        out = open_private(Path(self.log_path(svc.name)))
+        try:
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -105,6 +128,8 @@ class LbManager:
                 env=env,
                 start_new_session=True,
             )
+        finally:
+            os.close(out)
         self._state.setdefault(svc.name, LbState()).children[proc.pid] = proc
         create_time = psutil.Process(proc.pid).create_time()
         for _ in range(100):
@@ -146,7 +171,10 @@ class LbManager:
             body["canary"] = canary
         try:
             r = await self.client.put(
-                f"http://127.0.0.1:{svc.lb_admin_port}/-/replicas", json=body, timeout=2
+                f"http://127.0.0.1:{svc.lb_admin_port}/-/replicas",
+                json=body,
+                timeout=2,
+                headers=_auth(svc),
             )
             r.raise_for_status()
         except httpx.HTTPError as e:
@@ -163,7 +191,9 @@ class LbManager:
     async def load(self, svc: ServiceRecord) -> dict[str, Any] | None:
         """The LB's load report (request rates, in-flight per replica), or None."""
         try:
-            r = await self.client.get(f"http://127.0.0.1:{svc.lb_admin_port}/-/load", timeout=2)
+            r = await self.client.get(
+                f"http://127.0.0.1:{svc.lb_admin_port}/-/load", timeout=2, headers=_auth(svc)
+            )
             r.raise_for_status()
             return dict(r.json())
         except (httpx.HTTPError, ValueError):
@@ -201,12 +231,16 @@ class LbManager:
                     child.wait(timeout=2)
 
     async def sweep(self, services: list[ServiceRecord]) -> int:
-        """Stop load balancers of this home that belong to no service (or an old process)."""
-        home = str(self.settings.home)
+        """Stop load balancers of this home (by its id) that belong to no service (or an old
+        process)."""
         known = {s.name: (s.lb_pid, s.lb_create_time) for s in services}
 
         def orphan(env: dict[str, str]) -> bool:
-            return env.get(LB_SERVICE_ENV) is not None and env.get("FLEETSERVE_HOME") == home
+            return (
+                env.get(LB_SERVICE_ENV) is not None
+                and bool(self.home_id)
+                and env.get(HOME_ID_ENV) == self.home_id
+            )
 
         procs = []
         for p in await asyncio.to_thread(processes_where, orphan):

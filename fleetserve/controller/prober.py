@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import httpx
 
+from fleetserve.core.types import ReplicaKey
 from fleetserve.policies.fleet import ProbeResult
 from fleetserve.spec.models import ReadinessProbe
 
@@ -39,16 +40,19 @@ async def probe_once(
 
 
 class Prober:
-    """Starts a probe per replica when it is due; a round collects the results that are in."""
+    """Starts a probe per replica when it is due; a round collects the results that are in.
+
+    Keyed by `ReplicaKey` (service and replica id): each reconciler has its own prober, and
+    even a shared one could not hand one service's result to another's replica."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
-        self._tasks: dict[int, asyncio.Task[ProbeResult]] = {}
-        self._last_start: dict[int, float] = {}
+        self._tasks: dict[ReplicaKey, asyncio.Task[ProbeResult]] = {}
+        self._last_start: dict[ReplicaKey, float] = {}
 
     def maybe_start(
         self,
-        replica_id: int,
+        replica_id: ReplicaKey,
         endpoint: str,
         probe: ReadinessProbe,
         now: float,
@@ -67,14 +71,14 @@ class Prober:
             task.add_done_callback(lambda _t: on_done())
         self._tasks[replica_id] = task
 
-    def take(self, replica_id: int) -> ProbeResult | None:
+    def take(self, replica_id: ReplicaKey) -> ProbeResult | None:
         task = self._tasks.get(replica_id)
         if task is None or not task.done():
             return None
         del self._tasks[replica_id]
         return task.result()
 
-    def forget(self, replica_id: int) -> None:
+    def forget(self, replica_id: ReplicaKey) -> None:
         task = self._tasks.pop(replica_id, None)
         if task is not None:
             task.cancel()
@@ -84,3 +88,4 @@ class Prober:
         for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()
+        self._last_start.clear()

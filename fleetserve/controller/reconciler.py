@@ -17,11 +17,17 @@ from fleetserve.controller.prober import Prober
 from fleetserve.controller.scaling import Scaler
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import Clock
-from fleetserve.core.errors import FleetserveError
+from fleetserve.core.errors import FleetserveError, TerminalError
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import Endpoint, ReplicaRecord, ServicePhase, ServiceRecord
+from fleetserve.core.types import (
+    Endpoint,
+    ReplicaKey,
+    ReplicaRecord,
+    ServicePhase,
+    ServiceRecord,
+)
 from fleetserve.infra.base import Infra, InstanceKind
-from fleetserve.infra.local import free_port
+from fleetserve.infra.local import free_port, port_free
 from fleetserve.lb.config import LbConfig
 from fleetserve.policies.autoscaler import per_replica_qps
 from fleetserve.policies.fleet import (
@@ -48,9 +54,15 @@ _RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY
 
 
 def lb_config(
-    spec: ServiceTask, service: str, port: int, admin_port: int, api_port: int
+    spec: ServiceTask,
+    service: str,
+    port: int,
+    admin_port: int,
+    api_port: int,
+    admin_secret: str | None = None,
+    api_scheme: str = "http",
 ) -> LbConfig:
-    """What a service's load balancer needs from its spec."""
+    """What a service's load balancer needs from its spec (and the secret of its admin API)."""
     lo, _hi = spec.service.replica_bounds()
     tls = spec.service.tls
     return LbConfig(
@@ -62,7 +74,8 @@ def lb_config(
         tls_certfile=tls.certfile if tls else None,
         tls_keyfile=tls.keyfile if tls else None,
         hold_when_empty=lo == 0,
-        wake_url=f"http://127.0.0.1:{api_port}/api/v1/services/{service}/wake",
+        wake_url=f"{api_scheme}://127.0.0.1:{api_port}/api/v1/services/{service}/wake",
+        admin_secret=admin_secret,
     )
 
 
@@ -76,14 +89,16 @@ class ServiceReconciler:
         prober: Prober,
         settings: Settings,
         clock: Clock,
+        home_id: str = "",
     ) -> None:
         self.name = name
         self.store = store
         self.infra = infra
         self.lb = lb
-        self.prober = prober
+        self.prober = prober  # this service's own: results never cross services
         self.settings = settings
         self.clock = clock
+        self.home_id = home_id
         self.wake = asyncio.Event()
         self.executor = Executor(name, store, infra, clock, settings.home, self.wake.set)
         self.finished = asyncio.Event()
@@ -127,6 +142,10 @@ class ServiceReconciler:
 
     async def stop(self) -> None:
         await self.executor.cancel_all()
+        self.prober.close()
+
+    def key(self, replica_id: int) -> ReplicaKey:
+        return ReplicaKey(self.name, replica_id)
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -142,7 +161,7 @@ class ServiceReconciler:
                     now,
                     message="launch interrupted by a controller restart: relaunching",
                     status=ReplicaStatus.PENDING,
-                    launch_token=new_launch_token(),
+                    launch_token=new_launch_token(self.home_id),
                     handle=None,
                     endpoint=None,
                     port=None,
@@ -232,7 +251,7 @@ class ServiceReconciler:
         out: dict[int, Observation] = {}
         for r in replicas:
             if r.status not in _RUNNING or not r.handle or self.executor.busy(r.replica_id):
-                self.prober.forget(r.replica_id)
+                self.prober.forget(self.key(r.replica_id))
                 continue
             state = await self.infra.poll(r.handle)
             inst = InstanceObservation(
@@ -244,14 +263,14 @@ class ServiceReconciler:
             result = None
             probe = self.spec(r.version).service.readiness_probe  # each version's own probe
             if inst.alive and probe is not None and r.endpoint:
-                result = self.prober.take(r.replica_id)
+                result = self.prober.take(self.key(r.replica_id))
                 interval = (
                     self.settings.starting_probe_interval
                     if r.status is ReplicaStatus.STARTING
                     else self.settings.probe_interval
                 )
                 self.prober.maybe_start(
-                    r.replica_id, r.endpoint, probe, now, interval, on_done=self.wake.set
+                    self.key(r.replica_id), r.endpoint, probe, now, interval, on_done=self.wake.set
                 )
             out[r.replica_id] = Observation(instance=inst, probe=result)
         return out
@@ -276,7 +295,7 @@ class ServiceReconciler:
                     **action.fields,
                 )
             elif isinstance(action, Terminate):
-                self.prober.forget(action.replica_id)
+                self.prober.forget(self.key(action.replica_id))
                 self.executor.terminate(
                     by_id[action.replica_id],
                     action.final_status,
@@ -288,7 +307,11 @@ class ServiceReconciler:
             elif isinstance(action, CreateReplicas):
                 for _ in range(action.count):
                     self.store.allocate_replica(
-                        self.name, svc.active_version, self.infra.name, new_launch_token(), now
+                        self.name,
+                        svc.active_version,
+                        self.infra.name,
+                        new_launch_token(self.home_id),
+                        now,
                     )
                 self.wake.set()
             elif isinstance(action, StartLaunch):
@@ -310,7 +333,15 @@ class ServiceReconciler:
         running = self.lb.running_config(svc.name)
         if running is None:
             return False
-        wanted = lb_config(spec, svc.name, running.port, running.admin_port, self.settings.api_port)
+        wanted = lb_config(
+            spec,
+            svc.name,
+            running.port,
+            running.admin_port,
+            self.settings.api_port,
+            running.admin_secret,
+            self.settings.api_scheme,
+        )
         ignore = {"replicas", "admin_port"}
         return running.model_dump(exclude=ignore) != wanted.model_dump(exclude=ignore)
 
@@ -332,11 +363,23 @@ class ServiceReconciler:
             self.store.add_event(
                 self.name, self.clock.now(), "service", "load balancer not running: restarting it"
             )
-        taken = {s.lb_port for s in self.store.list_services() if s.lb_port and s.name != svc.name}
         try:
-            port = svc.lb_port or self.lb.pick_port(taken)
+            # The port (and the admin secret) are the service's in the store before the LB
+            # starts: two services started at once never share an endpoint.
+            svc = self.store.reserve_lb_port(self.name, self.settings.lb_port_start, port_free)
+            port = svc.lb_port
+            if port is None or not svc.lb_secret:
+                raise TerminalError("no port or admin secret was reserved")
             admin_port = free_port()
-            config = lb_config(spec, svc.name, port, admin_port, self.settings.api_port)
+            config = lb_config(
+                spec,
+                svc.name,
+                port,
+                admin_port,
+                self.settings.api_port,
+                svc.lb_secret,
+                self.settings.api_scheme,
+            )
             config = config.model_copy(update={"replicas": upstream_payload(self._endpoints(svc))})
             pid, create_time = await self.lb.start(svc, config)
         except FleetserveError as e:
@@ -344,7 +387,6 @@ class ServiceReconciler:
                 self.name,
                 self.clock.now(),
                 lb_pid=None,
-                lb_port=svc.lb_port,
                 failure_reason=f"load balancer: {e.message}",
             )
         self.store.add_event(
@@ -401,7 +443,7 @@ class ServiceReconciler:
             await self.lb.push(svc, [], self.clock.now(), force=True)
         by_id = {r.replica_id: r for r in replicas}
         for action in plan_shutdown(replicas):
-            self.prober.forget(action.replica_id)
+            self.prober.forget(self.key(action.replica_id))
             self.executor.terminate(
                 by_id[action.replica_id], action.final_status, action.reason, True
             )

@@ -27,10 +27,23 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         raise InvalidSpec(f"{name}={raw!r} is not a number") from None
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
     api_port: int = DEFAULT_API_PORT
+    # Where the REST API listens. Anything but loopback needs TLS (a cert and key) and, like
+    # every call but /health, the token.
+    api_host: str = "127.0.0.1"
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides loopback ones
     reconcile_interval: float = 1.0  # seconds between two rounds of a service's reconciler
     probe_interval: float = 5.0  # READY / NOT_READY replicas
     starting_probe_interval: float = 1.0  # STARTING replicas: notice readiness within a second
@@ -54,6 +67,12 @@ class Settings:
         return cls(
             home=fleetserve_home(env),
             api_port=int(num("FLEETSERVE_API_PORT", DEFAULT_API_PORT)),
+            api_host=env.get("FLEETSERVE_API_HOST") or "127.0.0.1",
+            tls_certfile=env.get("FLEETSERVE_TLS_CERTFILE") or None,
+            tls_keyfile=env.get("FLEETSERVE_TLS_KEYFILE") or None,
+            allowed_hosts=tuple(
+                h.strip() for h in env.get("FLEETSERVE_ALLOWED_HOSTS", "").split(",") if h.strip()
+            ),
             reconcile_interval=num("FLEETSERVE_RECONCILE_INTERVAL", 1.0),
             probe_interval=num("FLEETSERVE_PROBE_INTERVAL", 5.0),
             starting_probe_interval=num("FLEETSERVE_STARTING_PROBE_INTERVAL", 1.0),
@@ -76,3 +95,25 @@ class Settings:
     @property
     def server_file(self) -> Path:
         return self.home / "server.json"
+
+    @property
+    def token_file(self) -> Path:
+        """The API token (0600): the CLI and SDK of this user read it."""
+        return self.home / "api-token"
+
+    @property
+    def api_scheme(self) -> str:
+        return "https" if self.tls_certfile else "http"
+
+    def check_exposure(self) -> None:
+        """An API beyond loopback only with TLS: the token must not cross a network in clear."""
+        if is_loopback(self.api_host):
+            return
+        if not (self.tls_certfile and self.tls_keyfile):
+            raise InvalidSpec(
+                f"listening on {self.api_host} needs TLS: pass --tls-cert and --tls-key "
+                "(clients then need the token, and the CA file if the cert is private)"
+            )
+        for path in (self.tls_certfile, self.tls_keyfile):
+            if not Path(path).is_file():
+                raise InvalidSpec(f"TLS file {path} does not exist")

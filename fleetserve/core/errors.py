@@ -35,6 +35,14 @@ class Conflict(FleetserveError):
     kind = "conflict"
 
 
+class Unauthorized(FleetserveError):
+    """A call without the API token, or with a wrong one."""
+
+    http_status = 401
+    exit_code = 7
+    kind = "unauthorized"
+
+
 class TransientError(FleetserveError):
     """Worth retrying after `retry_after` seconds."""
 
@@ -57,5 +65,13 @@ class TerminalError(FleetserveError):
 
 ERROR_KINDS: dict[str, type[FleetserveError]] = {
     cls.kind: cls
-    for cls in (FleetserveError, InvalidSpec, NotFound, Conflict, TransientError, TerminalError)
+    for cls in (
+        FleetserveError,
+        InvalidSpec,
+        NotFound,
+        Conflict,
+        Unauthorized,
+        TransientError,
+        TerminalError,
+    )
 }

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fleetserve.core.status import ReplicaStatus
 
 ReplicaId = int
 VersionId = int
+
+
+class ReplicaKey(NamedTuple):
+    """A replica's identity across the controller: ids start at 1 in every service, so state
+    kept for replicas (probes, in-flight counts, drains) is keyed by both."""
+
+    service: str
+    replica_id: ReplicaId
 
 
 class ServicePhase(enum.StrEnum):
@@ -60,6 +69,7 @@ class ServiceRecord:
     previous_version: int | None = None
     update_mode: str | None = None
     traffic_percent: int | None = None
+    lb_secret: str | None = None  # the LB admin API's bearer secret; never shown
 
     @property
     def serving_version(self) -> int:

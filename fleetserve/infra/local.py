@@ -30,6 +30,7 @@ from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
+HOME_ID_ENV = "FLEETSERVE_HOME_ID"  # every process a controller starts carries its home's id
 _SETUP_DONE = "setup.done"
 _EXIT_CODE = "exit_code"
 
@@ -102,8 +103,40 @@ def free_port(avoid: set[int] | None = None) -> int:
     raise TerminalError("could not find a free port")
 
 
-def process_alive(pid: int | None, create_time: float | None) -> bool:
-    return pid is not None and create_time is not None and _process(pid, create_time) is not None
+def process_alive(pid: int | None, create_time: float | None, home_id: str | None = None) -> bool:
+    """Whether that process still runs (and, given `home_id`, was started by that home)."""
+    if pid is None or create_time is None:
+        return False
+    p = _process(pid, create_time)
+    return p is not None and (home_id is None or owned_by(p, home_id))
+
+
+def owned_by(p: psutil.Process, home_id: str) -> bool:
+    """Whether the process carries this home's id (another user's process never does: its
+    environment cannot be read)."""
+    try:
+        return p.environ().get(HOME_ID_ENV) == home_id
+    except (psutil.Error, OSError):
+        return False
+
+
+def open_private(path: Path) -> int:
+    """A file descriptor appending to `path`, created readable by its owner only. Logs are
+    appended to, never truncated: a failed start must not wipe a running process's log."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def listeners_on(port: int) -> list[int | None]:
+    """The pids listening on TCP `port` (None for a process this user may not see)."""
+    found: list[int | None] = []
+    with contextlib.suppress(psutil.Error, OSError):
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+                found.append(c.pid)
+    return found
 
 
 def _process(pid: int, create_time: float) -> psutil.Process | None:
@@ -170,12 +203,33 @@ def stop_processes(procs: list[psutil.Process], grace: float) -> list[psutil.Pro
 class LocalInfra:
     name = "local"
 
-    def __init__(self, home: Path, grace_seconds: float = 10.0, poll_interval: float = 0.1) -> None:
+    def __init__(
+        self,
+        home: Path,
+        grace_seconds: float = 10.0,
+        poll_interval: float = 0.1,
+        home_id: str = "",
+        umask: int | None = None,
+    ) -> None:
         self.home = home
+        self.home_id = home_id
         self.grace_seconds = grace_seconds
         self.poll_interval = poll_interval
+        self.umask = umask  # the replicas' (the user's), not the controller's private 077
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._recent_ports: set[int] = set()
+        self._owned: set[tuple[int, float]] = set()  # adopted processes checked to be ours
+
+    def _ours(self, p: psutil.Process, create_time: float) -> bool:
+        """An adopted process is ours only if it carries this home's id (a database copied
+        into another home must not adopt, or stop, the first home's replicas)."""
+        key = (p.pid, create_time)
+        if key in self._owned:
+            return True
+        if not owned_by(p, self.home_id):
+            return False
+        self._owned.add(key)
+        return True
 
     def locations(self) -> list[Location]:
         return [Location(zone="local", region="local")]
@@ -193,6 +247,10 @@ class LocalInfra:
         rdir = self.replica_dir(req.service, req.replica_id)
         if rdir.exists():
             shutil.rmtree(rdir)  # left by an earlier, cut-short launch of this replica
+        # The replica's folder (its copy of the workdir, setup and run) is the owner's only.
+        rdir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        rdir.mkdir(mode=0o700)
+        rdir.chmod(0o700)
         workdir = rdir / "workdir"
         if req.workdir is not None:
             if not req.workdir.is_dir():
@@ -219,9 +277,7 @@ class LocalInfra:
                 exit_code=_EXIT_CODE,
             )
         )
-        log = self.log_path(req.service, req.replica_id)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        return rdir, log
+        return rdir, self.log_path(req.service, req.replica_id)
 
     def _pick_port(self, req: LaunchRequest) -> int:
         if req.port is not None:
@@ -250,9 +306,11 @@ class LocalInfra:
                 "FLEETSERVE_VERSION": str(request.version),
                 "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
                 TOKEN_ENV: request.launch_token,
+                HOME_ID_ENV: self.home_id,
             }
         )
-        with open(log, "ab") as out:
+        out = open_private(log)
+        try:
             proc = subprocess.Popen(
                 ["bash", str(rdir / "entry.sh")],
                 cwd=rdir,
@@ -261,7 +319,10 @@ class LocalInfra:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                umask=-1 if self.umask is None else self.umask,
             )
+        finally:
+            os.close(out)
         self._children[proc.pid] = proc
         try:
             create_time = psutil.Process(proc.pid).create_time()
@@ -293,7 +354,11 @@ class LocalInfra:
             if code is None:
                 return InstanceState(InstanceKind.RUNNING)
             self._children.pop(h.pid, None)
-        elif _process(h.pid, h.create_time) is not None:
+        elif (p := _process(h.pid, h.create_time)) is not None:
+            if not self._ours(p, h.create_time):
+                return InstanceState(
+                    InstanceKind.LOST, detail=f"pid {h.pid} belongs to another fleetserve home"
+                )
             return InstanceState(InstanceKind.RUNNING)
         recorded = Path(h.dir) / _EXIT_CODE
         with contextlib.suppress(OSError, ValueError):
@@ -311,10 +376,16 @@ class LocalInfra:
         await asyncio.to_thread(self._terminate_sync, h, launch_token)
 
     def _terminate_sync(self, h: LocalHandle | None, token: str) -> None:
-        procs = {p.pid: p for p in processes_with_token(token)}
+        found = processes_where(
+            lambda env: (
+                env.get(TOKEN_ENV) == token
+                and (not self.home_id or env.get(HOME_ID_ENV) == self.home_id)
+            )
+        )
+        procs = {p.pid: p for p in found}
         if h is not None:
             leader = _process(h.pid, h.create_time)
-            if leader is not None:
+            if leader is not None and self._ours(leader, h.create_time):
                 procs[leader.pid] = leader
         alive = stop_processes(list(procs.values()), self.grace_seconds)
         if h is not None:
@@ -332,14 +403,16 @@ class LocalInfra:
         shutil.rmtree(self.home / "replicas" / service, ignore_errors=True)
 
     async def sweep(self, known_tokens: set[str]) -> int:
-        """Stop replica processes of this home whose launch token no row knows (orphans)."""
-        home = str(self.home)
+        """Stop replica processes of this home (by its id, not its path) whose launch token no
+        row knows (orphans)."""
 
         def orphan(env: dict[str, str]) -> bool:
             token = env.get(TOKEN_ENV)
             return (
                 token is not None
-                and env.get("FLEETSERVE_HOME") == home
+                and bool(self.home_id)
+                and env.get(HOME_ID_ENV) == self.home_id
+                and token.startswith(self.home_id)
                 and token not in known_tokens
             )
 

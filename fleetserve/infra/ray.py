@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ class ReplicaProcess:
 
         rdir = self.root / req["service"] / str(req["replica_id"])
         shutil.rmtree(rdir, ignore_errors=True)
+        # Copies of workdirs and replica logs are readable by the node's Ray user only.
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.root.chmod(0o700)
         workdir = rdir / "workdir"
         src = req.get("workdir")
         if src and Path(src).is_dir():
@@ -80,7 +84,9 @@ class ReplicaProcess:
             f"cd {shlex.quote(str(workdir))} && bash {d}/setup.sh && : > {d}/setup.done "
             f"&& exec bash {d}/run.sh"
         )
-        log = open(rdir / "replica.log", "ab")  # noqa: SIM115 - the child's output
+        log = os.fdopen(
+            os.open(rdir / "replica.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab"
+        )
         self.proc = subprocess.Popen(
             ["bash", "-c", script],
             stdout=log,
@@ -160,28 +166,34 @@ class RayInfra:
         root: str = "/tmp/fleetserve-ray",
         grace_seconds: float = 10.0,
         call_timeout: float = 10.0,
+        home_id: str = "",
     ) -> None:
         self.address = address or os.environ.get("FLEETSERVE_RAY_ADDRESS") or "auto"
         self.root = root
         self.grace_seconds = grace_seconds
         self.call_timeout = call_timeout
+        self.home_id = home_id  # every launch token starts with it: sweep only our actors
         self._actor_cls: Any = None
         self._launch_options: dict[str, dict[str, Any]] = {}
+        # ray.init is not safe to call from two threads at once (concurrent launches would
+        # race: "Perhaps you called ray.init twice by accident?").
+        self._connect_lock = threading.Lock()
 
     # -- connection ------------------------------------------------------------------------
 
     def _connect(self) -> Any:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(
-                address=self.address,
-                namespace=NAMESPACE,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-            )
-        if self._actor_cls is None:
-            self._actor_cls = ray.remote(num_cpus=0)(ReplicaProcess)
+        with self._connect_lock:
+            if not ray.is_initialized():
+                ray.init(
+                    address=self.address,
+                    namespace=NAMESPACE,
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                )
+            if self._actor_cls is None:
+                self._actor_cls = ray.remote(num_cpus=0)(ReplicaProcess)
         return ray
 
     async def _ray(self) -> Any:
@@ -309,7 +321,12 @@ class RayInfra:
             name = entry["name"] if isinstance(entry, dict) else entry
             ns = entry.get("namespace") if isinstance(entry, dict) else NAMESPACE
             token = name.removeprefix(ACTOR_PREFIX)
-            if ns == NAMESPACE and name.startswith(ACTOR_PREFIX) and token not in known_tokens:
+            if (
+                ns == NAMESPACE
+                and name.startswith(ACTOR_PREFIX)
+                and token.startswith(self.home_id)
+                and token not in known_tokens
+            ):
                 await self.terminate(None, token)
                 killed += 1
         return killed

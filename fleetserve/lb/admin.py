@@ -3,7 +3,9 @@ and reads the load report; Prometheus scrapes /metrics."""
 
 from __future__ import annotations
 
+import hmac
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -46,6 +48,40 @@ class Relay(Protocol):
     ) -> None: ...
 
     async def reports(self) -> list[dict[str, Any]]: ...
+
+
+OPEN_PATHS = frozenset({"/-/health"})
+
+
+def bearer(header: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header."""
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def require_secret(secret: str | None) -> Any:
+    """Every admin route but /-/health needs `Authorization: Bearer <secret>`: the port is on
+    loopback, where any local user can reach it."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if secret is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        given = bearer(request.headers.get("Authorization"))
+        if given is None or not hmac.compare_digest(given.encode(), secret.encode()):
+            return web.json_response(
+                {"error": "unauthorized", "message": "the admin API needs its bearer secret"},
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return check
 
 
 def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Application:
@@ -113,7 +149,7 @@ def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Applica
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "service": service})
 
-    app = web.Application()
+    app = web.Application(middlewares=[require_secret(proxy.config.admin_secret)])
     app.router.add_put("/-/replicas", put_replicas)
     app.router.add_get("/-/replicas", get_replicas)
     app.router.add_get("/-/load", load)

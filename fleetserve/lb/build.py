@@ -53,9 +53,18 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
             return
         last_wake = time.monotonic()
         if wake_session is None:
-            wake_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            headers = {"Content-Type": "application/json"}
+            if config.admin_secret:
+                headers["Authorization"] = f"Bearer {config.admin_secret}"
+            # The controller is on loopback: its certificate (if it serves TLS for remote
+            # clients) names its public host, so the wake-up call does not verify it.
+            wake_session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=5),
+                headers=headers,
+                connector=aiohttp.TCPConnector(ssl=False),
+            )
         try:
-            async with wake_session.post(config.wake_url) as r:
+            async with wake_session.post(config.wake_url, data=b"{}") as r:
                 if r.status >= 400:
                     log.warning("controller answered %s to a wake-up", r.status)
         except (aiohttp.ClientError, TimeoutError) as e:

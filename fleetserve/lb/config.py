@@ -24,6 +24,8 @@ class LbConfig(BaseModel):
     tls_keyfile: str | None = None
     hold_when_empty: bool = False  # min_replicas 0: hold requests until a replica is READY
     wake_url: str | None = None  # POSTed (at most once a second) when a request is held
+    # The bearer secret of the admin API (and of the wake-up call); None only in tests.
+    admin_secret: str | None = None
     # The routable set when the process starts (a restarted LB serves at once); pushes follow.
     replicas: list[dict[str, Any]] = Field(default_factory=list)
 

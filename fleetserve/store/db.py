@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, delete, event, insert, select, update
+from sqlalchemy import Engine, create_engine, delete, event, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection, Row
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DatabaseError, IntegrityError
 
-from fleetserve.core.errors import Conflict, NotFound
+from fleetserve.core.errors import Conflict, NotFound, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import (
     EventRecord,
@@ -29,6 +31,39 @@ from fleetserve.core.types import (
 from fleetserve.store import tables as t
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
+_KNOWN_REVISIONS = {p.name.split("_", 1)[0] for p in (_MIGRATIONS / "versions").glob("0*.py")}
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+HOME_ID_LENGTH = 12  # hex digits: short enough to prefix every launch token
+
+
+class UnusableStore(TerminalError):
+    """The database cannot be used as it is (empty, corrupt, foreign, newer schema). The
+    controller refuses to start and touches no process."""
+
+    kind = "unusable_store"
+    exit_code = 6
+
+
+def check_sqlite_file(path: Path) -> None:
+    """Refuse a database file that exists but cannot be ours, before SQLite or Alembic would
+    quietly turn it into a new, empty home (and the controller would stop its "orphans")."""
+    if not path.exists():
+        return
+    size = path.stat().st_size
+    if size == 0:
+        raise UnusableStore(
+            f"{path} is empty (0 bytes), so it is not the fleet's database: restore it from a "
+            "backup, or delete it to start an empty home (running replicas are left alone)"
+        )
+    with open(path, "rb") as f:
+        head = f.read(len(_SQLITE_MAGIC))
+    if head != _SQLITE_MAGIC:
+        raise UnusableStore(
+            f"{path} is not an SQLite database (corrupt?): restore it from a backup, or move "
+            "it away to start an empty home (running replicas are left alone)"
+        )
+
+
 _REPLICA_COLUMNS = {c.name for c in t.replicas.columns} - {"service", "replica_id"}
 _SERVICE_COLUMNS = {c.name for c in t.services.columns} - {"name"}
 
@@ -60,19 +95,79 @@ class Store:
         self.engine: Engine = create_engine(url, future=True)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        self._migrate()
+        try:
+            self._migrate()
+        except DatabaseError as e:
+            self.engine.dispose()
+            raise UnusableStore(
+                f"{self._where()} cannot be read ({e.orig}): restore it from a backup, or move "
+                "it away to start an empty home (running replicas are left alone)"
+            ) from None
+        except UnusableStore:
+            self.engine.dispose()
+            raise
 
     @classmethod
     def at_path(cls, path: Path) -> Store:
         path.parent.mkdir(parents=True, exist_ok=True)
+        check_sqlite_file(path)
         return cls(f"sqlite:///{path}")
+
+    def _where(self) -> str:
+        return self.url.removeprefix("sqlite:///") if self.url.startswith("sqlite") else "the db"
 
     def _migrate(self) -> None:
         cfg = Config()
         cfg.set_main_option("script_location", str(_MIGRATIONS))
         with self.engine.begin() as conn:
+            tables = set(inspect(conn).get_table_names())
+            if "alembic_version" in tables:
+                found = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+                if found is not None and str(found) not in _KNOWN_REVISIONS:
+                    raise UnusableStore(
+                        f"{self._where()} has schema revision {found}, newer than this "
+                        f"fleetserve knows (up to {max(_KNOWN_REVISIONS)}): run the fleetserve "
+                        "version that wrote it, or upgrade this one"
+                    )
+            elif tables:
+                raise UnusableStore(
+                    f"{self._where()} holds tables of another program "
+                    f"({', '.join(sorted(tables)[:3])}): point FLEETSERVE_HOME elsewhere, or "
+                    "move the file away"
+                )
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
+
+    # -- identity ------------------------------------------------------------------------
+
+    def claim_home(self, home: Path) -> str:
+        """The home id this database carries, written at its first use in `home`.
+
+        A database copied or moved into another home refuses: its rows name processes of the
+        first home, which this controller must neither adopt nor stop."""
+        where = str(home.resolve())
+        with self.engine.begin() as conn:
+            rows = {str(k): str(v) for k, v in conn.execute(select(t.meta.c.key, t.meta.c.value))}
+            home_id, owner = rows.get("home_id"), rows.get("home_path")
+            if home_id is None:
+                home_id = secrets.token_hex(HOME_ID_LENGTH // 2)
+                conn.execute(insert(t.meta).values(key="home_id", value=home_id))
+                conn.execute(insert(t.meta).values(key="home_path", value=where))
+                return home_id
+        if owner != where:
+            raise UnusableStore(
+                f"{self._where()} belongs to the fleetserve home {owner} (copied or moved?): "
+                f"use FLEETSERVE_HOME={owner}, or move the file away to start an empty home "
+                "here; no process was touched"
+            )
+        return str(home_id)
+
+    def home_id(self) -> str | None:
+        with self.engine.connect() as conn:
+            value = conn.execute(
+                select(t.meta.c.value).where(t.meta.c.key == "home_id")
+            ).scalar_one_or_none()
+        return None if value is None else str(value)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -138,6 +233,44 @@ class Store:
                 .values(updated_at=now, **changes)
             )
         return self.service(name)
+
+    def reserve_lb_port(
+        self, name: str, start: int, usable: Callable[[int], bool], end: int = 65535
+    ) -> ServiceRecord:
+        """Give the service a load-balancer port and admin secret, in one transaction, before
+        its LB starts: no two services of this store ever get the same port (the unique
+        constraint backs this up against another controller on the same database)."""
+        for _attempt in range(5):
+            svc = self.service(name)
+            if svc.lb_port is not None and svc.lb_secret:
+                return svc
+            try:
+                with self.engine.begin() as conn:
+                    taken = {
+                        int(p)
+                        for p in conn.execute(
+                            select(t.services.c.lb_port).where(
+                                t.services.c.lb_port.is_not(None), t.services.c.name != name
+                            )
+                        ).scalars()
+                    }
+                    port = svc.lb_port
+                    if port is None:
+                        port = next(
+                            (p for p in range(start, end + 1) if p not in taken and usable(p)),
+                            None,
+                        )
+                        if port is None:
+                            raise TerminalError(f"no free port for a load balancer from {start}")
+                    conn.execute(
+                        update(t.services)
+                        .where(t.services.c.name == name)
+                        .values(lb_port=port, lb_secret=svc.lb_secret or secrets.token_hex(24))
+                    )
+            except IntegrityError:
+                continue  # another writer took that port meanwhile: pick again
+            return self.service(name)
+        raise Conflict(f"could not reserve a load-balancer port for {name!r}: try again")
 
     def delete_service(self, name: str) -> None:
         with self.engine.begin() as conn:

@@ -14,6 +14,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
 )
 
 metadata = MetaData()
@@ -39,6 +40,9 @@ services = Table(
     Column("previous_version", Integer),
     Column("update_mode", String(16)),
     Column("traffic_percent", Integer),  # a canary's share of requests, until `promote`
+    # Migration 0003: the secret the LB's admin API requires (and its wake-up call carries).
+    Column("lb_secret", String(128)),
+    UniqueConstraint("lb_port", name="uq_services_lb_port"),  # one service per LB port
 )
 
 versions = Table(
@@ -108,4 +112,12 @@ policy_state = Table(
     Column("policy", String(64), primary_key=True),
     Column("state_json", Text, nullable=False),
     Column("updated_at", Float, nullable=False),
+)
+
+# Migration 0003: facts about the store itself ("home_id", "home_path").
+meta = Table(
+    "meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
 )

@@ -65,7 +65,7 @@ async def get(port: int) -> str:
 
 @pytest.fixture
 def infra(tmp_path: Path) -> LocalInfra:
-    return LocalInfra(tmp_path / "home", grace_seconds=2)
+    return LocalInfra(tmp_path / "home", grace_seconds=2, home_id="aaaa0000aaaa")
 
 
 async def test_launch_runs_setup_then_run_with_port_env_and_copied_workdir(
@@ -108,7 +108,9 @@ async def test_an_adopted_replica_is_polled_by_pid_and_start_time(
     infra: LocalInfra, tmp_path: Path
 ) -> None:
     launched = await infra.launch(request(tmp_path))
-    fresh = LocalInfra(infra.home, grace_seconds=2)  # a restarted controller: not its child
+    fresh = LocalInfra(
+        infra.home, grace_seconds=2, home_id=infra.home_id
+    )  # restarted controller: not its child
     try:
         assert (await fresh.poll(launched.handle)).kind is InstanceKind.RUNNING
         d = json.loads(launched.handle)
@@ -167,15 +169,55 @@ async def test_a_fixed_port_in_use_fails_the_launch(infra: LocalInfra, tmp_path:
 async def test_sweep_stops_only_unknown_tokens_of_this_home(
     infra: LocalInfra, tmp_path: Path
 ) -> None:
+    # A second home id on the same home folder: what a copied or re-created database is. Its
+    # replica has a token no row of ours knows, and must still be left alone.
+    other = LocalInfra(infra.home, grace_seconds=2, home_id="bbbb1111bbbb")
     home_env = {"GREETING": "hi", "FLEETSERVE_HOME": str(infra.home)}
-    known = await infra.launch(request(tmp_path, token="known", envs=home_env))
-    orphan = await infra.launch(request(tmp_path, token="orphan", envs=home_env, replica_id=2))
+    known = await infra.launch(request(tmp_path, token="aaaa0000aaaa-known", envs=home_env))
+    orphan = await infra.launch(
+        request(tmp_path, token="aaaa0000aaaa-orphan", envs=home_env, replica_id=2)
+    )
+    foreign = await other.launch(
+        request(tmp_path, token="bbbb1111bbbb-theirs", envs=home_env, replica_id=3)
+    )
     try:
         started = time.monotonic()
-        assert await infra.sweep({"known"}) >= 1
+        assert await infra.sweep({"aaaa0000aaaa-known"}) >= 1
         assert time.monotonic() - started < 10
-        assert processes_with_token("orphan") == []
-        assert processes_with_token("known")
+        assert processes_with_token("aaaa0000aaaa-orphan") == []
+        assert processes_with_token("aaaa0000aaaa-known")
+        assert processes_with_token("bbbb1111bbbb-theirs")
     finally:
-        await infra.terminate(known.handle, "known")
-        await infra.terminate(orphan.handle, "orphan")
+        await infra.terminate(known.handle, "aaaa0000aaaa-known")
+        await infra.terminate(orphan.handle, "aaaa0000aaaa-orphan")
+        await other.terminate(foreign.handle, "bbbb1111bbbb-theirs")
+
+
+async def test_a_process_of_another_home_is_neither_adopted_nor_stopped(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    """A database copied into a second home holds the first home's handles (pid and start
+    time): polling one must not adopt it, and terminating it must not kill it."""
+    owner = LocalInfra(infra.home, grace_seconds=2, home_id="bbbb1111bbbb")
+    theirs = await owner.launch(request(tmp_path, token="bbbb1111bbbb-x"))
+    try:
+        state = await infra.poll(theirs.handle)  # not our child: adoption by pid
+        assert state.kind is InstanceKind.LOST
+        assert "another fleetserve home" in state.detail
+        await infra.terminate(theirs.handle, "bbbb1111bbbb-x")
+        assert (await owner.poll(theirs.handle)).kind is InstanceKind.RUNNING
+        assert processes_with_token("bbbb1111bbbb-x")
+    finally:
+        await owner.terminate(theirs.handle, "bbbb1111bbbb-x")
+
+
+async def test_replica_folder_and_log_are_the_owners_only(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    launched = await infra.launch(request(tmp_path, token="aaaa0000aaaa-p"))
+    try:
+        rdir = Path(json.loads(launched.handle)["dir"])
+        assert rdir.stat().st_mode & 0o777 == 0o700
+        assert infra.log_path("svc", 1).stat().st_mode & 0o777 == 0o600
+    finally:
+        await infra.terminate(launched.handle, "aaaa0000aaaa-p")

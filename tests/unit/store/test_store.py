@@ -10,6 +10,7 @@ from sqlalchemy import inspect, text
 from fleetserve.core.errors import Conflict, NotFound
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.store import Store
+from fleetserve.store.db import UnusableStore
 
 
 @pytest.fixture
@@ -29,7 +30,7 @@ def test_schema_is_created_by_alembic_in_wal_mode(store: Store) -> None:
     } <= tables
     with store.engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0002"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0003"
 
 
 def test_reopening_keeps_data(tmp_path: Path) -> None:
@@ -112,3 +113,98 @@ def test_a_database_of_the_first_schema_is_upgraded_in_place(tmp_path: Path) -> 
     assert svc.next_replica_id == 3 and svc.stable_version is None and svc.serving_version == 1
     store.create_service("new", "y", "{}", 2.0)
     assert store.add_version("new", "y2", "{}", 3.0) == 2
+    assert svc.lb_secret is None and store.home_id() is None  # 0003's columns, still unset
+
+
+# -- a database that is not this home's own: refused, never turned into a new home ----------
+
+
+def test_an_empty_database_file_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "fleetserve.db"
+    db.touch()
+    with pytest.raises(UnusableStore, match=r"fleetserve\.db is empty \(0 bytes\)"):
+        Store.at_path(db)
+    assert db.stat().st_size == 0  # nothing was written to it
+
+
+def test_a_corrupt_database_file_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "fleetserve.db"
+    db.write_bytes(b"not a database at all, just some text" * 100)
+    with pytest.raises(UnusableStore, match="is not an SQLite database"):
+        Store.at_path(db)
+
+
+def test_a_truncated_database_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "fleetserve.db"
+    s = Store.at_path(db)
+    s.create_service("a", "y", "{}", 1.0)
+    s.close()
+    for suffix in ("-wal", "-shm"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    data = db.read_bytes()
+    db.write_bytes(data[:100] + b"\x00" * 10 + data[110:2000])
+    with pytest.raises(UnusableStore, match="cannot be read|not an SQLite"):
+        Store.at_path(db)
+
+
+def test_a_database_of_another_program_is_refused(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "fleetserve.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE customers (id INTEGER)")
+    with pytest.raises(UnusableStore, match="tables of another program"):
+        Store.at_path(db)
+
+
+def test_a_database_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "fleetserve.db"
+    Store.at_path(db).close()
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0999'")
+    with pytest.raises(UnusableStore, match="schema revision 0999, newer than"):
+        Store.at_path(db)
+
+
+def test_a_database_belongs_to_the_home_that_first_used_it(tmp_path: Path) -> None:
+    import shutil
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    s = Store.at_path(first / "fleetserve.db")
+    home_id = s.claim_home(first)
+    assert len(home_id) == 12 and s.claim_home(first) == home_id  # stable
+    s.close()
+    second.mkdir()
+    shutil.copy(first / "fleetserve.db", second / "fleetserve.db")
+    copy = Store.at_path(second / "fleetserve.db")
+    with pytest.raises(UnusableStore, match=f"belongs to the fleetserve home {first}"):
+        copy.claim_home(second)
+
+
+# -- load-balancer ports --------------------------------------------------------------------
+
+
+def test_each_service_gets_its_own_lb_port_and_secret(store: Store) -> None:
+    for name in ("a", "b", "c"):
+        store.create_service(name, "y", "{}", 1.0)
+    a = store.reserve_lb_port("a", 30000, lambda _p: True)
+    b = store.reserve_lb_port("b", 30000, lambda _p: True)
+    c = store.reserve_lb_port("c", 30000, lambda p: p != 30002)  # 30002 is busy outside
+    assert (a.lb_port, b.lb_port, c.lb_port) == (30000, 30001, 30003)
+    assert a.lb_secret and b.lb_secret and a.lb_secret != b.lb_secret
+    assert store.reserve_lb_port("a", 30000, lambda _p: False) == a  # kept across restarts
+    store.delete_service("a")
+    store.create_service("d", "y", "{}", 2.0)
+    assert store.reserve_lb_port("d", 30000, lambda _p: True).lb_port == 30000  # freed
+
+
+def test_two_services_can_never_hold_one_port(store: Store) -> None:
+    from sqlalchemy.exc import IntegrityError
+
+    store.create_service("a", "y", "{}", 1.0)
+    store.create_service("b", "y", "{}", 1.0)
+    store.update_service("a", 2.0, lb_port=31000)
+    with pytest.raises(IntegrityError):
+        store.update_service("b", 2.0, lb_port=31000)

@@ -1,0 +1,170 @@
+"""Who may call the REST API: the token, the Host allow-list and JSON-only writes.
+
+Every route but `/api/v1/health` needs `Authorization: Bearer <token>`. The token is made at
+the controller's first start into a 0600 file in the 0700 home, so only the user who owns the
+home (and root) can read it; the CLI and SDK of that user read it, others pass it in
+FLEETSERVE_API_TOKEN. The Host header must name this controller (a DNS-rebinding page cannot
+reach it through a name of its own) and a browser's foreign Origin is refused. State-changing
+calls must be JSON: a form or a body-less cross-site POST never gets through. The load
+balancer's wake-up call carries its own per-service secret instead of the token.
+See docs/security.md.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import re
+import secrets
+import socket
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+
+from fleetserve.controller.settings import LOOPBACK_HOSTS, Settings
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/api/v1/health"})
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_WAKE = re.compile(r"^/api/v1/services/([^/]+)/wake$")
+TOKEN_BYTES = 32
+
+
+def secure_home(home: Path) -> None:
+    """The home and what is in it are the owner's only (created so, and fixed if an older
+    fleetserve left it 0755)."""
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    home.chmod(0o700)
+    for name in ("fleetserve.db", "fleetserve.db-wal", "fleetserve.db-shm", "api-token"):
+        path = home / name
+        if path.exists():
+            path.chmod(0o600)
+
+
+def ensure_token(path: Path) -> str:
+    """The API token, made (0600, atomically) if there is none yet."""
+    try:
+        token = path.read_text().strip()
+        if token:
+            return token
+    except FileNotFoundError:
+        pass
+    token = secrets.token_urlsafe(TOKEN_BYTES)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+    return token
+
+
+def allowed_host_names(settings: Settings) -> frozenset[str]:
+    """The names the Host header may carry: loopback ones, those configured, and, when the API
+    listens beyond loopback, this machine's names and addresses."""
+    names = {*LOOPBACK_HOSTS, "[::1]", *settings.allowed_hosts}
+    if settings.api_host not in LOOPBACK_HOSTS:
+        names |= {socket.gethostname(), socket.getfqdn()}
+        if settings.api_host not in ("0.0.0.0", "::"):
+            names.add(settings.api_host)
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                if a.family in (socket.AF_INET, socket.AF_INET6):
+                    ip = a.address.split("%", 1)[0]
+                    names.add(f"[{ip}]" if ":" in ip else ip)
+    return frozenset(n.lower() for n in names)
+
+
+def host_name(value: str) -> str:
+    """`example.com:8080` -> `example.com`; `[::1]:80` -> `[::1]`."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[: value.find("]") + 1] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def bearer(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    for key, value in headers:
+        if key == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def _same(given: str, expected: str | None) -> bool:
+    return expected is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+class ApiGuard:
+    """ASGI middleware: Host, Origin, token (or an LB's wake secret), JSON-only writes."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str,
+        hosts: frozenset[str],
+        wake_secret: Callable[[str], str | None],
+    ) -> None:
+        self.app = app
+        self.token = token
+        self.hosts = hosts
+        self.wake_secret = wake_secret  # the service's LB secret, for its wake-up calls
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        problem = self.check(scope["method"], scope["path"], headers)
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        status, kind, message = problem
+        body = json.dumps({"error": {"kind": kind, "message": message}}).encode()
+        extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    *extra,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    def check(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[int, str, str] | None:
+        """None if the request may go on, else (HTTP status, error kind, message)."""
+        values = {k.lower(): v.decode("latin-1") for k, v in headers}
+        host = host_name(values.get(b"host", ""))
+        if host not in self.hosts:
+            return 421, "bad_host", f"this controller does not serve the host {host!r}"
+        origin = values.get(b"origin")
+        if origin is not None and host_name(urlsplit(origin).netloc) not in self.hosts:
+            return 403, "forbidden", f"requests from the origin {origin!r} are refused"
+        if path not in OPEN_PATHS:
+            given = bearer(headers)
+            if given is None:
+                return 401, "unauthorized", "missing `Authorization: Bearer <token>`"
+            if not _same(given, self.token):
+                m = _WAKE.match(path)
+                if not (m and method == "POST" and _same(given, self.wake_secret(m.group(1)))):
+                    return 401, "unauthorized", "the API token is wrong"
+        if method in WRITE_METHODS:
+            ctype = values.get(b"content-type", "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                return 415, "unsupported_media_type", "state-changing calls take JSON only"
+        return None
