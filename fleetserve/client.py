@@ -35,7 +35,7 @@ from fleetserve.core.errors import (
     TransientError,
     Unauthorized,
 )
-from fleetserve.infra.local import open_private
+from fleetserve.infra.local import listeners_on, open_private
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -156,8 +156,12 @@ class Client:
         ca = ca_file or os.environ.get("FLEETSERVE_API_CA") or None
         if ca is not None and not os.path.isfile(ca):
             raise InvalidSpec(f"CA file {ca} does not exist (FLEETSERVE_API_CA)")
+        # This home's own controller is on loopback, and is checked to be a process of this
+        # user before the token goes out (`_check_owner`): that identifies it better than a
+        # certificate naming its public host would, so its certificate is not verified.
+        verify: str | bool = ca or self.remote
         self._http = httpx.Client(
-            base_url=self.url + "/api/v1", timeout=timeout, trust_env=False, verify=ca or True
+            base_url=self.url + "/api/v1", timeout=timeout, trust_env=False, verify=verify
         )
         self._checked = False
 
@@ -234,7 +238,26 @@ class Client:
                     "(start one with `fleetserve server start`)"
                 )
             start_server(self.settings)
+        if not self.remote:
+            self._check_owner()
         self._checked = True
+
+    def _check_owner(self) -> None:
+        """The token goes only to a controller of this user: another local user who got the
+        port first (the controller was down) would otherwise be handed it."""
+        port = self.settings.api_port
+        pids = listeners_on(port)
+        me = os.getuid()
+        for pid in pids:
+            try:
+                ok = pid is not None and psutil.Process(pid).uids().real == me
+            except psutil.Error:
+                ok = False
+            if not ok:
+                raise Unauthorized(
+                    f"port {port} is held by a process of another user, not this user's "
+                    "controller: the API token was not sent"
+                )
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         self._ensure()

@@ -86,6 +86,14 @@ class Fleet:
     def client(self) -> Client:
         return Client(settings=Settings.from_env_dict(self.env), auto_start=False)
 
+    def auth(self) -> dict[str, str]:
+        """The header every API call but /health needs (the token is in the 0600 file)."""
+        return {"Authorization": f"Bearer {(self.home / 'api-token').read_text().strip()}"}
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.env['FLEETSERVE_API_PORT']}/api/v1"
+
     def controller_pid(self) -> int:
         return int(json.loads((self.home / "server.json").read_text())["pid"])
 

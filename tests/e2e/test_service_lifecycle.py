@@ -250,7 +250,9 @@ def test_bad_api_payloads_get_clear_422s_and_the_controller_carries_on(fleet: Fl
     ]
     for body, words in cases:
         req = urllib.request.Request(
-            f"{api}/services", data=body, headers={"Content-Type": "application/json"}
+            f"{api}/services",
+            data=body,
+            headers={"Content-Type": "application/json", **fleet.auth()},
         )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
@@ -258,7 +260,11 @@ def test_bad_api_payloads_get_clear_422s_and_the_controller_carries_on(fleet: Fl
         payload = json.loads(e.value.read())
         assert words in payload["error"]["message"], payload
     assert get(f"{api}/health")["ok"]
-    assert "openapi" in get(f"http://127.0.0.1:{fleet.env['FLEETSERVE_API_PORT']}/openapi.json")
+    docs = urllib.request.Request(
+        f"http://127.0.0.1:{fleet.env['FLEETSERVE_API_PORT']}/openapi.json", headers=fleet.auth()
+    )
+    with urllib.request.urlopen(docs, timeout=5) as r:
+        assert "openapi" in json.loads(r.read())
 
 
 def test_a_dead_load_balancer_is_restarted_on_the_same_port(fleet: Fleet) -> None:

@@ -143,7 +143,7 @@ def test_a_truncated_database_is_refused(tmp_path: Path) -> None:
         Path(f"{db}{suffix}").unlink(missing_ok=True)
     data = db.read_bytes()
     db.write_bytes(data[:100] + b"\x00" * 10 + data[110:2000])
-    with pytest.raises(UnusableStore, match="cannot be read|not an SQLite"):
+    with pytest.raises(UnusableStore, match=r"cannot be read|not an SQLite"):
         Store.at_path(db)
 
 
