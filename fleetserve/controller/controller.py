@@ -45,15 +45,17 @@ class Controller:
         # Refuses an empty, corrupt, foreign or newer database before anything is touched.
         self.store = store or Store.at_path(settings.db_path)
         self.home_id = self.store.claim_home(settings.home)
+        legacy = self.store.legacy_home()
         self.infra: Infra = infra or LocalInfra(
             settings.home,
             grace_seconds=settings.terminate_grace,
             home_id=self.home_id,
             umask=replica_umask,
+            legacy_home=legacy,
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)
-        self.lb = LbManager(settings, self.http, self.home_id)
+        self.lb = LbManager(settings, self.http, self.home_id, legacy)
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 

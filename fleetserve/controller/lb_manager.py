@@ -62,10 +62,17 @@ def _auth(svc: ServiceRecord) -> dict[str, str]:
 
 
 class LbManager:
-    def __init__(self, settings: Settings, client: httpx.AsyncClient, home_id: str = "") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        client: httpx.AsyncClient,
+        home_id: str = "",
+        legacy_home: str | None = None,
+    ) -> None:
         self.settings = settings
         self.client = client
         self.home_id = home_id
+        self.legacy_home = legacy_home  # LBs started before home ids carry only the path
         self._state: dict[str, LbState] = {}
 
     def log_path(self, service: str) -> str:
@@ -73,7 +80,7 @@ class LbManager:
 
     def is_running(self, svc: ServiceRecord) -> bool:
         self.reap()  # an LB this controller started and that died is a zombie until reaped
-        return process_alive(svc.lb_pid, svc.lb_create_time, self.home_id or None)
+        return process_alive(svc.lb_pid, svc.lb_create_time, self.home_id or None, self.legacy_home)
 
     def _ours(self, pid: int | None, service: str) -> bool:
         """Whether `pid` is a load-balancer process (primary or worker) of this home's
@@ -86,7 +93,7 @@ class LbManager:
         except (psutil.Error, OSError):
             return False
         return env.get(LB_SERVICE_ENV) == service and (
-            not self.home_id or owned_by(p, self.home_id)
+            not self.home_id or owned_by(p, self.home_id, self.legacy_home)
         )
 
     def check_port(self, service: str, port: int) -> None:
@@ -236,10 +243,15 @@ class LbManager:
         known = {s.name: (s.lb_pid, s.lb_create_time) for s in services}
 
         def orphan(env: dict[str, str]) -> bool:
+            legacy = (
+                self.legacy_home is not None
+                and HOME_ID_ENV not in env
+                and env.get("FLEETSERVE_HOME") == self.legacy_home
+            )
             return (
                 env.get(LB_SERVICE_ENV) is not None
                 and bool(self.home_id)
-                and env.get(HOME_ID_ENV) == self.home_id
+                and (env.get(HOME_ID_ENV) == self.home_id or legacy)
             )
 
         procs = []

@@ -103,21 +103,34 @@ def free_port(avoid: set[int] | None = None) -> int:
     raise TerminalError("could not find a free port")
 
 
-def process_alive(pid: int | None, create_time: float | None, home_id: str | None = None) -> bool:
+def process_alive(
+    pid: int | None,
+    create_time: float | None,
+    home_id: str | None = None,
+    legacy_home: str | None = None,
+) -> bool:
     """Whether that process still runs (and, given `home_id`, was started by that home)."""
     if pid is None or create_time is None:
         return False
     p = _process(pid, create_time)
-    return p is not None and (home_id is None or owned_by(p, home_id))
+    return p is not None and (home_id is None or owned_by(p, home_id, legacy_home))
 
 
-def owned_by(p: psutil.Process, home_id: str) -> bool:
+def owned_by(p: psutil.Process, home_id: str, legacy_home: str | None = None) -> bool:
     """Whether the process carries this home's id (another user's process never does: its
-    environment cannot be read)."""
+    environment cannot be read). With `legacy_home` (a database upgraded from before home
+    ids), a process with no home id started for that home path counts too."""
     try:
-        return p.environ().get(HOME_ID_ENV) == home_id
+        env = p.environ()
     except (psutil.Error, OSError):
         return False
+    if env.get(HOME_ID_ENV) == home_id:
+        return True
+    return (
+        legacy_home is not None
+        and HOME_ID_ENV not in env
+        and env.get("FLEETSERVE_HOME") == legacy_home
+    )
 
 
 def open_private(path: Path) -> int:
@@ -210,9 +223,11 @@ class LocalInfra:
         poll_interval: float = 0.1,
         home_id: str = "",
         umask: int | None = None,
+        legacy_home: str | None = None,
     ) -> None:
         self.home = home
         self.home_id = home_id
+        self.legacy_home = legacy_home  # processes of a home from before home ids
         self.grace_seconds = grace_seconds
         self.poll_interval = poll_interval
         self.umask = umask  # the replicas' (the user's), not the controller's private 077
@@ -220,13 +235,26 @@ class LocalInfra:
         self._recent_ports: set[int] = set()
         self._owned: set[tuple[int, float]] = set()  # adopted processes checked to be ours
 
+    def _env_ours(self, env: dict[str, str]) -> bool:
+        """A process environment of this home: its id, or (an upgraded home) its path and no
+        id at all."""
+        if not self.home_id:
+            return True
+        if env.get(HOME_ID_ENV) == self.home_id:
+            return True
+        return (
+            self.legacy_home is not None
+            and HOME_ID_ENV not in env
+            and env.get("FLEETSERVE_HOME") == self.legacy_home
+        )
+
     def _ours(self, p: psutil.Process, create_time: float) -> bool:
         """An adopted process is ours only if it carries this home's id (a database copied
         into another home must not adopt, or stop, the first home's replicas)."""
         key = (p.pid, create_time)
         if key in self._owned:
             return True
-        if not owned_by(p, self.home_id):
+        if not owned_by(p, self.home_id, self.legacy_home):
             return False
         self._owned.add(key)
         return True
@@ -306,9 +334,10 @@ class LocalInfra:
                 "FLEETSERVE_VERSION": str(request.version),
                 "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
                 TOKEN_ENV: request.launch_token,
-                HOME_ID_ENV: self.home_id,
             }
         )
+        if self.home_id:
+            env[HOME_ID_ENV] = self.home_id
         out = open_private(log)
         try:
             proc = subprocess.Popen(
@@ -411,8 +440,7 @@ class LocalInfra:
             return (
                 token is not None
                 and bool(self.home_id)
-                and env.get(HOME_ID_ENV) == self.home_id
-                and token.startswith(self.home_id)
+                and self._env_ours(env)
                 and token not in known_tokens
             )
 

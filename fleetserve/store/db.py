@@ -153,6 +153,9 @@ class Store:
                 home_id = secrets.token_hex(HOME_ID_LENGTH // 2)
                 conn.execute(insert(t.meta).values(key="home_id", value=home_id))
                 conn.execute(insert(t.meta).values(key="home_path", value=where))
+                if conn.execute(select(t.services.c.name).limit(1)).first() is not None:
+                    # Upgraded from before home ids: its running processes carry none.
+                    conn.execute(insert(t.meta).values(key="legacy_home", value=str(home)))
                 return home_id
         if owner != where:
             raise UnusableStore(
@@ -161,6 +164,15 @@ class Store:
                 "here; no process was touched"
             )
         return str(home_id)
+
+    def legacy_home(self) -> str | None:
+        """The FLEETSERVE_HOME value that processes started before home ids carry, if this
+        database was upgraded with services in it."""
+        with self.engine.connect() as conn:
+            value = conn.execute(
+                select(t.meta.c.value).where(t.meta.c.key == "legacy_home")
+            ).scalar_one_or_none()
+        return None if value is None else str(value)
 
     def home_id(self) -> str | None:
         with self.engine.connect() as conn:

@@ -65,14 +65,15 @@ def main(work: Path) -> None:
             raise SystemExit(f"fleetserve {args} failed: {out.stdout}\n{out.stderr}")
         return out.stdout
 
-    def service(name: str) -> dict[str, object]:
-        return dict(
-            json.loads(
-                urllib.request.urlopen(
-                    f"http://127.0.0.1:47999/api/v1/services/{name}", timeout=10
-                ).read()
-            )
+    def api(path: str) -> object:
+        token = (work / "home" / "api-token").read_text().strip()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:47999/api/v1{path}", headers={"Authorization": f"Bearer {token}"}
         )
+        return json.loads(urllib.request.urlopen(req, timeout=10).read())
+
+    def service(name: str) -> dict[str, object]:
+        return dict(api(f"/services/{name}"))  # type: ignore[call-overload]
 
     def get(url: str) -> dict[str, object]:
         return dict(json.loads(urllib.request.urlopen(url, timeout=10).read()))
@@ -88,6 +89,26 @@ def main(work: Path) -> None:
         "service:\n  readiness_probe: {path: /, initial_delay_seconds: 60}\n  replicas: 1\n"
         f"resources: {{cpus: 1}}\nrun: python3 {app}/server.py\n"
     )
+    # The first `up` of a fresh controller launches two replicas at once: both connect to the
+    # cluster concurrently (once raced in ray.init and failed a replica).
+    (work / "pair.yaml").write_text(
+        "service:\n  readiness_probe: {path: /, initial_delay_seconds: 60}\n  replicas: 2\n"
+        f"resources: {{infra: ray, cpus: 0.25}}\nrun: python3 {app}/server.py\n"
+    )
+    cli("up", str(work / "pair.yaml"), "-n", "pair")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pair = [r["status"] for r in service("pair")["replicas"]]  # type: ignore[index,union-attr]
+        if pair == ["READY", "READY"] or "FAILED_PROVISION" in pair:
+            break
+        time.sleep(0.3)
+    found["pair_statuses"] = pair
+    cli("down", "pair", "--purge")
+    while time.monotonic() < deadline + 60 and any(
+        s["name"] == "pair"
+        for s in api("/services")  # type: ignore[attr-defined]
+    ):
+        time.sleep(0.3)
     started = time.monotonic()
     cli("up", str(work / "pinned.yaml"), "-n", "pinned")
     found["pinned_up_seconds"] = round(time.monotonic() - started, 1)
@@ -145,12 +166,8 @@ def main(work: Path) -> None:
         r["replica_id"]: r["pid"]
         for r in after["replicas"]  # type: ignore[union-attr]
     } == before and all(r["status"] == "READY" for r in after["replicas"])  # type: ignore[union-attr]
-    events = json.loads(
-        urllib.request.urlopen(
-            "http://127.0.0.1:47999/api/v1/services/pinned/events", timeout=10
-        ).read()
-    )
-    found["adoption_event"] = any("adopted" in e["message"] for e in events)
+    events = api("/services/pinned/events")
+    found["adoption_event"] = any("adopted" in e["message"] for e in events)  # type: ignore[attr-defined]
     cli("down", "--all", "--purge")
     ray.init(address=cluster.address, namespace="fleetserve", logging_level="error")
     found["actors_left"] = ray.util.list_named_actors()

@@ -221,3 +221,23 @@ async def test_replica_folder_and_log_are_the_owners_only(
         assert infra.log_path("svc", 1).stat().st_mode & 0o777 == 0o600
     finally:
         await infra.terminate(launched.handle, "aaaa0000aaaa-p")
+
+
+async def test_an_upgraded_home_adopts_the_replicas_started_before_home_ids(
+    tmp_path: Path,
+) -> None:
+    """Replicas started by a fleetserve from before home ids carry only FLEETSERVE_HOME: the
+    upgraded home (legacy_home set by the store) adopts them; any other home does not."""
+    home = tmp_path / "home"
+    old = LocalInfra(home, grace_seconds=2)  # no home id: the previous release
+    envs = {"GREETING": "hi", "FLEETSERVE_HOME": str(home)}
+    launched = await old.launch(request(tmp_path, token="legacy-1", envs=envs))
+    try:
+        upgraded = LocalInfra(home, grace_seconds=2, home_id="cccc", legacy_home=str(home))
+        stranger = LocalInfra(home, grace_seconds=2, home_id="dddd")
+        assert (await upgraded.poll(launched.handle)).kind is InstanceKind.RUNNING
+        assert (await stranger.poll(launched.handle)).kind is InstanceKind.LOST
+        assert await stranger.sweep(set()) == 0
+        assert processes_with_token("legacy-1")
+    finally:
+        await old.terminate(launched.handle, "legacy-1")

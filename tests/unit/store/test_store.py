@@ -208,3 +208,13 @@ def test_two_services_can_never_hold_one_port(store: Store) -> None:
     store.update_service("a", 2.0, lb_port=31000)
     with pytest.raises(IntegrityError):
         store.update_service("b", 2.0, lb_port=31000)
+
+
+def test_a_home_upgraded_with_services_in_it_remembers_its_legacy_path(tmp_path: Path) -> None:
+    s = Store.at_path(tmp_path / "a" / "fleetserve.db")
+    s.claim_home(tmp_path / "a")
+    assert s.legacy_home() is None  # a new home: every process it starts has the id
+    s2 = Store.at_path(tmp_path / "b" / "fleetserve.db")
+    s2.create_service("old", "y", "{}", 1.0)  # rows from before home ids
+    s2.claim_home(tmp_path / "b")
+    assert s2.legacy_home() == str(tmp_path / "b")
