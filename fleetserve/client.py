@@ -357,8 +357,13 @@ class Client:
             "POST", f"/services/{name}/replicas/{replica_id}/terminate", params={"purge": purge}
         )
 
-    def replica_logs(self, name: str, replica_id: int, follow: bool = False) -> Iterator[str]:
-        return self._stream(f"/services/{name}/replicas/{replica_id}/logs", {"follow": follow})
+    def replica_logs(
+        self, name: str, replica_id: int, follow: bool = False, tail: int | None = None
+    ) -> Iterator[str]:
+        params: dict[str, Any] = {"follow": follow}
+        if tail is not None:
+            params["tail"] = tail
+        return self._stream(f"/services/{name}/replicas/{replica_id}/logs", params)
 
     def component_logs(
         self, which: str, service: str | None = None, follow: bool = False

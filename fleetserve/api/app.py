@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import os
 from collections.abc import AsyncIterator, Callable
@@ -10,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy.exc import OperationalError
 
 from fleetserve._version import __version__
 from fleetserve.api.auth import ApiGuard, allowed_host_names, ensure_token
@@ -23,9 +26,10 @@ from fleetserve.api.models import (
     UpdateService,
 )
 from fleetserve.controller.controller import Controller
-from fleetserve.core.errors import FleetserveError, NotFound
+from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound
 from fleetserve.core.types import ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
+from fleetserve.spec.loader import parse_spec
 
 PREFIX = "/api/v1"
 _ERRORS: dict[int | str, dict[str, object]] = {
@@ -115,7 +119,37 @@ def create_app(
         token=token if token is not None else ensure_token(ctl.settings.token_file),
         hosts=allowed_host_names(ctl.settings),
         wake_secret=wake_secret,
+        max_body=ctl.settings.max_body_bytes,
     )
+
+    async def parsed_off_loop(yaml_text: str) -> None:
+        """Parse and check a YAML in a thread, with a deadline: a hostile one can neither
+        block the loop that serves every service nor take unbounded time."""
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(parse_spec, yaml_text), ctl.settings.parse_timeout
+            )
+        except TimeoutError:
+            raise InvalidSpec(
+                f"the YAML took longer than {ctl.settings.parse_timeout:g} s to parse"
+            ) from None
+
+    @app.exception_handler(OperationalError)
+    async def _database_error(_req: Request, exc: OperationalError) -> JSONResponse:
+        text = str(exc.orig)
+        if "full" in text:
+            message, status = f"database or disk is full: {ctl.settings.db_path}", 507
+        else:
+            message, status = f"the database failed: {text}", 503
+        return JSONResponse({"error": {"kind": "storage", "message": message}}, status)
+
+    @app.exception_handler(OSError)
+    async def _os_error(_req: Request, exc: OSError) -> JSONResponse:
+        if exc.errno == errno.ENOSPC:
+            message, status = f"disk is full: {exc.filename or ctl.settings.home}", 507
+        else:
+            message, status = f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), 500
+        return JSONResponse({"error": {"kind": "storage", "message": message}}, status)
 
     @app.exception_handler(FleetserveError)
     async def _fleetserve_error(_req: Request, exc: FleetserveError) -> JSONResponse:
@@ -139,6 +173,7 @@ def create_app(
 
     @app.post(f"{PREFIX}/services", response_model=ServiceInfo, status_code=201, responses=_ERRORS)
     async def create_service(body: CreateService) -> ServiceInfo:
+        await parsed_off_loop(body.yaml)
         svc = ctl.create_service(body.yaml, body.name, body.base_dir, body.infra)
         return service_info(ctl, svc)
 
@@ -187,6 +222,7 @@ def create_app(
 
     @app.post(f"{PREFIX}/services/{{name}}/update", response_model=ServiceInfo, responses=_ERRORS)
     async def update_service(name: str, body: UpdateService) -> ServiceInfo:
+        await parsed_off_loop(body.yaml)
         svc = ctl.update_service(name, body.yaml, body.base_dir, body.mode, body.traffic_percent)
         return service_info(ctl, svc)
 
@@ -210,8 +246,13 @@ def create_app(
         return {"service": name, "report": ctl.load_report(name)}
 
     @app.get(f"{PREFIX}/services/{{name}}/replicas/{{replica_id}}/logs", responses=_ERRORS)
-    async def replica_logs(name: str, replica_id: int, follow: bool = False) -> StreamingResponse:
-        lines = ctl.replica_logs(name, replica_id, follow)
+    async def replica_logs(
+        name: str,
+        replica_id: int,
+        follow: bool = False,
+        tail: int | None = Query(None, ge=1, le=10_000, description="Only the last N lines"),
+    ) -> StreamingResponse:
+        lines = ctl.replica_logs(name, replica_id, follow, tail)
         return StreamingResponse(lines, media_type="text/plain")
 
     @app.get(f"{PREFIX}/logs/{{which}}", responses=_ERRORS)

@@ -113,11 +113,13 @@ class ApiGuard:
         token: str,
         hosts: frozenset[str],
         wake_secret: Callable[[str], str | None],
+        max_body: int = 2 * 1024 * 1024,
     ) -> None:
         self.app = app
         self.token = token
         self.hosts = hosts
         self.wake_secret = wake_secret  # the service's LB secret, for its wake-up calls
+        self.max_body = max_body  # bytes; a larger body is answered 413 unread
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,10 +127,41 @@ class ApiGuard:
             return
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         problem = self.check(scope["method"], scope["path"], headers)
+        if problem is None and scope["method"] in WRITE_METHODS:
+            # Bodies are read here, whole and bounded, before anything parses them.
+            body = await self._read_body(receive)
+            if body is None:
+                problem = 413, "too_large", f"the request body exceeds {self.max_body} bytes"
+            else:
+                replay = [{"type": "http.request", "body": body, "more_body": False}]
+
+                async def receive_body() -> Message:
+                    return replay.pop() if replay else await receive()
+
+                await self.app(scope, receive_body, send)
+                return
         if problem is None:
             await self.app(scope, receive, send)
             return
-        status, kind, message = problem
+        await self._refuse(send, *problem)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None past `max_body` bytes (or if the client went away)."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _refuse(self, send: Send, status: int, kind: str, message: str) -> None:
         body = json.dumps({"error": {"kind": kind, "message": message}}).encode()
         extra = [(b"www-authenticate", b"Bearer")] if status == 401 else []
         await send(
@@ -167,4 +200,7 @@ class ApiGuard:
             ctype = values.get(b"content-type", "").split(";", 1)[0].strip().lower()
             if ctype != "application/json":
                 return 415, "unsupported_media_type", "state-changing calls take JSON only"
+            length = values.get(b"content-length", "0").strip() or "0"
+            if not length.isdigit() or int(length) > self.max_body:
+                return 413, "too_large", f"the request body exceeds {self.max_body} bytes"
         return None

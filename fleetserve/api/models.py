@@ -7,19 +7,25 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class CreateService(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    yaml: str = Field(description="The service YAML, as text.")
-    name: str | None = Field(None, description="Service name; default: the YAML's name.")
-    base_dir: str | None = Field(
-        None, description="Folder that relative workdir / file_mounts paths start from."
+    yaml: str = Field(max_length=1024 * 1024, description="The service YAML, as text.")
+    name: str | None = Field(
+        None, max_length=64, description="Service name; default: the YAML's name."
     )
-    infra: str | None = Field(None, description="local or ray; default: the YAML's, else local")
+    base_dir: str | None = Field(
+        None,
+        max_length=4096,
+        description="Folder that relative workdir / file_mounts paths start from.",
+    )
+    infra: str | None = Field(
+        None, max_length=64, description="local or ray; default: the YAML's, else local"
+    )
 
 
 class UpdateService(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    yaml: str = Field(description="The new service YAML, as text.")
-    base_dir: str | None = None
-    mode: str = Field("rolling", description="rolling or blue_green")
+    yaml: str = Field(max_length=1024 * 1024, description="The new service YAML, as text.")
+    base_dir: str | None = Field(None, max_length=4096)
+    mode: str = Field("rolling", max_length=16, description="rolling or blue_green")
     traffic_percent: int | None = Field(
         None, ge=1, le=99, description="A canary: this share of requests to the new version."
     )

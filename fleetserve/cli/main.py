@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fleetserve.api.models import ServiceInfo
@@ -62,12 +63,40 @@ def _print_changes(svc: ServiceInfo, seen: dict[int, str], versions: bool = Fals
             out.print(f"  replica {which}: {styled(r.status)}{extra}", highlight=False)
 
 
+def _last_setup_line(client: Client, svc: ServiceInfo, shown: dict[int, str]) -> None:
+    """While a replica runs its setup, show its newest log line (when it changes)."""
+    for r in svc.replicas:
+        if r.status != "PROVISIONING":
+            continue
+        try:
+            lines = list(client.replica_logs(svc.name, r.replica_id, tail=1))
+        except FleetserveError:
+            return
+        line = lines[-1].strip()[:160] if lines else ""
+        if line and shown.get(r.replica_id) != line:
+            shown[r.replica_id] = line
+            text = f"    [dim]replica {r.replica_id}:[/] {escape(line)}"
+            out.print(text, highlight=False, markup=True)
+        return  # one replica's setup is enough to show progress
+
+
 def _follow_up(client: Client, name: str) -> ServiceInfo:
-    """Print replica status changes until one is READY or the service fails."""
+    """Print replica status changes until one is READY or the service fails; while setup
+    runs, its newest log line."""
     seen: dict[int, str] = {}
+    shown: dict[int, str] = {}
+    out.print(
+        "  (Ctrl-C stops watching; the service keeps launching. `fleetserve up -d` returns "
+        "at once.)",
+        highlight=False,
+    )
+    last_tail = 0.0
     while True:
         svc = client.service(name)
         _print_changes(svc, seen)
+        if time.monotonic() - last_tail >= 2.0:
+            last_tail = time.monotonic()
+            _last_setup_line(client, svc, shown)
         if svc.status == "READY":
             return svc
         if svc.min_replicas == 0 and svc.endpoint and not svc.replicas:

@@ -23,12 +23,13 @@ from fleetserve.core.errors import Conflict, InvalidSpec, NotFound
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
 from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra
-from fleetserve.infra.local import LocalInfra
+from fleetserve.infra.local import LocalInfra, rotate_log
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
+LOG_CHECK_SECONDS = 5.0  # how often log sizes are checked against the cap
 
 
 class Controller:
@@ -58,6 +59,7 @@ class Controller:
         self.lb = LbManager(settings, self.http, self.home_id, legacy)
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._housekeeping: asyncio.Task[None] | None = None
 
     def infra_for(self, name: str) -> Infra:
         """The infra of that name: local, or ray (connected on first use)."""
@@ -93,8 +95,25 @@ class Controller:
             log.warning("stopped %s orphaned replica and %s stray LB processes", orphans, stray_lbs)
         for svc in services:
             self._run(svc.name)
+        self._housekeeping = asyncio.create_task(self._rotate_logs(), name="housekeeping")
+
+    async def _rotate_logs(self) -> None:
+        """Every log of this home (replicas, load balancers, the controller's own) stays under
+        the cap, keeping its newest lines."""
+        cap = self.settings.log_cap_bytes
+        while True:
+            try:
+                logs = await asyncio.to_thread(lambda: list(self.settings.logs_dir.rglob("*.log")))
+                for path in logs:
+                    if await asyncio.to_thread(rotate_log, path, cap):
+                        log.info("rotated %s (over %s bytes)", path, cap // 2)
+            except Exception:  # never let housekeeping end the controller
+                log.exception("log rotation failed")
+            await asyncio.sleep(LOG_CHECK_SECONDS)
 
     async def stop(self) -> None:
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
         for task in self._tasks.values():
             task.cancel()
         for name, task in list(self._tasks.items()):
@@ -249,7 +268,9 @@ class Controller:
             scaling_stopped=lb_running and bool(svc.failure_reason),
         )
 
-    def replica_logs(self, name: str, replica_id: int, follow: bool) -> AsyncIterator[str]:
+    def replica_logs(
+        self, name: str, replica_id: int, follow: bool, tail: int | None = None
+    ) -> AsyncIterator[str]:
         self.store.service(name)
         if self.store.get_replica(name, replica_id) is None and not self._log_exists(
             name, f"replica-{replica_id}.log"
@@ -257,7 +278,7 @@ class Controller:
             raise NotFound(f"service {name!r} has no replica {replica_id}")
         row = self.store.get_replica(name, replica_id)
         infra = self.infra_for(row.infra) if row else self.infra
-        return infra.logs(name, replica_id, follow, row.handle if row else None)
+        return infra.logs(name, replica_id, follow, row.handle if row else None, tail)
 
     def _log_exists(self, name: str, file: str) -> bool:
         return (self.settings.logs_dir / name / file).exists()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleetserve.core.clock import Clock
-from fleetserve.core.errors import FleetserveError, TransientError
+from fleetserve.core.errors import FleetserveError, TerminalError, TransientError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
@@ -66,6 +66,7 @@ class Executor:
         clock: Clock,
         home: Path,
         on_change: Callable[[], None],
+        launch_timeout: float = 1800.0,
     ) -> None:
         self.service = service
         self.store = store
@@ -73,6 +74,7 @@ class Executor:
         self.clock = clock
         self.home = home
         self.on_change = on_change
+        self.launch_timeout = launch_timeout  # setup and start, all tries together
         self.launches: dict[int, asyncio.Task[None]] = {}
         self.terminations: dict[int, asyncio.Task[None]] = {}
         self.inflight_of: Callable[[int], int] = lambda _rid: 0  # from the LB's load report
@@ -97,9 +99,19 @@ class Executor:
     async def _launch_retrying(self, rec: ReplicaRecord, spec: ServiceTask) -> Launched:
         """The infra's launch; a transient error (the cluster does not answer yet) is retried
         with backoff instead of failing the replica."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.launch_timeout
         for delay in (*TRANSIENT_RETRY_DELAYS, None):
             try:
-                return await self.infra.launch(launch_request(spec, rec, self.home))
+                return await asyncio.wait_for(
+                    self.infra.launch(launch_request(spec, rec, self.home)),
+                    timeout=max(0.0, deadline - loop.time()),
+                )
+            except TimeoutError:
+                raise TerminalError(
+                    f"setup did not finish within {self.launch_timeout:g} s (the launch "
+                    f"timeout; see `fleetserve logs {rec.service} {rec.replica_id}`)"
+                ) from None
             except TransientError as e:
                 if delay is None:
                     raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 from collections.abc import Mapping
 
 from fleetserve.controller.executor import Executor, new_launch_token
@@ -100,7 +101,15 @@ class ServiceReconciler:
         self.clock = clock
         self.home_id = home_id
         self.wake = asyncio.Event()
-        self.executor = Executor(name, store, infra, clock, settings.home, self.wake.set)
+        self.executor = Executor(
+            name,
+            store,
+            infra,
+            clock,
+            settings.home,
+            self.wake.set,
+            launch_timeout=settings.launch_timeout,
+        )
         self.finished = asyncio.Event()
         self._specs: dict[int, ServiceTask] = {}
         self.scaler = Scaler(name, store, clock, settings.autoscale_interval)
@@ -463,5 +472,7 @@ class ServiceReconciler:
         await self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time)
         self.store.delete_service(self.name)
         self.infra.forget_service(self.name)
+        # Its logs go with it (replica and load-balancer logs, rotated halves too).
+        shutil.rmtree(self.settings.logs_dir / self.name, ignore_errors=True)
         log.info("service %s is down", self.name)
         return True

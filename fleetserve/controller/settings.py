@@ -54,6 +54,10 @@ class Settings:
     lb_repush_interval: float = 10.0  # the set is pushed on every change, and again this often
     autoscale_interval: float = 1.0  # seconds between two autoscaler decisions
     drain_seconds: float = 120.0  # the longest wait for a scaled-down replica's requests
+    launch_timeout: float = 1800.0  # setup + start of one replica; then FAILED_PROVISION
+    log_cap_bytes: int = 100 * 1024 * 1024  # per log file (replica, LB, controller), rotated
+    max_body_bytes: int = 2 * 1024 * 1024  # REST request bodies; larger ones get 413
+    parse_timeout: float = 5.0  # seconds a service YAML may take to parse and check
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -82,6 +86,10 @@ class Settings:
             lb_port_start=int(num("FLEETSERVE_LB_PORT_START", 30001)),
             autoscale_interval=num("FLEETSERVE_AUTOSCALE_INTERVAL", 1.0),
             drain_seconds=num("FLEETSERVE_DRAIN_SECONDS", 120.0),
+            launch_timeout=num("FLEETSERVE_LAUNCH_TIMEOUT", 1800.0),
+            log_cap_bytes=int(num("FLEETSERVE_LOG_CAP_BYTES", 100 * 1024 * 1024)),
+            max_body_bytes=int(num("FLEETSERVE_MAX_BODY_BYTES", 2 * 1024 * 1024)),
+            parse_timeout=num("FLEETSERVE_PARSE_TIMEOUT", 5.0),
         )
 
     @property

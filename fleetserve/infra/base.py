@@ -96,5 +96,13 @@ class Infra(Protocol):
         ...
 
     def logs(
-        self, service: str, replica_id: int, follow: bool, handle: str | None = None
-    ) -> AsyncIterator[str]: ...
+        self,
+        service: str,
+        replica_id: int,
+        follow: bool,
+        handle: str | None = None,
+        tail: int | None = None,
+    ) -> AsyncIterator[str]:
+        """The replica's log lines (only the last `tail` ones, if given); with `follow`, new
+        lines as they come."""
+        ...

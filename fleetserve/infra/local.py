@@ -405,18 +405,14 @@ class LocalInfra:
         await asyncio.to_thread(self._terminate_sync, h, launch_token)
 
     def _terminate_sync(self, h: LocalHandle | None, token: str) -> None:
-        found = processes_where(
-            lambda env: (
-                env.get(TOKEN_ENV) == token
-                and (not self.home_id or env.get(HOME_ID_ENV) == self.home_id)
-            )
-        )
-        procs = {p.pid: p for p in found}
+        procs: dict[int, psutil.Process] = {}
         if h is not None:
             leader = _process(h.pid, h.create_time)
             if leader is not None and self._ours(leader, h.create_time):
                 procs[leader.pid] = leader
-        alive = stop_processes(list(procs.values()), self.grace_seconds)
+        alive = self._stop_all(
+            lambda env: env.get(TOKEN_ENV) == token and self._env_ours(env), procs
+        )
         if h is not None:
             child = self._children.pop(h.pid, None)
             if child is not None:
@@ -427,6 +423,26 @@ class LocalInfra:
             raise TerminalError(f"processes {pids} survived SIGKILL")
         if h is not None:
             shutil.rmtree(h.dir, ignore_errors=True)
+
+    def _stop_all(
+        self,
+        match: Callable[[dict[str, str]], bool],
+        extra: dict[int, psutil.Process] | None = None,
+        rounds: int = 3,
+    ) -> list[psutil.Process]:
+        """Stop every process that `match`es, scanning again after each round: a process
+        forked while the last one was stopping (the wrapper starting `run`) is found too.
+        Returns those that survived SIGKILL."""
+        procs = dict(extra or {})
+        for _ in range(rounds):
+            procs.update({p.pid: p for p in processes_where(match)})
+            if not procs:
+                return []
+            alive = stop_processes(list(procs.values()), self.grace_seconds)
+            if alive:
+                return alive
+            procs = {}
+        return [p for p in processes_where(match)]
 
     def forget_service(self, service: str) -> None:
         shutil.rmtree(self.home / "replicas" / service, ignore_errors=True)
@@ -446,27 +462,75 @@ class LocalInfra:
 
         procs = await asyncio.to_thread(processes_where, orphan)
         if procs:
-            await asyncio.to_thread(stop_processes, procs, self.grace_seconds)
+            await asyncio.to_thread(self._stop_all, orphan)
         return len(procs)
 
     def logs(
-        self, service: str, replica_id: int, follow: bool, handle: str | None = None
+        self,
+        service: str,
+        replica_id: int,
+        follow: bool,
+        handle: str | None = None,
+        tail: int | None = None,
     ) -> AsyncIterator[str]:
-        return read_lines(self.log_path(service, replica_id), follow)
+        return read_lines(self.log_path(service, replica_id), follow, tail)
 
 
-async def read_lines(path: Path, follow: bool) -> AsyncIterator[str]:
-    """The lines of a log file; with `follow`, wait for it and keep reading as it grows."""
+TAIL_WINDOW = 256 * 1024  # bytes read from a log's end to find its last lines
+
+
+def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
+    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        start = max(0, size - TAIL_WINDOW)
+        f.seek(start)
+        data = f.read(size - start)
+    lines = data.decode(errors="replace").splitlines(keepends=True)
+    if start > 0 and lines:
+        lines = lines[1:]  # the first one is cut
+    return lines[-n:] if n > 0 else [], size
+
+
+async def read_lines(path: Path, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
+    """The lines of a log file (the last `tail` ones, if given); with `follow`, wait for it
+    and keep reading as it grows, from its start again when it was rotated (truncated)."""
     while follow and not path.exists():
         await asyncio.sleep(0.5)
     if not path.exists():
         return
+    offset = 0
+    if tail is not None:
+        lines, offset = tail_lines(path, tail)
+        for line in lines:
+            yield line
+        if not follow:
+            return
     with open(path, errors="replace") as f:
+        f.seek(offset)
         while True:
             line = f.readline()
             if line:
                 yield line
             elif follow:
                 await asyncio.sleep(0.2)
+                with contextlib.suppress(OSError):
+                    if os.fstat(f.fileno()).st_size < f.tell():
+                        f.seek(0)  # rotated: the file was copied away and truncated
             else:
                 return
+
+
+def rotate_log(path: Path, cap_bytes: int) -> bool:
+    """Keep a log under `cap_bytes` with its newest lines: past half the cap, its content
+    moves to `<name>.1` (replacing the older half) and the file is truncated in place, so the
+    process writing it (with O_APPEND) carries on. True if it rotated."""
+    try:
+        if path.stat().st_size <= cap_bytes // 2:
+            return False
+        shutil.copyfile(path, path.with_name(path.name + ".1"))
+        os.truncate(path, 0)
+    except OSError:
+        return False
+    return True

@@ -16,6 +16,7 @@ cluster's nodes declare (`ray start --resources '{"zone:us-east-1a": 100, "spot"
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -335,8 +336,20 @@ class RayInfra:
         self._launch_options.pop(service, None)
 
     async def logs(
-        self, service: str, replica_id: int, follow: bool, handle: str | None = None
+        self,
+        service: str,
+        replica_id: int,
+        follow: bool,
+        handle: str | None = None,
+        tail: int | None = None,
     ) -> AsyncIterator[str]:
+        if tail is not None and not follow:
+            last: collections.deque[str] = collections.deque(maxlen=tail)
+            async for line in self.logs(service, replica_id, False, handle):
+                last.append(line)
+            for line in last:
+                yield line
+            return
         if not handle:
             return
         ray = await self._ray()

@@ -227,8 +227,13 @@ def plan_fleet(
     stopped = reason is not None
     rollout = settings.rollout or RolloutSettings(settings.target_replicas, settings.version)
     rs = plan_rollout(alive, rollout, stopped)
-    if rs.create > 0:
-        actions.append(CreateReplicas(rs.create))
+    launching = sum(1 for r in alive if r.status is ReplicaStatus.PROVISIONING)
+    pending = sum(1 for r in alive if r.status is ReplicaStatus.PENDING)
+    # Rows are written only as launch slots free up: a target of thousands never writes
+    # thousands of rows in one round (the next rounds write more as launches finish).
+    room = settings.max_concurrent_launches - launching - pending
+    if rs.create > 0 and room > 0:
+        actions.append(CreateReplicas(min(rs.create, room)))
     for r in rs.retire:
         why = (
             "scaled down"
@@ -238,7 +243,6 @@ def plan_fleet(
         actions.append(Terminate(r.replica_id, r.status, why, delete_row=True, drain=True))
         ending.add(r.replica_id)
 
-    launching = sum(1 for r in alive if r.status is ReplicaStatus.PROVISIONING)
     slots = settings.max_concurrent_launches - launching
     for r in alive:
         if slots <= 0:

@@ -195,3 +195,19 @@ def test_a_failure_this_round_and_one_being_torn_down_count_towards_the_crash_lo
     assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
     assert plan.failure_reason is not None
     assert "replica 3: replica process exited with code 4" in plan.failure_reason
+
+
+def test_rows_are_created_only_as_launch_slots_free_up() -> None:
+    """A target of a million writes at most the free launch slots' worth of rows per round."""
+    huge = settings(target_replicas=1_000_000, max_concurrent_launches=4)
+    assert plan_fleet([], {}, huge, T0).actions == [CreateReplicas(4)]
+    two_launching = [rep(1, R.PROVISIONING), rep(2, R.PROVISIONING), rep(3, R.READY)]
+    assert [a for a in plan_fleet(two_launching, {3: OK}, huge, T0).actions] == [
+        CreateReplicas(2)
+    ]
+    pending = [rep(i, R.PENDING) for i in range(1, 5)]
+    plan = plan_fleet(pending, {}, huge, T0)
+    assert not [a for a in plan.actions if isinstance(a, CreateReplicas)]
+    assert [a for a in plan.actions if isinstance(a, StartLaunch)] == [
+        StartLaunch(i) for i in range(1, 5)
+    ]
