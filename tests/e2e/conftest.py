@@ -78,6 +78,16 @@ class Fleet:
             )
         return proc
 
+    def cli_background(self, *args: str) -> subprocess.Popen[str]:
+        """The CLI in the background (output discarded): for commands a test interrupts."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "fleetserve", *args],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
     def write_service(self, name: str, body: str) -> Path:
         path = self.home.parent / f"{name}.yaml"
         path.write_text(textwrap.dedent(body))
