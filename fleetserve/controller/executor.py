@@ -99,13 +99,12 @@ class Executor:
     async def _launch_retrying(self, rec: ReplicaRecord, spec: ServiceTask) -> Launched:
         """The infra's launch; a transient error (the cluster does not answer yet) is retried
         with backoff instead of failing the replica."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.launch_timeout
+        deadline = self.clock.now() + self.launch_timeout  # the injected clock's time
         for delay in (*TRANSIENT_RETRY_DELAYS, None):
             try:
                 return await asyncio.wait_for(
                     self.infra.launch(launch_request(spec, rec, self.home)),
-                    timeout=max(0.0, deadline - loop.time()),
+                    timeout=max(0.0, deadline - self.clock.now()),
                 )
             except TimeoutError:
                 raise TerminalError(
@@ -185,11 +184,10 @@ class Executor:
     async def _drain(self, replica_id: int, seconds: float) -> None:
         """Wait until the LB reports no request in flight to the replica (bounded). The first
         second lets the push that removes it from the LB's set land."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + seconds
-        await asyncio.sleep(min(1.0, seconds))
-        while loop.time() < deadline and self.inflight_of(replica_id) > 0:
-            await asyncio.sleep(0.2)
+        deadline = self.clock.now() + seconds
+        await self.clock.sleep(min(1.0, seconds))
+        while self.clock.now() < deadline and self.inflight_of(replica_id) > 0:
+            await self.clock.sleep(0.2)
 
     async def _terminate(
         self,

@@ -32,7 +32,7 @@ async def probe_once(
         return ProbeResult(
             False, f"{probe.method} {probe.path} timed out after {probe.timeout_seconds:g} s"
         )
-    except httpx.HTTPError as e:
+    except Exception as e:
         return ProbeResult(False, f"{probe.method} {probe.path}: {type(e).__name__}: {e}")
     if resp.status_code == 200:
         return ProbeResult(True, f"{probe.method} {probe.path} -> 200")

@@ -62,7 +62,8 @@ class Launched:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"http://{host}:{self.port}"
 
 
 class Infra(Protocol):

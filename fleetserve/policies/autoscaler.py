@@ -121,6 +121,9 @@ def autoscale(
         max(needed_replicas(policy, qps, load.inflight, accelerator), policy.min_replicas), hi
     )
     current = max(state.target - (policy.num_overprovision or 0), 0)
+    # The bounds are the policy's as it is now: an update that raised min_replicas or lowered
+    # max_replicas applies at once, not after a scaling delay.
+    current = min(max(current, policy.min_replicas), hi)
     if asked and demand == 0 and hi > 0:
         demand = 1  # a request is a reason for one replica, however low the rate
     if demand > 0 and current == 0 and load.queued > 0:

@@ -1,0 +1,41 @@
+"""`Prober`: one shared prober keeps two services' replicas apart, even with the same ids."""
+
+from __future__ import annotations
+
+import httpx
+
+from fleetserve.controller.prober import Prober
+from fleetserve.core.types import ReplicaKey
+from fleetserve.spec.models import ReadinessProbe
+
+from .fakes import settle
+
+PROBE = ReadinessProbe(path="/health")
+
+
+def answer(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200 if request.url.host == "good-1.test" else 404)
+
+
+async def test_a_shared_prober_never_mixes_two_services_with_the_same_replica_id() -> None:
+    good, bad = ReplicaKey("good", 1), ReplicaKey("bad", 1)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        prober = Prober(client)
+        prober.maybe_start(good, "http://good-1.test:8000", PROBE, now=10.0, interval=1.0)
+        prober.maybe_start(bad, "http://bad-1.test:8000", PROBE, now=10.0, interval=1.0)
+        await settle()
+        bad_result, good_result = prober.take(bad), prober.take(good)
+        assert good_result is not None and bad_result is not None
+        assert (good_result.ok, good_result.detail) == (True, "GET /health -> 200")
+        assert (bad_result.ok, bad_result.detail) == (False, "GET /health -> HTTP 404")
+        assert prober.take(good) is None and prober.take(bad) is None  # each taken once
+
+        # The interval is each replica's own: forgetting "bad" leaves "good"'s timer alone.
+        prober.forget(bad)
+        prober.maybe_start(good, "http://good-1.test:8000", PROBE, now=10.5, interval=1.0)
+        prober.maybe_start(bad, "http://bad-1.test:8000", PROBE, now=10.5, interval=1.0)
+        await settle()
+        assert prober.take(good) is None  # not due yet: no probe started
+        result = prober.take(bad)
+        assert result is not None and not result.ok
+        prober.close()

@@ -1,0 +1,255 @@
+"""`ServiceReconciler` rounds on a fake infra, a fake LB, mock probes and the fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import cast
+
+import httpx
+import pytest
+
+from fleetserve.controller.lb_manager import LbManager
+from fleetserve.controller.prober import Prober
+from fleetserve.controller.reconciler import ServiceReconciler
+from fleetserve.controller.settings import Settings
+from fleetserve.core.clock import FakeClock
+from fleetserve.core.status import ReplicaStatus
+from fleetserve.core.types import ServicePhase
+from fleetserve.infra.base import Infra, InstanceKind
+from fleetserve.store import Store
+
+from .fakes import FakeInfra, FakeLb, create_service, host_of, service_yaml, settle
+
+ROUND = 0.25  # seconds of fake time between two rounds
+
+
+def make_reconciler(
+    name: str,
+    store: Store,
+    infra: Infra,
+    lb: FakeLb,
+    prober: Prober,
+    settings: Settings,
+    clock: FakeClock,
+) -> ServiceReconciler:
+    return ServiceReconciler(name, store, infra, cast(LbManager, lb), prober, settings, clock)
+
+
+class ProbeAnswers:
+    """The replicas' readiness endpoints: 200 for the service "good", 404 for any other;
+    each request is logged with the fake time it came at."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.calls: list[tuple[str, float]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append((request.url.host, self.clock.now()))
+        ok = request.url.host.startswith("good-") and request.url.path == "/health"
+        return httpx.Response(200 if ok else 404)
+
+    def times(self, host: str) -> list[float]:
+        return [at for h, at in self.calls if h == host]
+
+
+async def run_rounds(clock: FakeClock, recs: list[ServiceReconciler], rounds: int) -> None:
+    for _ in range(rounds):
+        clock.advance(ROUND)
+        await asyncio.gather(*(rec.reconcile_once() for rec in recs))
+        await settle()
+
+
+@pytest.mark.parametrize("shared_prober", [False, True], ids=["own-probers", "one-prober"])
+async def test_a_failing_service_never_marks_anothers_replicas_not_ready(
+    store: Store, settings: Settings, clock: FakeClock, shared_prober: bool
+) -> None:
+    answers = ProbeAnswers(clock)
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answers)) as client:
+        shared = Prober(client)
+        recs = []
+        for name in ("good", "bad"):
+            create_service(store, name, service_yaml(replicas=2), clock.now())
+            prober = shared if shared_prober else Prober(client)
+            recs.append(make_reconciler(name, store, infra, lb, prober, settings, clock))
+        await run_rounds(clock, recs, rounds=60)  # 15 s
+
+    good, bad = store.list_replicas("good"), store.list_replicas("bad")
+    assert [r.replica_id for r in good] == [r.replica_id for r in bad] == [1, 2]
+    assert [r.status for r in good] == [ReplicaStatus.READY] * 2
+    assert [r.status for r in bad] == [ReplicaStatus.STARTING] * 2
+    good_events = store.list_events("good", limit=500)
+    assert not [e for e in good_events if e.status_to == ReplicaStatus.NOT_READY.value]
+    assert not [e for e in good_events if "404" in e.message]
+    assert not [e for e in store.list_events("bad", 500) if e.status_to == "READY"]
+    for r in good:
+        assert r.started_at is not None and r.first_ready_at is not None
+        probes = answers.times(host_of("good", r.replica_id))
+        # STARTING replicas are probed at once, READY ones again every probe_interval.
+        assert probes[0] - r.started_at <= settings.starting_probe_interval
+        assert r.first_ready_at - r.started_at <= settings.starting_probe_interval + ROUND
+        assert len([t for t in probes if t > r.first_ready_at]) >= 2
+    assert len(answers.times(host_of("bad", 1))) >= 10  # bad was probed, and failed, all along
+    assert [e.url for e in lb.last_push("good").endpoints] == [
+        "http://good-1.test:8000",
+        "http://good-2.test:8000",
+    ]
+    assert lb.last_push("bad").endpoints == ()
+
+
+@pytest.mark.parametrize(
+    ("kind", "final"),
+    [(InstanceKind.EXITED, ReplicaStatus.FAILED), (InstanceKind.LOST, ReplicaStatus.PREEMPTED)],
+)
+async def test_a_replica_that_dies_is_recorded_and_replaced(
+    store: Store,
+    settings: Settings,
+    clock: FakeClock,
+    kind: InstanceKind,
+    final: ReplicaStatus,
+) -> None:
+    infra, lb = FakeInfra(), FakeLb()
+    answers = ProbeAnswers(clock)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answers)) as client:
+        create_service(store, "good", service_yaml(replicas=1), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        assert store.replica("good", 1).status is ReplicaStatus.READY
+        infra.set_state("good", 1, kind, exit_code=3 if kind is InstanceKind.EXITED else None)
+        await run_rounds(clock, [rec], rounds=6)
+
+    first, second = store.list_replicas("good")
+    assert (first.replica_id, first.status) == (1, final)
+    assert first.exit_code == (3 if kind is InstanceKind.EXITED else None)
+    assert (second.replica_id, second.status) == (2, ReplicaStatus.READY)
+    assert ("good/1", first.launch_token) in infra.terminated
+
+
+async def test_down_stops_every_replica_then_the_lb_then_forgets_the_service(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        pid = store.service("good").lb_pid
+        store.update_service("good", clock.now(), phase=ServicePhase.SHUTTING_DOWN)
+        assert await rec.reconcile_once() is True
+
+    assert lb.pushes[-1].endpoints == () and lb.pushes[-1].force
+    assert sorted(str(h) for h, _ in infra.terminated) == ["good/1", "good/2"]
+    assert lb.stopped == [("good", pid)]
+    assert store.get_service("good") is None and store.list_replicas("good") == []
+    assert infra.forgotten == ["good"]
+
+
+async def test_a_restart_relaunches_a_cut_short_launch_and_adopts_the_rest(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        # The controller died while replica 2 was (re)launching.
+        cut = store.update_replica(
+            store.replica("good", 2), clock.now(), status=ReplicaStatus.PROVISIONING, handle=None
+        )
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await rec.recover()
+        relaunch = store.replica("good", 2)
+        assert (relaunch.status, relaunch.handle) == (ReplicaStatus.PENDING, None)
+        assert relaunch.launch_token != cut.launch_token
+        assert infra.terminated == [(None, cut.launch_token)]
+        assert "adopted after controller restart" in [
+            e.message for e in store.list_events("good", 100) if e.replica_id == 1
+        ]
+        await run_rounds(clock, [rec], rounds=4)
+
+    assert [(r.replica_id, r.status) for r in store.list_replicas("good")] == [
+        (1, ReplicaStatus.READY),
+        (2, ReplicaStatus.READY),
+    ]
+    assert infra.launches[-1].launch_token == relaunch.launch_token
+    assert len(lb.started) == 1  # the LB that kept running was adopted, not restarted
+
+
+async def test_a_probe_that_cannot_be_sent_fails_the_replica_not_the_round(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    yaml_text = (
+        "service:\n"
+        "  readiness_probe:\n"
+        "    path: /health\n"
+        "    initial_delay_seconds: 3\n"
+        "    headers: {X-Probe: caf\u00e9}\n"
+        "  replicas: 1\n"
+        "run: python3 server.py\n"
+    )
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", yaml_text, clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=24)  # 6 s: past the initial delay
+
+    first = store.replica("good", 1)
+    assert first.status is ReplicaStatus.FAILED_INITIAL_DELAY
+    assert "UnicodeEncodeError" in (first.reason or "")
+
+
+# -- load-balancer ports ----------------------------------------------------------------------
+
+
+async def test_two_services_reconciled_together_get_distinct_ports_kept_across_restarts(
+    store: Store, settings: Settings, clock: FakeClock, tmp_path: Path
+) -> None:
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        names = ("a", "b")
+        for name in names:
+            create_service(store, name, service_yaml(replicas=1), clock.now())
+        recs = [
+            make_reconciler(n, store, infra, lb, Prober(client), settings, clock) for n in names
+        ]
+        await asyncio.gather(*(rec.reconcile_once() for rec in recs))
+        ports = {n: store.service(n).lb_port for n in names}
+        secrets = {n: store.service(n).lb_secret for n in names}
+        assert None not in ports.values() and ports["a"] != ports["b"]
+        assert all(secrets.values()) and secrets["a"] != secrets["b"]
+        assert {c.service: c.port for c in lb.started} == ports
+
+        # A new controller on the same database (with another port range configured), whose
+        # LBs did not survive: each service's LB starts again on the port it had.
+        store = Store.at_path(tmp_path / "db.sqlite")
+        moved = dataclasses.replace(settings, lb_port_start=settings.lb_port_start + 500)
+        lb2 = FakeLb(first_pid=60_000)
+        recs = [make_reconciler(n, store, infra, lb2, Prober(client), moved, clock) for n in names]
+        await asyncio.gather(*(rec.reconcile_once() for rec in recs))
+
+    assert {c.service: c.port for c in lb2.started} == ports
+    assert {n: store.service(n).lb_port for n in names} == ports
+    assert {n: store.service(n).lb_secret for n in names} == secrets
+    assert {n: store.service(n).lb_pid for n in names} == lb2.pids
+    store.close()
+
+
+def test_interleaved_port_reservations_never_share_a_port(store: Store, clock: FakeClock) -> None:
+    for name in ("a", "b"):
+        create_service(store, name, service_yaml(), clock.now())
+    calls: list[int] = []
+
+    def usable(port: int) -> bool:
+        # While "a" looks for a port, "b" takes the first one (another controller, say).
+        if not calls:
+            store.reserve_lb_port("b", 41_000, lambda _p: True)
+        calls.append(port)
+        return True
+
+    a = store.reserve_lb_port("a", 41_000, usable)
+    b = store.service("b")
+    assert b.lb_port == 41_000
+    assert a.lb_port == 41_001
+    assert store.reserve_lb_port("a", 41_000, usable).lb_port == 41_001  # kept once reserved
