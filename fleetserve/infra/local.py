@@ -78,13 +78,11 @@ class LocalHandle:
         )
 
 
-def port_free(port: int, reuse_port: bool = False) -> bool:
-    """Whether a listener could bind 127.0.0.1:`port` now (beside SO_REUSEPORT listeners of
-    this user, with `reuse_port`)."""
+def port_free(port: int) -> bool:
+    """Whether a listener could bind 127.0.0.1:`port` now. Never with SO_REUSEPORT: that
+    would call a port free that another listener of this user shares out."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
