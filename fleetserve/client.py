@@ -21,11 +21,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
 
 from fleetserve.api.models import EventInfo, ServiceInfo
+from fleetserve.controller.home import secure_home
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import (
     ERROR_KINDS,
@@ -35,7 +37,7 @@ from fleetserve.core.errors import (
     TransientError,
     Unauthorized,
 )
-from fleetserve.infra.local import listeners_on, open_private
+from fleetserve.infra.local import listener_uids, open_private
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -72,8 +74,7 @@ def start_server(settings: Settings, wait: float = 30.0) -> int:
 
     A start that fails says why in one line (the controller's own, from its stderr), and the
     log of a controller that already runs is only ever appended to."""
-    settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    settings.home.chmod(0o700)
+    secure_home(settings.home)  # refuses a home (or a file in it) another user planted
     env = dict(os.environ)
     env["FLEETSERVE_HOME"] = str(settings.home)
     env["FLEETSERVE_API_PORT"] = str(settings.api_port)
@@ -129,6 +130,11 @@ def stop_server(settings: Settings, wait: float = 60.0) -> bool:
     return True
 
 
+def _loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _local_url(settings: Settings) -> str:
     """The controller of this home: its scheme from server.json (it may serve TLS)."""
     scheme = settings.api_scheme
@@ -160,8 +166,21 @@ class Client:
         # user before the token goes out (`_check_owner`): that identifies it better than a
         # certificate naming its public host would, so its certificate is not verified.
         verify: str | bool = ca or self.remote
+        if self.remote and urlsplit(self.url).scheme != "https" and not _loopback_url(self.url):
+            raise InvalidSpec(
+                f"FLEETSERVE_API_URL {self.url} is not https: the API token must not cross a "
+                "network in clear"
+            )
+        self._verify = verify
+        # On this machine (loopback), whoever listens on the port is checked before every
+        # request: it must be this user's process.
+        hooks = {"request": [self._check_owner_hook]} if _loopback_url(self.url) else {}
         self._http = httpx.Client(
-            base_url=self.url + "/api/v1", timeout=timeout, trust_env=False, verify=verify
+            base_url=self.url + "/api/v1",
+            timeout=timeout,
+            trust_env=False,
+            verify=verify,
+            event_hooks=hooks,
         )
         self._checked = False
 
@@ -208,7 +227,10 @@ class Client:
 
     def healthy(self) -> bool:
         try:
-            r = self._http.get("/health", timeout=2)
+            # A connection of its own, closed after: the token never rides on a connection
+            # opened before the controller's owner was checked.
+            with httpx.Client(trust_env=False, verify=self._verify, timeout=2) as probe:
+                r = probe.get(self.url + "/api/v1/health")
         except httpx.ConnectError as e:
             if "CERTIFICATE_VERIFY_FAILED" in str(e):
                 raise TransientError(
@@ -220,7 +242,10 @@ class Client:
             return False
         if r.status_code != 200:
             return False
-        home = r.json().get("home")
+        try:
+            home = dict(r.json()).get("home")
+        except (ValueError, TypeError):
+            return False
         if not self.remote and home != str(self.settings.home):
             raise FleetserveError(
                 f"port {self.settings.api_port} is taken by a fleetserve controller for {home}; "
@@ -238,26 +263,24 @@ class Client:
                     "(start one with `fleetserve server start`)"
                 )
             start_server(self.settings)
-        if not self.remote:
-            self._check_owner()
         self._checked = True
 
     def _check_owner(self) -> None:
         """The token goes only to a controller of this user: another local user who got the
-        port first (the controller was down) would otherwise be handed it."""
-        port = self.settings.api_port
-        pids = listeners_on(port)
+        port first (the controller was down) would otherwise be handed it. Who listens is
+        read from /proc/net/tcp, before every request of a local client."""
+        port = urlsplit(self.url).port or self.settings.api_port
+        uids = listener_uids(port)
         me = os.getuid()
-        for pid in pids:
-            try:
-                ok = pid is not None and psutil.Process(pid).uids().real == me
-            except psutil.Error:
-                ok = False
-            if not ok:
-                raise Unauthorized(
-                    f"port {port} is held by a process of another user, not this user's "
-                    "controller: the API token was not sent"
-                )
+        if uids != {me}:
+            who = ", ".join(str(u) for u in sorted(uids)) or "nobody"
+            raise Unauthorized(
+                f"port {port} is not held by this user's controller (listening: uid {who}): "
+                "the API token was not sent"
+            )
+
+    def _check_owner_hook(self, _request: httpx.Request) -> None:
+        self._check_owner()
 
     def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         self._ensure()

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.exc import OperationalError
 
 from fleetserve._version import __version__
-from fleetserve.api.auth import ApiGuard, allowed_host_names, ensure_token
+from fleetserve.api.auth import ApiGuard, allowed_host_names
 from fleetserve.api.models import (
     CreateService,
     ErrorResponse,
@@ -26,6 +26,7 @@ from fleetserve.api.models import (
     UpdateService,
 )
 from fleetserve.controller.controller import Controller
+from fleetserve.controller.home import ensure_token
 from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound
 from fleetserve.core.types import ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import re
-import secrets
 import socket
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,35 +33,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/api/v1/health"})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _WAKE = re.compile(r"^/api/v1/services/([^/]+)/wake$")
-TOKEN_BYTES = 32
-
-
-def secure_home(home: Path) -> None:
-    """The home and what is in it are the owner's only (created so, and fixed if an older
-    fleetserve left it 0755)."""
-    home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    home.chmod(0o700)
-    for name in ("fleetserve.db", "fleetserve.db-wal", "fleetserve.db-shm", "api-token"):
-        path = home / name
-        if path.exists():
-            path.chmod(0o600)
-
-
-def ensure_token(path: Path) -> str:
-    """The API token, made (0600, atomically) if there is none yet."""
-    try:
-        token = path.read_text().strip()
-        if token:
-            return token
-    except FileNotFoundError:
-        pass
-    token = secrets.token_urlsafe(TOKEN_BYTES)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.replace(tmp, path)
-    return token
 
 
 def allowed_host_names(settings: Settings) -> frozenset[str]:

@@ -23,8 +23,8 @@ import psutil
 import uvicorn
 
 from fleetserve.api.app import create_app
-from fleetserve.api.auth import ensure_token, secure_home
 from fleetserve.controller.controller import Controller
+from fleetserve.controller.home import ensure_token, secure_home
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 
@@ -64,7 +64,10 @@ def main() -> None:
         settings.check_exposure()
     except FleetserveError as e:
         _refuse(e.message)
-    secure_home(settings.home)
+    try:
+        secure_home(settings.home)
+    except FleetserveError as e:
+        _refuse(e.message, e.exit_code)
     lock = open(settings.home / "server.lock", "a")  # noqa: SIM115 - held for the process's life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -110,12 +113,11 @@ def main() -> None:
             pass
         logging.getLogger("fleetserve.controller").info("controller stopped")
 
-    app = create_app(
-        controller,
-        on_stopped=forget_server_file,
-        token=ensure_token(settings.token_file),
-        on_started=publish,
-    )
+    try:
+        token = ensure_token(settings.token_file)
+    except FleetserveError as e:
+        _refuse(e.message, e.exit_code)
+    app = create_app(controller, on_stopped=forget_server_file, token=token, on_started=publish)
     config = uvicorn.Config(
         app,
         log_level="warning",

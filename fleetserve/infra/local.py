@@ -135,9 +135,28 @@ def open_private(path: Path) -> int:
     """A file descriptor appending to `path`, created readable by its owner only. Logs are
     appended to, never truncated: a failed start must not wipe a running process's log."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)
     return fd
+
+
+def listener_uids(port: int) -> set[int]:
+    """The uids owning TCP sockets that listen on `port` (any address), from /proc/net/tcp
+    and tcp6, which every user may read: who answers there, without needing root."""
+    uids: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)  # the header
+                for line in f:
+                    fields = line.split()
+                    if len(fields) < 8 or fields[3] != "0A":  # 0A: LISTEN
+                        continue
+                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        uids.add(int(fields[7]))
+        except OSError:
+            continue
+    return uids
 
 
 def listeners_on(port: int) -> list[int | None]:

@@ -464,7 +464,9 @@ def test_the_token_never_goes_to_a_port_another_user_holds(fleet: Fleet) -> None
     try:
         fleet.wait_for("the thief's port", lambda: answers(f"{fleet.api}/health"), 10)
         proc = fleet.cli("status", check=False)
-        assert proc.returncode == 7 and "another user" in proc.stderr, proc.stderr
+        assert proc.returncode == 7 and "not held by this user's controller" in proc.stderr, (
+            proc.stderr
+        )
     finally:
         thief.kill()
         out, _ = thief.communicate(timeout=10)

@@ -1,0 +1,94 @@
+"""The SDK sends its token only to a controller of this user: who listens on the API port is
+read from /proc/net/tcp before every request (never trusted from an earlier connection)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetserve.client import Client
+from fleetserve.controller.settings import Settings
+from fleetserve.core.errors import InvalidSpec, Unauthorized
+from fleetserve.infra.local import listener_uids
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_listener_uids_sees_this_users_listener() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert listener_uids(port) == set()  # bound, not listening
+        s.listen()
+        assert listener_uids(port) == {os.getuid()}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to listen as `nobody`")
+def test_listener_uids_sees_another_users_listener() -> None:
+    port = _free_port()
+    script = (
+        "import socket, time; s = socket.socket(); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)"
+    )
+    proc = subprocess.Popen(["/usr/bin/python3", "-c", script], user="nobody", cwd="/")
+    try:
+        deadline = time.monotonic() + 10
+        while not listener_uids(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert listener_uids(port) == {65534}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_no_listener_means_no_token(tmp_path: Path) -> None:
+    """Fail closed: a port nobody listens on (a fake controller that closed its listening
+    socket but kept a connection) gets no request at all."""
+    settings = Settings(home=tmp_path, api_port=_free_port())
+    client = Client(settings=settings, auto_start=False, token="t" * 43)
+    client._checked = True  # as if /health had answered
+    with pytest.raises(Unauthorized, match="not held by this user's controller"):
+        client.status()
+
+
+def test_a_remote_url_must_be_https(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    with pytest.raises(InvalidSpec, match="not https"):
+        Client(url="http://fleet.example:46580", settings=settings, token="t" * 43)
+    Client(url="https://fleet.example:46580", settings=settings, token="t" * 43).close()
+
+
+def test_this_users_listener_gets_the_request(tmp_path: Path) -> None:
+    """The positive case, with a throwaway HTTP server of this user."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not listener_uids(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = Client(
+            settings=Settings(home=tmp_path, api_port=port), auto_start=False, token="t" * 43
+        )
+        client._checked = True
+        # http.server answers 404 for /api/v1/services: the request went out (no Unauthorized).
+        with pytest.raises(Exception) as e:
+            client.status()
+        assert not isinstance(e.value, Unauthorized)
+    finally:
+        server.kill()
+        server.wait()
