@@ -51,12 +51,22 @@ def allowed_host_names(settings: Settings) -> frozenset[str]:
     return frozenset(n.lower() for n in names)
 
 
+_HOST = re.compile(r"^(\[[0-9a-f:.]+\]|[a-z0-9.-]+)(?::[0-9]{1,5})?$")
+
+
 def host_name(value: str) -> str:
-    """`example.com:8080` -> `example.com`; `[::1]:80` -> `[::1]`."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[: value.find("]") + 1] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+    """`example.com:8080` -> `example.com`; `[::1]:80` -> `[::1]`; anything that is not a
+    plain host with an optional numeric port -> "" (never allowed)."""
+    m = _HOST.match(value.strip().lower())
+    return m.group(1) if m else ""
+
+
+def origin_host(origin: str) -> str:
+    """The host of an Origin header, "" if it is not a plain scheme://host[:port]."""
+    parts = urlsplit(origin.strip())
+    if parts.scheme not in ("http", "https") or "@" in parts.netloc or parts.path not in ("", "/"):
+        return ""
+    return host_name(parts.netloc)
 
 
 def bearer(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
@@ -149,13 +159,19 @@ class ApiGuard:
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
     ) -> tuple[int, str, str] | None:
         """None if the request may go on, else (HTTP status, error kind, message)."""
-        values = {k.lower(): v.decode("latin-1") for k, v in headers}
-        host = host_name(values.get(b"host", ""))
-        if host not in self.hosts:
-            return 421, "bad_host", f"this controller does not serve the host {host!r}"
+        values: dict[bytes, str] = {}
+        for k, v in headers:
+            key = k.lower()
+            if key in values and key in (b"host", b"origin", b"authorization"):
+                return 400, "bad_request", f"more than one {key.decode()} header"
+            values[key] = v.decode("latin-1")
+        raw_host = values.get(b"host", "")
+        host = host_name(raw_host)
+        if not host or host not in self.hosts:
+            return 421, "bad_host", f"this controller does not serve the host {raw_host[:100]!r}"
         origin = values.get(b"origin")
-        if origin is not None and host_name(urlsplit(origin).netloc) not in self.hosts:
-            return 403, "forbidden", f"requests from the origin {origin!r} are refused"
+        if origin is not None and origin_host(origin) not in self.hosts:
+            return 403, "forbidden", f"requests from the origin {origin[:100]!r} are refused"
         if path not in OPEN_PATHS:
             given = bearer(headers)
             if given is None:

@@ -29,6 +29,8 @@ from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 
 EXIT_REFUSED = 2
+MAX_HEADER_BYTES = 64 * 1024  # request line and headers of one request
+MAX_CONNECTIONS = 512  # past it new requests get 503 at once
 
 
 def _refuse(message: str, code: int = EXIT_REFUSED) -> NoReturn:
@@ -120,6 +122,12 @@ def main() -> None:
     app = create_app(controller, on_stopped=forget_server_file, token=token, on_started=publish)
     config = uvicorn.Config(
         app,
+        # h11, not httptools: it bounds what a client may send before a request is complete
+        # (headers included), so no one fills the controller's memory before the token check.
+        http="h11",
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        limit_concurrency=MAX_CONNECTIONS,
+        timeout_keep_alive=30,
         log_level="warning",
         access_log=False,
         lifespan="on",

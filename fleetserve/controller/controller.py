@@ -158,6 +158,7 @@ class Controller:
         check_deployable(spec, self.infra.name)
         spec = resolve_paths(spec, Path(base_dir or Path.cwd()))
         svc_name = service_name(name, spec)
+        self.check_fixed_port(svc_name, spec)
         existing = self.store.get_service(svc_name)
         if existing is not None:
             hint = (
@@ -172,6 +173,21 @@ class Controller:
         self._run(svc_name)
         return svc
 
+    def check_fixed_port(self, name: str, spec: ServiceTask) -> None:
+        """A fixed replica port (`service.ports`) belongs to one service: a second one would
+        probe, and send traffic to, the first one's replica."""
+        port = spec.replica_port()
+        if port is None:
+            return
+        for other in self.store.list_services():
+            if other.name == name:
+                continue
+            if self.spec_of(other).replica_port() == port:
+                raise Conflict(
+                    f"port {port} (service.ports) is already the fixed port of service "
+                    f"{other.name!r}: give this service another port, or none ($PORT)"
+                )
+
     def update_service(
         self,
         name: str,
@@ -182,6 +198,7 @@ class Controller:
     ) -> ServiceRecord:
         svc = self.store.service(name)
         current = self.spec_of(svc)
+        self.check_fixed_port(name, parse_spec(yaml_text))
         svc, _in_place = updates.apply_update(
             self.store,
             svc,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import httpx
 
 from fleetserve.core.types import ReplicaKey
+from fleetserve.infra.local import listener_uids
 from fleetserve.policies.fleet import ProbeResult
 from fleetserve.spec.models import ReadinessProbe
 
@@ -16,8 +19,13 @@ from fleetserve.spec.models import ReadinessProbe
 async def probe_once(
     client: httpx.AsyncClient, endpoint: str, probe: ReadinessProbe
 ) -> ProbeResult:
-    """One probe: success is exactly HTTP 200 (SkyServe's rule)."""
+    """One probe: success is exactly HTTP 200 (SkyServe's rule), from a listener of this user
+    when the replica is on this machine (another local user who took the replica's port
+    first must not pass its probe and get its traffic)."""
     url = endpoint.rstrip("/") + probe.path
+    squatter = foreign_listener(endpoint)
+    if squatter is not None:
+        return ProbeResult(False, squatter)
     try:
         if probe.post_data is None:
             resp = await client.get(url, headers=probe.headers, timeout=probe.timeout_seconds)
@@ -37,6 +45,20 @@ async def probe_once(
     if resp.status_code == 200:
         return ProbeResult(True, f"{probe.method} {probe.path} -> 200")
     return ProbeResult(False, f"{probe.method} {probe.path} -> HTTP {resp.status_code}")
+
+
+def foreign_listener(endpoint: str) -> str | None:
+    """Why a loopback endpoint's port is not the replica's: held by another user's process."""
+    parts = urlsplit(endpoint)
+    host = parts.hostname or ""
+    if parts.port is None or not (host.startswith("127.") or host in ("localhost", "::1")):
+        return None
+    uids = listener_uids(parts.port)
+    others = uids - {os.getuid()}
+    if others:
+        who = ", ".join(str(u) for u in sorted(others))
+        return f"port {parts.port} is held by another user's process (uid {who}), not the replica"
+    return None
 
 
 class Prober:
