@@ -37,7 +37,8 @@ from fleetserve.core.errors import (
     TransientError,
     Unauthorized,
 )
-from fleetserve.infra.local import listener_uids, open_private
+from fleetserve.core.sockets import listener_uids
+from fleetserve.infra.local import open_private
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 

@@ -30,6 +30,7 @@ from fleetserve.controller.home import ensure_token
 from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound
 from fleetserve.core.types import ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
+from fleetserve.lb.wake import wake_token
 from fleetserve.spec.loader import parse_spec
 
 PREFIX = "/api/v1"
@@ -112,8 +113,9 @@ def create_app(
     ctl = controller
 
     def wake_secret(name: str) -> str | None:
+        """What the service's LB sends with its wake-up call (derived from its secret)."""
         svc = ctl.store.get_service(name)
-        return svc.lb_secret if svc is not None else None
+        return wake_token(svc.lb_secret) if svc is not None and svc.lb_secret else None
 
     app.add_middleware(
         ApiGuard,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -303,6 +304,9 @@ def down(
             return
         if all_:
             names = [s.name for s in client.status()]
+            if not names:
+                out.print("No services to take down.")
+                return
         if not names:
             raise InvalidSpec("name the services to take down, or use --all")
         for n in names:
@@ -507,3 +511,10 @@ def main() -> None:
     except FleetserveError as e:  # raised outside a command's own handling (settings, say)
         err.print(f"[red]Error:[/] {e.message}", highlight=False)
         sys.exit(e.exit_code)
+    except ValidationError as e:  # an answer that is not the controller's (or a newer one)
+        err.print(
+            f"[red]Error:[/] the controller's answer was not understood: {e.error_count()} "
+            "problem(s), first: " + str(e.errors()[0].get("msg", "")),
+            highlight=False,
+        )
+        sys.exit(1)

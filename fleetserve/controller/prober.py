@@ -10,8 +10,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from fleetserve.core.sockets import listener_uids
 from fleetserve.core.types import ReplicaKey
-from fleetserve.infra.local import listener_uids
 from fleetserve.policies.fleet import ProbeResult
 from fleetserve.spec.models import ReadinessProbe
 

@@ -30,6 +30,7 @@ from fleetserve.core.types import (
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.infra.local import free_port, port_free
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.wake import wake_token
 from fleetserve.policies.autoscaler import per_replica_qps
 from fleetserve.policies.fleet import (
     Action,
@@ -77,6 +78,7 @@ def lb_config(
         hold_when_empty=lo == 0,
         wake_url=f"{api_scheme}://127.0.0.1:{api_port}/api/v1/services/{service}/wake",
         admin_secret=admin_secret,
+        wake_token=wake_token(admin_secret) if admin_secret else None,
     )
 
 

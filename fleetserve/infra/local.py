@@ -140,25 +140,6 @@ def open_private(path: Path) -> int:
     return fd
 
 
-def listener_uids(port: int) -> set[int]:
-    """The uids owning TCP sockets that listen on `port` (any address), from /proc/net/tcp
-    and tcp6, which every user may read: who answers there, without needing root."""
-    uids: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)  # the header
-                for line in f:
-                    fields = line.split()
-                    if len(fields) < 8 or fields[3] != "0A":  # 0A: LISTEN
-                        continue
-                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        uids.add(int(fields[7]))
-        except OSError:
-            continue
-    return uids
-
-
 def listeners_on(port: int) -> list[int | None]:
     """The pids listening on TCP `port` (None for a process this user may not see)."""
     found: list[int | None] = []

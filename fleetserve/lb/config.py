@@ -24,8 +24,10 @@ class LbConfig(BaseModel):
     tls_keyfile: str | None = None
     hold_when_empty: bool = False  # min_replicas 0: hold requests until a replica is READY
     wake_url: str | None = None  # POSTed (at most once a second) when a request is held
-    # The bearer secret of the admin API (and of the wake-up call); None only in tests.
+    # The bearer secret of the admin API; None only in tests. It never leaves the LB.
     admin_secret: str | None = None
+    # The wake-up call's credential (fleetserve.lb.wake.wake_token of the admin secret).
+    wake_token: str | None = None
     # The routable set when the process starts (a restarted LB serves at once); pushes follow.
     replicas: list[dict[str, Any]] = Field(default_factory=list)
 

@@ -15,7 +15,7 @@ import pytest
 from fleetserve.client import Client
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import InvalidSpec, Unauthorized
-from fleetserve.infra.local import listener_uids
+from fleetserve.core.sockets import listener_uids
 
 
 def _free_port() -> int:
