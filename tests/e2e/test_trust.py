@@ -67,9 +67,17 @@ def call(
         return e.code, json.loads(e.read() or b"{}")
 
 
+def status_of(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def answers(url: str) -> bool:
     try:
-        return call(url)[0] == 200
+        return status_of(url) == 200
     except (urllib.error.URLError, OSError):
         return False
 
@@ -473,3 +481,86 @@ def test_the_token_never_goes_to_a_port_another_user_holds(fleet: Fleet) -> None
     token = (fleet.home / "api-token").read_text().strip()
     assert token not in out
     assert "AUTH None" in out  # it was asked for /health only, without the token
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as `nobody`")
+def test_a_home_another_user_planted_first_is_refused(fleet: Fleet) -> None:
+    """In a folder every user may write, `nobody` creates the owner's FLEETSERVE_HOME first,
+    with a token it knows and a symlink for the controller's log: the owner's start refuses
+    with one line, follows no symlink and adopts no token."""
+    shared = Path(os.environ.get("TMPDIR", "/tmp")) / f"fleetserve-shared-{os.getpid()}"
+    shared.mkdir(exist_ok=True)
+    shared.chmod(0o1777)
+    victim = shared / "victim"
+    victim.write_text("owner's file\n")
+    victim.chmod(0o644)
+    home = shared / "home"
+    plant = textwrap.dedent(
+        f"""
+        import os
+        os.umask(0)
+        os.mkdir("{home}", 0o777)
+        open("{home}/api-token", "w").write("ATTACKER-KNOWN-TOKEN-0000000000000000000000\\n")
+        os.mkdir("{home}/logs", 0o777)
+        os.symlink("{victim}", "{home}/logs/controller.log")
+        """
+    )
+    try:
+        subprocess.run(
+            ["/usr/bin/python3", "-c", plant], user="nobody", check=True, cwd="/", timeout=30
+        )
+        fleet.env["FLEETSERVE_HOME"] = str(home)
+        fleet.home = home
+        proc = fleet.cli("server", "start", check=False)
+        assert proc.returncode != 0
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "belongs to uid 65534" in lines[0], proc.stderr
+        assert victim.read_text() == "owner's file\n" and victim.stat().st_mode & 0o777 == 0o644
+        assert not (home / "server.json").exists() and fleet.processes() == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as `nobody`")
+def test_a_replica_port_another_user_took_first_never_becomes_ready(fleet: Fleet) -> None:
+    """The replica's server binds late (as a model server does after loading its weights);
+    `nobody` binds the fixed port first and answers the probe: no READY, no traffic."""
+    port = free_port()
+    squat = textwrap.dedent(
+        f"""
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.send_header("Content-Length", "6")
+                self.end_headers(); self.wfile.write(b"stolen")
+            do_POST = do_GET
+            def log_message(self, *a): pass
+        HTTPServer(("127.0.0.1", {port}), H).serve_forever()
+        """
+    )
+    spec = fleet.write_service(
+        "late",
+        f"""\
+        service:
+          readiness_probe: {{path: /health, initial_delay_seconds: 60}}
+          replicas: 1
+          ports: {port}
+        workdir: {fleet.workdir}
+        run: sleep 3600
+        """,
+    )
+    fleet.cli("up", "-d", str(spec), "-n", "late")
+    fleet.wait_for(
+        "STARTING", lambda: statuses(fleet, "late") == ["STARTING"], timeout=30
+    )  # launched: the port was free; the replica has not bound it yet
+    thief = subprocess.Popen(["/usr/bin/python3", "-c", squat], user="nobody", cwd="/")
+    try:
+        fleet.wait_for("the squatter", lambda: answers(f"http://127.0.0.1:{port}/"), 10)
+        time.sleep(6)  # several probes (every second while STARTING)
+        svc = fleet.client().service("late")
+        assert "READY" not in [r.status for r in svc.replicas]
+        assert statuses(fleet, "late") == ["STARTING"]
+        assert status_of(str(svc.endpoint) + "/x") == 503  # no traffic reaches the squatter
+    finally:
+        thief.kill()
+        thief.wait()
