@@ -177,7 +177,7 @@ class ApiGuard:
             if given is None:
                 return 401, "unauthorized", "missing `Authorization: Bearer <token>`"
             if not _same(given, self.token):
-                m = _WAKE.match(path)
+                m = _WAKE.fullmatch(path)
                 if not (m and method == "POST" and _same(given, self.wake_secret(m.group(1)))):
                     return 401, "unauthorized", "the API token is wrong"
         if method in WRITE_METHODS:

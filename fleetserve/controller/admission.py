@@ -19,7 +19,7 @@ SUPPORTED_INFRAS = ("local", "ray")
 def service_name(requested: str | None, spec: ServiceTask) -> str:
     """The name given, else the YAML's `name`, else SkyServe's default `sky-service-<4 hex>`."""
     name = requested or spec.name or f"sky-service-{secrets.token_hex(2)}"
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InvalidSpec(
             f"service name {name!r}: use 1-63 lowercase letters, digits and '-', starting with a "
             "letter and not ending with '-'"

@@ -7,10 +7,25 @@ names the field instead of a silently ignored setting. Field defaults are SkySer
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from fleetserve.core.errors import InvalidSpec
 
 DEFAULT_INITIAL_DELAY_SECONDS = 1200
 DEFAULT_PROBE_TIMEOUT_SECONDS = 15
@@ -27,12 +42,77 @@ LbPolicy = Literal[
 ]
 DEFAULT_LB_POLICY: LbPolicy = "least_load"
 
-_ACCELERATOR_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(:\d+(\.\d+)?)?$")
-_CPUS = re.compile(r"^\d+(\.\d+)?\+?$")
-_MEMORY = re.compile(r"^\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?)?\+?$")
-_PORT_RANGE = re.compile(r"^(\d+)(-(\d+))?$")
+# Every pattern is used with `fullmatch`: `$` in Python also matches before a trailing newline,
+# so `re.match("^...$")` would take "name\n" (tests/unit/spec/test_limits.py shows it).
+_ACCELERATOR_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(:\d+(\.\d+)?)?")
+_CPUS = re.compile(r"\d+(\.\d+)?\+?")
+_MEMORY = re.compile(r"\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?)?\+?")
+_PORT_RANGE = re.compile(r"(\d+)(-(\d+))?")
+# SkyPilot's task name rule (sky/task.py): letters and digits, joined by one or two of '._-'.
+_TASK_NAME = re.compile(r"[A-Za-z0-9]+(?:[._-]{1,2}[A-Za-z0-9]+)*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A probe path goes into a URL, which cannot hold control characters.
+_PROBE_PATH = re.compile(r"/[^\x00-\x1f\x7f]*")
 
-Port = Annotated[int, Field(ge=1, le=65535)]
+# The shape of a document: how deep values nest and how many there are (an alias or a JSON
+# string counting as all it holds). The loader refuses a YAML beyond them, the probe model a
+# JSON post_data string beyond them; both bound the walks that follow (pydantic, JSON, env
+# substitution), whose recursion would otherwise fail far from the cause.
+MAX_NESTING_DEPTH = 64
+MAX_VALUES = 20_000
+
+
+def shape_error(value: Any) -> str | None:
+    """Why `value` (JSON-like data) is beyond MAX_NESTING_DEPTH or MAX_VALUES, if it is."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    count = 0
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            return f"holds more than {MAX_VALUES} values"
+        if depth > MAX_NESTING_DEPTH:
+            return f"is nested deeper than {MAX_NESTING_DEPTH} levels"
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return None
+
+
+# The most replicas (or pool workers) any count field of a spec may ask for. `load_spec` reads
+# it from the environment when it validates a YAML and hands it to the models in the
+# validation context; specs read back from the store (validated when they came in) pass none.
+DEFAULT_MAX_REPLICAS = 1000
+MAX_REPLICAS_ENV = "FLEETSERVE_MAX_REPLICAS"
+MAX_REPLICAS_CONTEXT = "max_replicas"
+
+
+def max_replicas_limit(env: Mapping[str, str] | None = None) -> int:
+    """FLEETSERVE_MAX_REPLICAS, else DEFAULT_MAX_REPLICAS."""
+    raw = (os.environ if env is None else env).get(MAX_REPLICAS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_REPLICAS
+    if not re.fullmatch(r"[0-9]{1,9}", raw) or int(raw) < 1:
+        raise InvalidSpec(f"{MAX_REPLICAS_ENV}={raw!r}: must be a whole number >= 1")
+    return int(raw)
+
+
+def _within_replica_limit(value: int, info: ValidationInfo) -> int:
+    limit = (info.context or {}).get(MAX_REPLICAS_CONTEXT)
+    if limit is not None and value > limit:
+        raise ValueError(f"must be <= {limit}, the limit on replica counts ({MAX_REPLICAS_ENV})")
+    return value
+
+
+# Strict types: YAML's `true` is not 1, "3" is not 3, 2.5 is not an int (as in SkyServe's JSON
+# schema); a float is finite (an infinite one would be stored as JSON null and not read back).
+StrictCount = Annotated[StrictInt, Field(ge=0)]
+ReplicaCount = Annotated[StrictCount, AfterValidator(_within_replica_limit)]
+FiniteFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+Seconds = Annotated[FiniteFloat, Field(ge=0)]
+PositiveFloat = Annotated[FiniteFloat, Field(gt=0)]
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]
 
 
 class _Strict(BaseModel):
@@ -41,8 +121,8 @@ class _Strict(BaseModel):
 
 class ReadinessProbe(_Strict):
     path: str
-    initial_delay_seconds: Annotated[float, Field(ge=0)] = DEFAULT_INITIAL_DELAY_SECONDS
-    timeout_seconds: Annotated[float, Field(gt=0)] = DEFAULT_PROBE_TIMEOUT_SECONDS
+    initial_delay_seconds: Seconds = DEFAULT_INITIAL_DELAY_SECONDS
+    timeout_seconds: PositiveFloat = DEFAULT_PROBE_TIMEOUT_SECONDS
     post_data: dict[str, Any] | None = None
     headers: dict[str, str] = Field(default_factory=dict)
 
@@ -51,6 +131,8 @@ class ReadinessProbe(_Strict):
     def _path_starts_with_slash(cls, v: str) -> str:
         if not v.startswith("/"):
             raise ValueError(f"must start with '/' (got {v!r})")
+        if not _PROBE_PATH.fullmatch(v):
+            raise ValueError("must not contain control characters such as a newline")
         return v
 
     @field_validator("post_data", mode="before")
@@ -61,8 +143,15 @@ class ReadinessProbe(_Strict):
                 parsed = json.loads(v)
             except json.JSONDecodeError as e:
                 raise ValueError(f"a string post_data must be JSON: {e.msg}") from None
+            except RecursionError:
+                raise ValueError(
+                    f"a string post_data: the JSON is nested deeper than {MAX_NESTING_DEPTH} levels"
+                ) from None
             if not isinstance(parsed, dict):
                 raise ValueError("post_data must be a JSON object")
+            problem = shape_error(parsed)
+            if problem:
+                raise ValueError(f"a string post_data: the JSON {problem}")
             return parsed
         return v
 
@@ -72,18 +161,18 @@ class ReadinessProbe(_Strict):
 
 
 class ReplicaPolicy(_Strict):
-    min_replicas: Annotated[int, Field(ge=0)]
-    max_replicas: Annotated[int, Field(ge=0)] | None = None
-    target_qps_per_replica: Annotated[float, Field(gt=0)] | dict[str, float] | None = None
+    min_replicas: ReplicaCount
+    max_replicas: ReplicaCount | None = None
+    target_qps_per_replica: PositiveFloat | dict[str, FiniteFloat] | None = None
     # fleetserve's extensions: scale on requests in flight (as Ray Serve does) and the length
     # of the request-rate window.
-    target_ongoing_requests_per_replica: Annotated[float, Field(gt=0)] | None = None
-    qps_window_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
-    num_overprovision: Annotated[int, Field(ge=0)] | None = None
-    upscale_delay_seconds: Annotated[float, Field(ge=0)] = DEFAULT_UPSCALE_DELAY_SECONDS
-    downscale_delay_seconds: Annotated[float, Field(ge=0)] = DEFAULT_DOWNSCALE_DELAY_SECONDS
-    base_ondemand_fallback_replicas: Annotated[int, Field(ge=0)] = 0
-    dynamic_ondemand_fallback: bool = False
+    target_ongoing_requests_per_replica: PositiveFloat | None = None
+    qps_window_seconds: Annotated[PositiveFloat, Field(le=3600)] = 60.0
+    num_overprovision: ReplicaCount | None = None
+    upscale_delay_seconds: Seconds = DEFAULT_UPSCALE_DELAY_SECONDS
+    downscale_delay_seconds: Seconds = DEFAULT_DOWNSCALE_DELAY_SECONDS
+    base_ondemand_fallback_replicas: ReplicaCount = 0
+    dynamic_ondemand_fallback: StrictBool = False
     spot_placer: Literal["dynamic_fallback"] | None = None
 
     @field_validator("target_qps_per_replica")
@@ -93,7 +182,7 @@ class ReplicaPolicy(_Strict):
             if not v:
                 raise ValueError("a per-accelerator target must name at least one accelerator")
             for key, qps in v.items():
-                if not _ACCELERATOR_KEY.match(key):
+                if not _ACCELERATOR_KEY.fullmatch(key):
                     raise ValueError(f"key {key!r} must look like 'ACCELERATOR' or 'ACC:COUNT'")
                 if qps <= 0:
                     raise ValueError(f"target for {key!r} must be > 0 (got {qps})")
@@ -152,15 +241,24 @@ class LoadBalancerOptions(_Strict):
     api_keys: list[Annotated[str, Field(min_length=16)]] = Field(default_factory=list, repr=False)
     workers: Annotated[int, Field(ge=1, le=64)] | None = None  # processes; default: cores, <= 4
     data_plane: Literal["python", "nginx"] = "python"  # nginx: the optional native data plane
+    # What one client may cost the load balancer (python data plane; docs/load-balancer.md).
+    max_header_bytes: Annotated[int, Field(ge=1024, le=1024 * 1024)] = 64 * 1024  # else 431
+    max_header_count: Annotated[int, Field(ge=4, le=10_000)] = 100  # else 431
+    max_url_bytes: Annotated[int, Field(ge=64, le=1024 * 1024)] = 8 * 1024  # else 414
+    max_pipelined_requests: Annotated[int, Field(ge=1, le=1024)] = 16  # per connection
+    # Client connections per LB process (past it: 503); default from RLIMIT_NOFILE, <= 10,000.
+    max_connections: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    header_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a whole head; 408
+    idle_timeout_seconds: Annotated[float, Field(gt=0, le=86_400)] = 75.0  # keep-alive, silent
 
 
 class Pool(_Strict):
-    workers: Annotated[int, Field(ge=0)] | None = None
-    min_workers: Annotated[int, Field(ge=0)] | None = None
-    max_workers: Annotated[int, Field(ge=0)] | None = None
-    queue_length_threshold: Annotated[int, Field(ge=1)] | None = None
-    upscale_delay_seconds: Annotated[float, Field(ge=0)] | None = None
-    downscale_delay_seconds: Annotated[float, Field(ge=0)] | None = None
+    workers: ReplicaCount | None = None
+    min_workers: ReplicaCount | None = None
+    max_workers: ReplicaCount | None = None
+    queue_length_threshold: Annotated[StrictCount, Field(ge=1)] | None = None
+    upscale_delay_seconds: Seconds | None = None
+    downscale_delay_seconds: Seconds | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> Pool:
@@ -188,7 +286,7 @@ class Pool(_Strict):
 
 class ServiceSection(_Strict):
     readiness_probe: ReadinessProbe | None = None
-    replicas: Annotated[int, Field(ge=0)] | None = None
+    replicas: ReplicaCount | None = None
     replica_policy: ReplicaPolicy | None = None
     ports: Port | None = None
     load_balancing_policy: LbPolicy = DEFAULT_LB_POLICY
@@ -197,10 +295,10 @@ class ServiceSection(_Strict):
     load_balancer: LoadBalancerOptions = Field(default_factory=LoadBalancerOptions)
     # fleetserve's extension: replicas above the target while a rolling update overlaps
     # old and new versions (SkyServe's surge is unbounded).
-    max_surge: Annotated[int, Field(ge=1)] = 1
+    max_surge: Annotated[ReplicaCount, Field(ge=1)] = 1
     # ... and how many READY replicas the fleet may lack meanwhile (0: an old replica goes
     # only when a new one is READY in its place).
-    max_unavailable: Annotated[int, Field(ge=0)] = 0
+    max_unavailable: ReplicaCount = 0
 
     @field_validator("readiness_probe", mode="before")
     @classmethod
@@ -248,7 +346,7 @@ def _count_ports(ports: int | str | list[int | str] | None) -> int:
         if isinstance(item, int):
             total += 1
             continue
-        m = _PORT_RANGE.match(item.strip())
+        m = _PORT_RANGE.fullmatch(item.strip())
         assert m is not None  # checked by the validator
         lo, hi = int(m.group(1)), int(m.group(3) or m.group(1))
         total += hi - lo + 1
@@ -263,27 +361,27 @@ class ResourcesBase(_Strict):
     cloud: str | None = None
     region: str | None = None
     zone: str | None = None
-    cpus: int | float | str | None = None
-    memory: int | float | str | None = None
-    accelerators: str | list[str] | dict[str, int | float | None] | None = None
+    cpus: StrictInt | FiniteFloat | str | None = None
+    memory: StrictInt | FiniteFloat | str | None = None
+    accelerators: str | list[str] | dict[str, StrictInt | FiniteFloat | None] | None = None
     accelerator_args: dict[str, Any] | None = None
     instance_type: str | None = None
-    use_spot: bool | None = None
+    use_spot: StrictBool | None = None
     job_recovery: str | dict[str, Any] | None = None
     spot_recovery: str | None = None
-    disk_size: int | str | None = None
+    disk_size: StrictInt | str | None = None
     disk_tier: str | None = None
     network_tier: str | None = None
     ports: Port | str | list[Port | str] | None = None
     labels: dict[str, str] | None = None
     image_id: str | dict[str, str] | None = None
-    autostop: bool | int | dict[str, Any] | None = None
-    priority: int | None = None
+    autostop: StrictBool | StrictInt | dict[str, Any] | None = None
+    priority: StrictInt | None = None
 
     @field_validator("cpus")
     @classmethod
     def _cpus(cls, v: Any) -> Any:
-        if isinstance(v, str) and not _CPUS.match(v.strip()):
+        if isinstance(v, str) and not _CPUS.fullmatch(v.strip()):
             raise ValueError(f"must be a number, optionally followed by '+' (got {v!r})")
         if isinstance(v, int | float) and v <= 0:
             raise ValueError(f"must be > 0 (got {v})")
@@ -292,7 +390,7 @@ class ResourcesBase(_Strict):
     @field_validator("memory")
     @classmethod
     def _memory(cls, v: Any) -> Any:
-        if isinstance(v, str) and not _MEMORY.match(v.strip()):
+        if isinstance(v, str) and not _MEMORY.fullmatch(v.strip()):
             raise ValueError(f"must be a size in GB such as 16 or '32+' (got {v!r})")
         if isinstance(v, int | float) and v <= 0:
             raise ValueError(f"must be > 0 (got {v})")
@@ -303,7 +401,7 @@ class ResourcesBase(_Strict):
     def _ports(cls, v: Any) -> Any:
         for item in v if isinstance(v, list) else [v]:
             if isinstance(item, str):
-                m = _PORT_RANGE.match(item.strip())
+                m = _PORT_RANGE.fullmatch(item.strip())
                 if not m:
                     raise ValueError(f"{item!r} is not a port or a range such as '8000-8010'")
                 lo, hi = int(m.group(1)), int(m.group(3) or m.group(1))
@@ -341,7 +439,7 @@ class Resources(ResourcesBase):
         return [ResourcesBase(**{**base, **a.model_dump(exclude_none=True)}) for a in alternatives]
 
 
-EnvValue = str | int | float | bool | None
+EnvValue = str | int | FiniteFloat | bool | None
 
 
 class ServiceTask(_Strict):
@@ -349,7 +447,7 @@ class ServiceTask(_Strict):
 
     name: str | None = None
     workdir: str | None = None
-    num_nodes: Annotated[int, Field(ge=1)] = 1
+    num_nodes: Annotated[StrictCount, Field(ge=1)] = 1
     resources: Resources = Field(default_factory=Resources)
     envs: dict[str, EnvValue] = Field(default_factory=dict)
     secrets: dict[str, EnvValue] = Field(default_factory=dict)
@@ -363,11 +461,21 @@ class ServiceTask(_Strict):
     outputs: dict[str, Any] | None = None
     volumes: dict[str, Any] | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _task_name(cls, v: str | None) -> str | None:
+        if v is not None and not _TASK_NAME.fullmatch(v):
+            raise ValueError(
+                "must be letters and digits, joined by one or two of '.', '_' and '-' "
+                "(SkyPilot's task name rule)"
+            )
+        return v
+
     @field_validator("envs", "secrets")
     @classmethod
     def _env_names(cls, v: dict[str, EnvValue]) -> dict[str, EnvValue]:
         for key in v:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            if not _ENV_NAME.fullmatch(key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
         return v
 

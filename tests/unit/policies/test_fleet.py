@@ -202,9 +202,7 @@ def test_rows_are_created_only_as_launch_slots_free_up() -> None:
     huge = settings(target_replicas=1_000_000, max_concurrent_launches=4)
     assert plan_fleet([], {}, huge, T0).actions == [CreateReplicas(4)]
     two_launching = [rep(1, R.PROVISIONING), rep(2, R.PROVISIONING), rep(3, R.READY)]
-    assert [a for a in plan_fleet(two_launching, {3: OK}, huge, T0).actions] == [
-        CreateReplicas(2)
-    ]
+    assert [a for a in plan_fleet(two_launching, {3: OK}, huge, T0).actions] == [CreateReplicas(2)]
     pending = [rep(i, R.PENDING) for i in range(1, 5)]
     plan = plan_fleet(pending, {}, huge, T0)
     assert not [a for a in plan.actions if isinstance(a, CreateReplicas)]
