@@ -99,7 +99,8 @@ class Executor:
     async def _launch_retrying(self, rec: ReplicaRecord, spec: ServiceTask) -> Launched:
         """The infra's launch; a transient error (the cluster does not answer yet) is retried
         with backoff instead of failing the replica."""
-        deadline = self.clock.now() + self.launch_timeout  # the injected clock's time
+        timeout = spec.service.launch_timeout_seconds or self.launch_timeout
+        deadline = self.clock.now() + timeout  # the injected clock's time
         for delay in (*TRANSIENT_RETRY_DELAYS, None):
             try:
                 return await asyncio.wait_for(
@@ -108,7 +109,7 @@ class Executor:
                 )
             except TimeoutError:
                 raise TerminalError(
-                    f"setup did not finish within {self.launch_timeout:g} s (the launch "
+                    f"setup did not finish within {timeout:g} s (the launch "
                     f"timeout; see `fleetserve logs {rec.service} {rec.replica_id}`)"
                 ) from None
             except TransientError as e:

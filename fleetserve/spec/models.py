@@ -299,6 +299,9 @@ class ServiceSection(_Strict):
     # ... and how many READY replicas the fleet may lack meanwhile (0: an old replica goes
     # only when a new one is READY in its place).
     max_unavailable: ReplicaCount = 0
+    # fleetserve's extension: the longest a replica's launch (setup, then the start of run)
+    # may take before it is FAILED_PROVISION; None: the controller's FLEETSERVE_LAUNCH_TIMEOUT.
+    launch_timeout_seconds: Annotated[PositiveFloat, Field(le=7 * 24 * 3600)] | None = None
 
     @field_validator("readiness_probe", mode="before")
     @classmethod

@@ -17,13 +17,13 @@ pytestmark = pytest.mark.e2e
 def test_a_setup_that_never_ends_fails_with_the_reason_and_up_shows_its_progress(
     fleet: Fleet,
 ) -> None:
-    fleet.env["FLEETSERVE_LAUNCH_TIMEOUT"] = "4"
     spec = fleet.write_service(
         "stuck",
         f"""\
         service:
           readiness_probe: /health
           replicas: 1
+          launch_timeout_seconds: 4
         workdir: {fleet.workdir}
         setup: |
           echo "downloading weights 10%"
