@@ -99,19 +99,38 @@ def test_services_started_in_parallel_never_share_ports_or_probe_results(fleet: 
     good = write(fleet, "good")
     bad = write(fleet, "bad", "broken.py")
     fleet.cli("server", "start")
+    # The shapes users write: a fixed port, a workdir relative to the YAML, a null env.
+    fixed_port = free_port()
+    fixed = fleet.write_service(
+        "fixed",
+        f"""\
+        service:
+          readiness_probe: /health
+          replicas: 1
+          ports: {fixed_port}
+        workdir: {fleet.workdir.name}
+        envs:
+          UNSET: null
+        run: python3 server.py
+        """,
+    )
     jobs = [("up", "-d", str(good), "-n", "a"), ("up", "-d", str(good), "-n", "b")]
-    jobs.append(("up", "-d", str(bad), "-n", "bad"))
-    with ThreadPoolExecutor(3) as pool:
+    jobs += [("up", "-d", str(bad), "-n", "bad"), ("up", "-d", str(fixed), "-n", "fixed")]
+    with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda args: fleet.cli(*args), jobs))
     client = fleet.client()
     fleet.wait_for(
-        "every replica of a and b READY",
-        lambda: all(statuses(fleet, n) == ["READY", "READY"] for n in ("a", "b")),
+        "every replica of a, b and fixed READY",
+        lambda: (
+            all(statuses(fleet, n) == ["READY", "READY"] for n in ("a", "b"))
+            and statuses(fleet, "fixed") == ["READY"]
+        ),
         timeout=60,
     )
-    infos = {n: client.service(n) for n in ("a", "b", "bad")}
+    infos = {n: client.service(n) for n in ("a", "b", "bad", "fixed")}
     endpoints = {n: i.endpoint for n, i in infos.items()}
-    assert len(set(endpoints.values())) == 3, endpoints
+    assert len(set(endpoints.values())) == 4, endpoints
+    assert infos["fixed"].replicas[0].endpoint == f"http://127.0.0.1:{fixed_port}"
     # Over several probe rounds (1 s apart here): nothing leaks either way.
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline:
