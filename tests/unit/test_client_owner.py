@@ -16,6 +16,7 @@ from fleetserve.client import Client
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import InvalidSpec, Unauthorized
 from fleetserve.core.sockets import listener_uids
+from tests.nobody import NOBODY, nobody_listening
 
 
 def _free_port() -> int:
@@ -36,19 +37,8 @@ def test_listener_uids_sees_this_users_listener() -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to listen as `nobody`")
 def test_listener_uids_sees_another_users_listener() -> None:
     port = _free_port()
-    script = (
-        "import socket, time; s = socket.socket(); "
-        f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)"
-    )
-    proc = subprocess.Popen(["/usr/bin/python3", "-c", script], user="nobody", cwd="/")
-    try:
-        deadline = time.monotonic() + 10
-        while not listener_uids(port) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert listener_uids(port) == {65534}
-    finally:
-        proc.kill()
-        proc.wait()
+    with nobody_listening(port):
+        assert listener_uids(port) == {NOBODY}
 
 
 def test_no_listener_means_no_token(tmp_path: Path) -> None:

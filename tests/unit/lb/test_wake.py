@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import time
 
 import pytest
 
-from fleetserve.core.sockets import listener_uids
 from fleetserve.lb.wake import may_send_to, wake_token
+from tests.nobody import nobody_listening
 
 
 def test_the_wake_token_is_derived_and_reveals_nothing_of_the_secret() -> None:
@@ -36,16 +34,5 @@ def test_a_port_another_user_took_gets_no_wake_up() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = (
-        "import socket, time; s = socket.socket(); "
-        f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)"
-    )
-    thief = subprocess.Popen(["/usr/bin/python3", "-c", script], user="nobody", cwd="/")
-    try:
-        deadline = time.monotonic() + 10
-        while not listener_uids(port) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with nobody_listening(port):
         assert not may_send_to(f"http://127.0.0.1:{port}/api/v1/services/x/wake")
-    finally:
-        thief.kill()
-        thief.wait()
