@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
+from fastapi import Path as FastApiPath
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.exc import OperationalError
@@ -33,7 +36,12 @@ from fleetserve.infra.local import read_lines
 from fleetserve.lb.wake import wake_token
 from fleetserve.spec.loader import parse_spec
 
+log = logging.getLogger("fleetserve.controller")
 PREFIX = "/api/v1"
+# Path parameters are bounded like the fields they name: a service name is at most 64
+# characters, a replica id fits the database's integers.
+ServiceName = Annotated[str, FastApiPath(min_length=1, max_length=64)]
+ReplicaIdParam = Annotated[int, FastApiPath(ge=1, le=2**31 - 1)]
 _ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorResponse} for code in (404, 409, 422)
 }
@@ -146,6 +154,14 @@ def create_app(
             message, status = f"the database failed: {text}", 503
         return JSONResponse({"error": {"kind": "storage", "message": message}}, status)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in an API call")
+        return JSONResponse(
+            {"error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"[:300]}},
+            status_code=500,
+        )
+
     @app.exception_handler(OSError)
     async def _os_error(_req: Request, exc: OSError) -> JSONResponse:
         if exc.errno == errno.ENOSPC:
@@ -185,13 +201,13 @@ def create_app(
         return [service_info(ctl, s) for s in ctl.store.list_services()]
 
     @app.get(f"{PREFIX}/services/{{name}}", response_model=ServiceInfo, responses=_ERRORS)
-    async def get_service(name: str) -> ServiceInfo:
+    async def get_service(name: ServiceName) -> ServiceInfo:
         return service_info(ctl, ctl.store.service(name))
 
     @app.get(
         f"{PREFIX}/services/{{name}}/events", response_model=list[EventInfo], responses=_ERRORS
     )
-    async def events(name: str, limit: int = Query(50, ge=1, le=1000)) -> list[EventInfo]:
+    async def events(name: ServiceName, limit: int = Query(50, ge=1, le=1000)) -> list[EventInfo]:
         ctl.store.service(name)
         return [
             EventInfo(
@@ -211,7 +227,7 @@ def create_app(
         status_code=202,
         responses=_ERRORS,
     )
-    async def delete_service(name: str, purge: bool = False) -> ServiceInfo:
+    async def delete_service(name: ServiceName, purge: bool = False) -> ServiceInfo:
         return service_info(ctl, ctl.delete_service(name, purge))
 
     @app.post(
@@ -219,39 +235,41 @@ def create_app(
         status_code=202,
         responses=_ERRORS,
     )
-    async def terminate_replica(name: str, replica_id: int, purge: bool = False) -> dict[str, str]:
+    async def terminate_replica(
+        name: ServiceName, replica_id: ReplicaIdParam, purge: bool = False
+    ) -> dict[str, str]:
         ctl.terminate_replica(name, replica_id, purge)
         return {"status": "terminating"}
 
     @app.post(f"{PREFIX}/services/{{name}}/update", response_model=ServiceInfo, responses=_ERRORS)
-    async def update_service(name: str, body: UpdateService) -> ServiceInfo:
+    async def update_service(name: ServiceName, body: UpdateService) -> ServiceInfo:
         await parsed_off_loop(body.yaml)
         svc = ctl.update_service(name, body.yaml, body.base_dir, body.mode, body.traffic_percent)
         return service_info(ctl, svc)
 
     @app.post(f"{PREFIX}/services/{{name}}/rollback", response_model=ServiceInfo, responses=_ERRORS)
-    async def rollback(name: str) -> ServiceInfo:
+    async def rollback(name: ServiceName) -> ServiceInfo:
         return service_info(ctl, ctl.rollback(name))
 
     @app.post(f"{PREFIX}/services/{{name}}/promote", response_model=ServiceInfo, responses=_ERRORS)
-    async def promote(name: str) -> ServiceInfo:
+    async def promote(name: ServiceName) -> ServiceInfo:
         return service_info(ctl, ctl.promote(name))
 
     @app.post(f"{PREFIX}/services/{{name}}/wake", status_code=202, responses=_ERRORS)
-    async def wake(name: str) -> dict[str, str]:
+    async def wake(name: ServiceName) -> dict[str, str]:
         """Called by the load balancer when it holds a request and no replica is ready."""
         ctl.wake(name)
         return {"status": "waking"}
 
     @app.get(f"{PREFIX}/services/{{name}}/load", responses=_ERRORS)
-    async def load(name: str) -> dict[str, object]:
+    async def load(name: ServiceName) -> dict[str, object]:
         """The load balancer's latest load report (request rates, in-flight per replica)."""
         return {"service": name, "report": ctl.load_report(name)}
 
     @app.get(f"{PREFIX}/services/{{name}}/replicas/{{replica_id}}/logs", responses=_ERRORS)
     async def replica_logs(
-        name: str,
-        replica_id: int,
+        name: ServiceName,
+        replica_id: ReplicaIdParam,
         follow: bool = False,
         tail: int | None = Query(None, ge=1, le=10_000, description="Only the last N lines"),
     ) -> StreamingResponse:

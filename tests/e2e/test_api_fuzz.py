@@ -37,6 +37,10 @@ def rss_mb(fleet: Fleet) -> float:
     return psutil.Process(fleet.controller_pid()).memory_info().rss / 2**20
 
 
+def fds(fleet: Fleet) -> int:
+    return psutil.Process(fleet.controller_pid()).num_fds()
+
+
 def healthy(fleet: Fleet, within: float = 2.0) -> bool:
     started = time.monotonic()
     with urllib.request.urlopen(f"{fleet.api}/health", timeout=within) as r:
@@ -44,8 +48,11 @@ def healthy(fleet: Fleet, within: float = 2.0) -> bool:
     return ok and time.monotonic() - started < within
 
 
-def fuzz(op: Any, base: str, auth: dict[str, str]) -> list[tuple[int, str]]:
-    """EXAMPLES generated requests to one operation: (status, start of the body) each."""
+def fuzz(
+    op: Any, base: str, auth: dict[str, str], service: str | None = None
+) -> list[tuple[int, str]]:
+    """EXAMPLES generated requests to one operation: (status, start of the body) each. With
+    `service`, a `{name}` in the path is that existing service (deeper than a 404)."""
     answers: list[tuple[int, str]] = []
 
     @settings(
@@ -56,6 +63,8 @@ def fuzz(op: Any, base: str, auth: dict[str, str]) -> list[tuple[int, str]]:
     )
     @given(case=op.as_strategy())
     def run(case: Any) -> None:
+        if service is not None and case.path_parameters and "name" in case.path_parameters:
+            case.path_parameters["name"] = service
         headers = {**auth, "Content-Type": "application/json"}
         resp = case.call(base_url=base, headers=headers, timeout=15)
         answers.append((resp.status_code, resp.text[:300]))
@@ -70,13 +79,18 @@ def test_no_fuzzed_request_gets_a_5xx(controller: Fleet) -> None:
     req = urllib.request.Request(fleet.api.removesuffix("/api/v1") + "/openapi.json", headers=auth)
     schema = schemathesis.openapi.from_dict(json.loads(urllib.request.urlopen(req).read()))
     base = fleet.api.removesuffix("/api/v1")
-    baseline = rss_mb(fleet)
+    baseline, baseline_fds = rss_mb(fleet), fds(fleet)
     seen: dict[str, set[int]] = {}
     errors: list[str] = []
-    for result in schema.get_all_operations():
-        op = result.ok()
+    spec = fleet.write_service(
+        "fz", "service:\n  readiness_probe: /\n  replicas: 2\nrun: python3 -m http.server\n"
+    )
+    fleet.cli("up", "-d", str(spec), "-n", "fz")  # never launched: FLEETSERVE_MAX_LAUNCHES=0
+    ops = [r.ok() for r in schema.get_all_operations()]
+    ops.sort(key=lambda op: op.method.upper() == "DELETE")  # take "fz" down last
+    for op in ops:
         name = f"{op.method.upper()} {op.path}"
-        codes = fuzz(op, base, auth)
+        codes = fuzz(op, base, auth) + fuzz(op, base, auth, service="fz")
         seen[name] = {code for code, _ in codes}
         errors += [f"{name} -> {code}: {text}" for code, text in codes if code >= 500]
         assert healthy(fleet), f"/health slow or failing after fuzzing {name}"
@@ -86,6 +100,8 @@ def test_no_fuzzed_request_gets_a_5xx(controller: Fleet) -> None:
     grown = rss_mb(fleet) - baseline
     print(f"controller RSS: {baseline:.0f} MB before, +{grown:.0f} MB after fuzzing")
     assert grown < 80
+    time.sleep(1)  # closed connections are gone
+    assert fds(fleet) <= baseline_fds + 10, (baseline_fds, fds(fleet))
 
 
 def post(fleet: Fleet, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str]:
@@ -125,7 +141,7 @@ run: echo
 
 def test_hostile_bodies_get_clear_4xx_and_the_controller_carries_on(controller: Fleet) -> None:
     fleet = controller
-    baseline = rss_mb(fleet)
+    baseline, baseline_fds = rss_mb(fleet), fds(fleet)
     cases: list[tuple[str, bytes, tuple[int, ...], str]] = [
         ("100 MB body", b'{"yaml": "' + b"a" * (100 * 2**20) + b'"}', (413, 0), "exceeds"),
         ("alias bomb", json.dumps({"yaml": BOMB}).encode(), (422,), ""),
@@ -156,4 +172,6 @@ def test_hostile_bodies_get_clear_4xx_and_the_controller_carries_on(controller: 
         s.settimeout(10)
         assert s.recv(4096).startswith(b"HTTP/1.1 413")
     assert rss_mb(fleet) - baseline < 50
+    time.sleep(1)
+    assert fds(fleet) <= baseline_fds + 10, (baseline_fds, fds(fleet))
     assert fleet.client().status() == []  # nothing was created
