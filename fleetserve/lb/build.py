@@ -1,21 +1,28 @@
 """Building a load balancer from its config: the proxy (with its wake-up call to the
-controller), the TLS context, the number of worker processes."""
+controller), the TLS context, the number of worker processes, its connection limit."""
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import ssl
 import time
 
 import aiohttp
 
 from fleetserve.lb.config import LbConfig
-from fleetserve.lb.proxy import Proxy
+from fleetserve.lb.proxy import DEFAULT_MAX_CONNECTIONS, Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.lb.wake import may_send_to
 from fleetserve.policies.lb import LeastLoad, RoundRobin, make_selector
+from fleetserve.spec.models import LoadBalancerOptions
 
 log = logging.getLogger("fleetserve.lb")
+# File descriptors kept out of the connection budget: listening sockets, the admin API, logs,
+# the workers' channels, and idle pooled replica connections (up to 256 per replica).
+FD_RESERVE = 1024
+MIN_CONNECTIONS = 64
 
 
 def tls_context(config: LbConfig) -> ssl.SSLContext | None:
@@ -29,6 +36,37 @@ def tls_context(config: LbConfig) -> ssl.SSLContext | None:
 def worker_count(config: LbConfig) -> int:
     wanted = config.options.workers
     return wanted if wanted is not None else max(1, min(os.cpu_count() or 1, 4))
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and hard != resource.RLIM_INFINITY:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as e:
+            log.warning("could not raise the file-descriptor limit to %s: %s", hard, e)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_limit(options: LoadBalancerOptions, fd_limit: int) -> int:
+    """Client connections one process takes. Each may hold a replica connection too, so the
+    budget is half the descriptors left after a reserve; `max_connections` may lower it, not
+    raise it past what the process can open (past it a new client would get nothing at all)."""
+    budget = max(MIN_CONNECTIONS, (fd_limit - FD_RESERVE) // 2)
+    wanted = options.max_connections
+    if wanted is None:
+        return min(budget, DEFAULT_MAX_CONNECTIONS)
+    if wanted > budget:
+        log.warning(
+            "max_connections %s is more than %s file descriptors allow: %s",
+            wanted,
+            fd_limit,
+            budget,
+        )
+        return budget
+    return wanted
 
 
 def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
@@ -52,10 +90,13 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
         if config.wake_url is None or time.monotonic() - last_wake < 1.0:
             return
         last_wake = time.monotonic()
+        if not may_send_to(config.wake_url):
+            log.warning("not waking the controller: its port is not held by this user")
+            return
         if wake_session is None:
             headers = {"Content-Type": "application/json"}
-            if config.admin_secret:
-                headers["Authorization"] = f"Bearer {config.admin_secret}"
+            if config.wake_token:  # never the admin secret (fleetserve.lb.wake)
+                headers["Authorization"] = f"Bearer {config.wake_token}"
             # The controller is on loopback: its certificate (if it serves TLS for remote
             # clients) names its public host, so the wake-up call does not verify it.
             wake_session = aiohttp.ClientSession(
@@ -76,4 +117,5 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
             for r in config.replicas
         ]
     )
-    return Proxy(config, replicas, wake=wake)
+    limit = connection_limit(config.options, raise_fd_limit())
+    return Proxy(config, replicas, wake=wake, max_connections=limit)

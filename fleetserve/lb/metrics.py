@@ -10,11 +10,27 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Rejection(StrEnum):
+    """Why the load balancer refused a request or closed a connection to protect itself
+    (the `reason` label of fleetserve_lb_rejected_total)."""
+
+    BAD_REQUEST = "bad_request"  # 400: malformed, ambiguous framing (smuggling), no Host
+    HTTP_VERSION = "http_version"  # 505: neither HTTP/1.0 nor HTTP/1.1
+    HEADER_BYTES = "header_bytes"  # 431
+    HEADER_COUNT = "header_count"  # 431
+    URL_BYTES = "url_bytes"  # 414
+    PIPELINED = "pipelined"  # 429: more requests queued on one connection than allowed
+    CONNECTIONS = "connections"  # 503 and close: the process holds its connection limit
+    HEADER_TIMEOUT = "header_timeout"  # 408 (or a silent close before any byte)
+    IDLE_TIMEOUT = "idle_timeout"  # a keep-alive connection closed silently
 
 
 class Metrics:
@@ -52,6 +68,14 @@ class Metrics:
             ["service"],
             registry=self.registry,
         )
+        rejected = Counter(
+            "fleetserve_lb_rejected",
+            "Requests refused and connections closed by the load balancer to protect itself.",
+            ["service", "reason"],
+            registry=self.registry,
+        )
+        # Every reason shows from the start (at 0), and a hit costs no label lookup.
+        self._rejected = {r: rejected.labels(service, r.value) for r in Rejection}
         self.service = service
         self.policy = policy
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -70,6 +94,9 @@ class Metrics:
 
     def error(self, replica: str, kind: str) -> None:
         self.upstream_errors.labels(self.service, self.policy, replica, kind).inc()
+
+    def rejected(self, reason: Rejection) -> None:
+        self._rejected[reason].inc()
 
     def sync_inflight(self, inflight: dict[int, int], routable: set[int]) -> None:
         """Set the in-flight gauges from the live counts (at scrape time, off the hot path)."""
