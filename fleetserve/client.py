@@ -315,7 +315,8 @@ class Client:
             text = p.read_text()
         except OSError as e:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
-        return self.up(text, name, str(p.resolve().parent), infra)
+        # Relative paths in the YAML start from the caller's folder, as in SkyPilot.
+        return self.up(text, name, str(Path.cwd()), infra)
 
     def update_file(
         self,
@@ -331,7 +332,7 @@ class Client:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
         body = {
             "yaml": text,
-            "base_dir": str(p.resolve().parent),
+            "base_dir": str(Path.cwd()),
             "mode": mode,
             "traffic_percent": traffic_percent,
         }

@@ -14,7 +14,8 @@ class CreateService(BaseModel):
     base_dir: str | None = Field(
         None,
         max_length=4096,
-        description="Folder that relative workdir / file_mounts paths start from.",
+        description="Folder that relative workdir, file_mounts and tls paths start from (the "
+        "caller's current folder, as in SkyPilot); default: the controller's.",
     )
     infra: str | None = Field(
         None, max_length=64, description="local or ray; default: the YAML's, else local"

@@ -59,7 +59,8 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
 
 
 def resolve_paths(spec: ServiceTask, base_dir: Path) -> ServiceTask:
-    """Make workdir and file_mounts sources absolute (relative to the YAML file's folder)."""
+    """Make workdir, file_mounts sources and tls files absolute. `base_dir` is the folder the
+    caller ran `fleetserve up` in (SkyPilot's meaning of a relative path), not the YAML's."""
     changes: dict[str, object] = {}
     if spec.workdir:
         wd = (base_dir / Path(spec.workdir).expanduser()).resolve()

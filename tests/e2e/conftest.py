@@ -62,11 +62,12 @@ class Fleet:
     workdir: Path
 
     def cli(
-        self, *args: str, timeout: float = 90, check: bool = True
+        self, *args: str, timeout: float = 90, check: bool = True, cwd: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             [sys.executable, "-m", "fleetserve", *args],
             env=self.env,
+            cwd=cwd,
             capture_output=True,
             text=True,
             timeout=timeout,

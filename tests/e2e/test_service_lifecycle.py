@@ -349,9 +349,9 @@ def test_tls_and_api_keys_from_the_yaml(fleet: Fleet) -> None:
         "      tls: {{keyfile: key.pem, certfile: cert.pem}}\n"
         f"      load_balancer: {{{{api_keys: [{key}]}}}}\n",
     )
-    path = fleet.workdir / "secure.yaml"  # tls paths are relative to the YAML's folder
-    path.write_text(textwrap.dedent(body.format(name="secure", workdir=fleet.workdir)))
-    out = fleet.cli("up", str(path))
+    # Relative tls paths start from the folder `up` runs in (as workdir and file_mounts do).
+    path = fleet.write_service("secure", body.format(name="secure", workdir=fleet.workdir))
+    out = fleet.cli("up", str(path), cwd=fleet.workdir)
     endpoint = endpoint_of(out.stdout)
     assert endpoint.startswith("https://127.0.0.1:")
     ctx = ssl.create_default_context()

@@ -99,7 +99,8 @@ def test_services_started_in_parallel_never_share_ports_or_probe_results(fleet: 
     good = write(fleet, "good")
     bad = write(fleet, "bad", "broken.py")
     fleet.cli("server", "start")
-    # The shapes users write: a fixed port, a workdir relative to the YAML, a null env.
+    # The shapes users write: a fixed port, a workdir relative to the folder `up` runs in
+    # (SkyPilot's meaning), a null env given by --env.
     fixed_port = free_port()
     fixed = fleet.write_service(
         "fixed",
@@ -115,9 +116,10 @@ def test_services_started_in_parallel_never_share_ports_or_probe_results(fleet: 
         """,
     )
     jobs = [("up", "-d", str(good), "-n", "a"), ("up", "-d", str(good), "-n", "b")]
-    jobs += [("up", "-d", str(bad), "-n", "bad"), ("up", "-d", str(fixed), "-n", "fixed")]
+    jobs += [("up", "-d", str(bad), "-n", "bad")]
+    jobs += [("up", "-d", str(fixed), "-n", "fixed", "--env", "UNSET=given")]
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda args: fleet.cli(*args), jobs))
+        list(pool.map(lambda args: fleet.cli(*args, cwd=fleet.workdir.parent), jobs))
     client = fleet.client()
     fleet.wait_for(
         "every replica of a, b and fixed READY",
