@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -303,12 +303,28 @@ class Client:
         name: str | None = None,
         base_dir: str | None = None,
         infra: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> ServiceInfo:
-        body = {"yaml": yaml_text, "name": name, "base_dir": base_dir, "infra": infra}
+        """Start a service. `envs` / `secrets` take precedence over the YAML's (and fill its
+        null entries, which are otherwise refused); secrets are never shown back."""
+        body = {
+            "yaml": yaml_text,
+            "name": name,
+            "base_dir": base_dir,
+            "infra": infra,
+            "envs": dict(envs) if envs else None,
+            "secrets": dict(secrets) if secrets else None,
+        }
         return ServiceInfo.model_validate(self._call("POST", "/services", json=body).json())
 
     def up_file(
-        self, path: str | Path, name: str | None = None, infra: str | None = None
+        self,
+        path: str | Path,
+        name: str | None = None,
+        infra: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> ServiceInfo:
         p = Path(path)
         try:
@@ -316,7 +332,7 @@ class Client:
         except OSError as e:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
         # Relative paths in the YAML start from the caller's folder, as in SkyPilot.
-        return self.up(text, name, str(Path.cwd()), infra)
+        return self.up(text, name, str(Path.cwd()), infra, envs, secrets)
 
     def update_file(
         self,
@@ -324,6 +340,8 @@ class Client:
         path: str | Path,
         mode: str = "rolling",
         traffic_percent: int | None = None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> ServiceInfo:
         p = Path(path)
         try:
@@ -335,6 +353,8 @@ class Client:
             "base_dir": str(Path.cwd()),
             "mode": mode,
             "traffic_percent": traffic_percent,
+            "envs": dict(envs) if envs else None,
+            "secrets": dict(secrets) if secrets else None,
         }
         resp = self._call("POST", f"/services/{name}/update", json=body)
         return ServiceInfo.model_validate(resp.json())

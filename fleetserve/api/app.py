@@ -193,7 +193,9 @@ def create_app(
     @app.post(f"{PREFIX}/services", response_model=ServiceInfo, status_code=201, responses=_ERRORS)
     async def create_service(body: CreateService) -> ServiceInfo:
         await parsed_off_loop(body.yaml)
-        svc = ctl.create_service(body.yaml, body.name, body.base_dir, body.infra)
+        svc = ctl.create_service(
+            body.yaml, body.name, body.base_dir, body.infra, body.envs, body.secrets
+        )
         return service_info(ctl, svc)
 
     @app.get(f"{PREFIX}/services", response_model=list[ServiceInfo])
@@ -244,7 +246,15 @@ def create_app(
     @app.post(f"{PREFIX}/services/{{name}}/update", response_model=ServiceInfo, responses=_ERRORS)
     async def update_service(name: ServiceName, body: UpdateService) -> ServiceInfo:
         await parsed_off_loop(body.yaml)
-        svc = ctl.update_service(name, body.yaml, body.base_dir, body.mode, body.traffic_percent)
+        svc = ctl.update_service(
+            name,
+            body.yaml,
+            body.base_dir,
+            body.mode,
+            body.traffic_percent,
+            body.envs,
+            body.secrets,
+        )
         return service_info(ctl, svc)
 
     @app.post(f"{PREFIX}/services/{{name}}/rollback", response_model=ServiceInfo, responses=_ERRORS)

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+MAX_OVERRIDES = 256  # --env / --secret values in one request, each kind
+MAX_OVERRIDE_NAME = 256  # characters of a variable's name
+MAX_OVERRIDE_VALUE = 64 * 1024  # characters of its value
+
+_Name = Annotated[str, StringConstraints(max_length=MAX_OVERRIDE_NAME)]
+_Value = Annotated[str, StringConstraints(max_length=MAX_OVERRIDE_VALUE)]
+Overrides = Annotated[
+    dict[_Name, _Value] | None,
+    Field(
+        max_length=MAX_OVERRIDES,
+        description="Values over the YAML's (`--env` / `--secret`); each also fills a null "
+        "entry, which otherwise refuses the request.",
+    ),
+]
 
 
 class CreateService(BaseModel):
@@ -20,6 +37,8 @@ class CreateService(BaseModel):
     infra: str | None = Field(
         None, max_length=64, description="local or ray; default: the YAML's, else local"
     )
+    envs: Overrides = None
+    secrets: Overrides = None
 
 
 class UpdateService(BaseModel):
@@ -30,6 +49,8 @@ class UpdateService(BaseModel):
     traffic_percent: int | None = Field(
         None, ge=1, le=99, description="A canary: this share of requests to the new version."
     )
+    envs: Overrides = None
+    secrets: Overrides = None
 
 
 class ReplicaInfo(BaseModel):

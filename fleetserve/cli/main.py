@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,11 +16,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetserve.api.models import ServiceInfo
+from fleetserve.cli.envs import overrides
 from fleetserve.cli.render import events_table, replicas_table, services_table, styled
 from fleetserve.client import Client, server_pid, start_server, stop_server
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec
-from fleetserve.spec.loader import load_spec_file
+from fleetserve.spec.loader import load_spec_file, require_values
 
 app = typer.Typer(
     help="Serve any model server as a fleet of replicas behind one endpoint.",
@@ -38,11 +40,46 @@ def _fail(e: FleetserveError) -> typer.Exit:
     return typer.Exit(e.exit_code)
 
 
+EnvOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--env",
+        help="KEY=VALUE over the YAML's envs (repeatable); KEY alone takes your shell's value",
+    ),
+]
+EnvFileOption = Annotated[
+    Path | None,
+    typer.Option("--env-file", help="A dotenv file of KEY=VALUE lines (--env wins over it)"),
+]
+SecretOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--secret",
+        help="KEY=VALUE over the YAML's secrets (repeatable); KEY alone takes your shell's "
+        "value. Never shown back",
+    ),
+]
+
+
+def _overrides(
+    env: list[str] | None, env_file: Path | None, secret: list[str] | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    return overrides(env, env_file, secret, os.environ)
+
+
 @app.command()
-def validate(file: Annotated[Path, typer.Argument(help="Service YAML to check.")]) -> None:
-    """Check a service YAML; print what is wrong, exit 2 if anything is."""
+def validate(
+    file: Annotated[Path, typer.Argument(help="Service YAML to check.")],
+    env: EnvOption = None,
+    env_file: EnvFileOption = None,
+    secret: SecretOption = None,
+) -> None:
+    """Check a service YAML (with the --env / --secret values `up` would get); print what is
+    wrong, exit 2 if anything is."""
     try:
-        spec, _ = load_spec_file(file)
+        envs, secrets = _overrides(env, env_file, secret)
+        spec, _ = load_spec_file(file, envs, secrets)
+        require_values(spec)
     except InvalidSpec as e:
         raise _fail(e) from None
     lo, hi = spec.service.replica_bounds()
@@ -117,12 +154,17 @@ def up(
     infra: Annotated[
         str | None, typer.Option(help="local (default) or ray: where the replicas run")
     ] = None,
+    env: EnvOption = None,
+    env_file: EnvFileOption = None,
+    secret: SecretOption = None,
 ) -> None:
     """Start a service: its replicas and a load balancer; print the endpoint."""
     try:
-        load_spec_file(file)  # a clear local error before anything starts
+        envs, secrets = _overrides(env, env_file, secret)
+        spec, _ = load_spec_file(file, envs, secrets)  # a clear local error before anything
+        require_values(spec)
         client = Client()
-        svc = client.up_file(file, name, infra)
+        svc = client.up_file(file, name, infra, envs, secrets)
         out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
         if detach:
             out.print(f"Check it with `fleetserve status {svc.name}`.")
@@ -170,12 +212,17 @@ def update(
         int | None, typer.Option(help="A canary: send this % of requests to the new version")
     ] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once accepted.")] = False,
+    env: EnvOption = None,
+    env_file: EnvFileOption = None,
+    secret: SecretOption = None,
 ) -> None:
     """Roll out a new version with no failed request (rolling, blue-green or canary)."""
     try:
-        load_spec_file(file)
+        envs, secrets = _overrides(env, env_file, secret)
+        spec, _ = load_spec_file(file, envs, secrets)
+        require_values(spec)
         client = Client()
-        svc = client.update_file(name, file, mode, traffic_percent)
+        svc = client.update_file(name, file, mode, traffic_percent, envs, secrets)
         version = svc.active_version
         if svc.serving_version == version:
             out.print(f"Version {version} serves: the replicas moved to it in place.")

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
+from fleetserve.spec.loader import require_values
 from fleetserve.spec.models import ServiceTask
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -28,6 +29,7 @@ def service_name(requested: str | None, spec: ServiceTask) -> str:
 
 
 def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
+    require_values(spec)
     if spec.service.pool is not None:
         raise InvalidSpec("service.pool: worker pools are not supported yet; serve a `run` command")
     if not spec.run:

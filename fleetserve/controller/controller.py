@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -149,8 +149,10 @@ class Controller:
         name: str | None = None,
         base_dir: str | None = None,
         infra: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> ServiceRecord:
-        spec = parse_spec(yaml_text)
+        spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
         if infra is not None:  # `up --infra NAME` overrides the YAML's resources.infra
             spec = spec.model_copy(
                 update={"resources": spec.resources.model_copy(update={"infra": infra})}
@@ -195,10 +197,12 @@ class Controller:
         base_dir: str | None = None,
         mode: str = "rolling",
         traffic_percent: int | None = None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> ServiceRecord:
         svc = self.store.service(name)
         current = self.spec_of(svc)
-        self.check_fixed_port(name, parse_spec(yaml_text))
+        self.check_fixed_port(name, parse_spec(yaml_text, envs=envs, secrets=secrets))
         svc, _in_place = updates.apply_update(
             self.store,
             svc,
@@ -209,6 +213,8 @@ class Controller:
             traffic_percent,
             self.infra.name,
             self.clock.now(),
+            envs=envs,
+            secrets=secrets,
         )
         self._run(name).wake.set()
         return svc

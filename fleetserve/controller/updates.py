@@ -7,6 +7,7 @@ alone (no workdir or file_mounts) moves the running replicas to the new version 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ def apply_update(
     traffic_percent: int | None,
     infra: str,
     now: float,
+    envs: Mapping[str, str] | None = None,
+    secrets: Mapping[str, str] | None = None,
 ) -> tuple[ServiceRecord, bool]:
     """Store the new version and start its rollout; returns (service, moved in place)."""
     if svc.phase is ServicePhase.SHUTTING_DOWN:
@@ -62,7 +65,7 @@ def apply_update(
             f"service {svc.name!r} is still rolling out version {svc.active_version}: wait, "
             f"`fleetserve promote` it, or `fleetserve rollback` first"
         )
-    spec = parse_spec(yaml_text)
+    spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
     check_deployable(spec, infra)
     spec = resolve_paths(spec, base_dir)
     if (spec.service.tls is None) != (current.service.tls is None) or (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,6 +98,7 @@ def _suggestion(name: str) -> str:
 
 
 _SECRET_FIELDS = frozenset({"api_keys", "secrets"})
+MIN_HIDDEN_CHARS = 4  # a secret value this long or longer never appears in an error
 _SECRET_VALUE = re.compile(r"'[^']*'")  # a quoted input inside a message
 
 
@@ -162,11 +163,51 @@ def _substitute_envs(value: Any, envs: dict[str, str], budget: list[int]) -> Any
     return value
 
 
-def load_spec(data: Any, source: str = "service YAML") -> ServiceTask:
+def _with_overrides(
+    data: dict[str, Any], envs: Mapping[str, str], secrets: Mapping[str, str]
+) -> dict[str, Any]:
+    """The document with `--env` / `--secret` values over its `envs` / `secrets` (a field that
+    is not a mapping is left for the model to refuse)."""
+    out = dict(data)
+    for field, extra in (("envs", envs), ("secrets", secrets)):
+        base = out.get(field)
+        if extra and (base is None or isinstance(base, dict)):
+            out[field] = {**(base or {}), **extra}
+    return out
+
+
+def _hide(text: str, secret_values: list[str]) -> str:
+    """A message with every secret value in it replaced (values shorter than
+    MIN_HIDDEN_CHARS would blank out ordinary words and digits, and hide little)."""
+    for value in sorted(secret_values, key=len, reverse=True):
+        if len(value) >= MIN_HIDDEN_CHARS:
+            text = text.replace(value, "<hidden>")
+    return text
+
+
+def require_values(spec: ServiceTask) -> None:
+    """SkyPilot's rule: an `envs` or `secrets` entry set to null must be given a value (by
+    `--env` / `--secret`, or the API's `envs` / `secrets`), else nothing starts."""
+    missing = [f"envs.{k}" for k, v in spec.envs.items() if v is None]
+    missing += [f"secrets.{k}" for k, v in spec.secrets.items() if v is None]
+    if missing:
+        raise InvalidSpec(
+            f"{', '.join(missing)}: null in the YAML, which means a value is required: pass "
+            "--env KEY=VALUE (--secret for secrets), or --env KEY to take it from your shell"
+        )
+
+
+def load_spec(
+    data: Any,
+    source: str = "service YAML",
+    envs: Mapping[str, str] | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> ServiceTask:
     """Validate an already-parsed YAML document, bounded as `parse_spec` bounds a text.
+    `envs` and `secrets` (`--env`, `--secret`) take precedence over the YAML's.
 
     FLEETSERVE_MAX_REPLICAS is read here, at each validation: the result depends only on the
-    document and that limit."""
+    document, the overrides and that limit."""
     if not isinstance(data, dict):
         raise InvalidSpec(
             f"{source}: the document must be a mapping of fields, not {type(data).__name__}"
@@ -180,11 +221,21 @@ def load_spec(data: Any, source: str = "service YAML") -> ServiceTask:
     if problem:
         raise InvalidSpec(f"{source}: the document {problem}")
     context = {MAX_REPLICAS_CONTEXT: max_replicas_limit()}
-    envs = data.get("envs")
-    if isinstance(envs, dict) and isinstance(data["service"], dict):
-        str_envs = {str(k): "" if v is None else str(v) for k, v in envs.items()}
+    data = _with_overrides(data, envs or {}, secrets or {})
+    # envs and secrets are both substituted in the service section (a probe header may carry
+    # a secret token); a secret's value is hidden from any error below.
+    values: dict[str, str] = {}
+    hidden: list[str] = []
+    for field in ("envs", "secrets"):
+        given = data.get(field)
+        if isinstance(given, dict):
+            for k, v in given.items():
+                values[str(k)] = "" if v is None else str(v)
+                if field == "secrets" and v is not None:
+                    hidden.append(str(v))
+    if values and isinstance(data["service"], dict):
         try:
-            service = _substitute_envs(data["service"], str_envs, [MAX_YAML_BYTES])
+            service = _substitute_envs(data["service"], values, [MAX_YAML_BYTES])
         except InvalidSpec as e:
             raise InvalidSpec(f"{source}: {e.message}") from None
         data = {**data, "service": service}
@@ -192,7 +243,7 @@ def load_spec(data: Any, source: str = "service YAML") -> ServiceTask:
         return ServiceTask.model_validate(data, context=context)
     except ValidationError as e:
         lines = format_validation_error(e)
-        raise InvalidSpec(f"{source}: " + "\n".join(lines)) from None
+        raise InvalidSpec(_hide(f"{source}: " + "\n".join(lines), hidden)) from None
 
 
 class _Mark(Protocol):
@@ -394,7 +445,12 @@ def _yaml_size_error(text: str) -> str | None:
     return f"the YAML is larger than {MAX_YAML_BYTES} bytes (at least {size})"
 
 
-def parse_spec(text: str, source: str = "service YAML") -> ServiceTask:
+def parse_spec(
+    text: str,
+    source: str = "service YAML",
+    envs: Mapping[str, str] | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> ServiceTask:
     """Parse and validate a YAML text: a spec, or InvalidSpec naming the rule broken."""
     too_big = _yaml_size_error(text)
     if too_big:
@@ -412,10 +468,14 @@ def parse_spec(text: str, source: str = "service YAML") -> ServiceTask:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise InvalidSpec(f"{source}: not valid YAML{where}: {_clip(problem)}") from None
-    return load_spec(data, source)
+    return load_spec(data, source, envs, secrets)
 
 
-def load_spec_file(path: str | Path) -> tuple[ServiceTask, str]:
+def load_spec_file(
+    path: str | Path,
+    envs: Mapping[str, str] | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> tuple[ServiceTask, str]:
     """Read and validate a YAML file; returns the spec and the file's text. At most
     MAX_YAML_BYTES (and one more) are read, whatever the file is (a device, a FIFO)."""
     p = Path(path)
@@ -427,4 +487,4 @@ def load_spec_file(path: str | Path) -> tuple[ServiceTask, str]:
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise InvalidSpec(f"{p}: cannot be read: {reason}") from None
-    return parse_spec(text, str(p)), text
+    return parse_spec(text, str(p), envs, secrets), text

@@ -8,7 +8,6 @@ import os
 import signal
 import sqlite3
 import ssl
-import textwrap
 import threading
 import time
 import urllib.error
