@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
 from fleetserve.spec.loader import require_values
-from fleetserve.spec.models import ServiceTask
+from fleetserve.spec.models import ServiceTask, WorkdirGit
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _REMOTE = re.compile(r"^[a-z][a-z0-9+.-]*://")
@@ -49,6 +49,12 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
             "service.load_balancer.data_plane: nginx is not installed on this machine "
             "(apt-get install nginx-light), or use the default python data plane"
         )
+    where = (wanted or infra).split("/")[0]
+    if isinstance(spec.workdir, WorkdirGit) and where != "local":
+        raise InvalidSpec(
+            f"workdir: a git repository ({{url, ref}}) is cloned on the local infra only, "
+            f"not on {where}; use a folder"
+        )
     _lo, hi = spec.service.replica_bounds()
     port = spec.replica_port()
     if (wanted or infra).split("/")[0] == "local" and port is not None and hi > 1:
@@ -64,7 +70,11 @@ def resolve_paths(spec: ServiceTask, base_dir: Path) -> ServiceTask:
     """Make workdir, file_mounts sources and tls files absolute. `base_dir` is the folder the
     caller ran `fleetserve up` in (SkyPilot's meaning of a relative path), not the YAML's."""
     changes: dict[str, object] = {}
-    if spec.workdir:
+    if isinstance(spec.workdir, WorkdirGit):
+        for field, value in (("url", spec.workdir.url), ("ref", spec.workdir.ref)):
+            if value is not None and (value.startswith("-") or not value.strip()):
+                raise InvalidSpec(f"workdir.{field}: must not be empty or start with '-'")
+    elif spec.workdir:
         wd = (base_dir / Path(spec.workdir).expanduser()).resolve()
         if not wd.is_dir():
             raise InvalidSpec(f"workdir: {wd} is not a directory")

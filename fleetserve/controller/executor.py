@@ -18,7 +18,8 @@ from fleetserve.core.errors import FleetserveError, TerminalError, TransientErro
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
-from fleetserve.spec.models import ServiceTask
+from fleetserve.infra.git import GitSource
+from fleetserve.spec.models import ServiceTask, WorkdirGit
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
@@ -51,7 +52,12 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         run=spec.run or "",
         setup=spec.setup,
         envs=envs,
-        workdir=Path(spec.workdir) if spec.workdir else None,
+        workdir=Path(spec.workdir) if isinstance(spec.workdir, str) else None,
+        workdir_git=(
+            GitSource(spec.workdir.url, spec.workdir.ref)
+            if isinstance(spec.workdir, WorkdirGit)
+            else None
+        ),
         file_mounts=mounts,
         port=spec.replica_port(),
     )

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fleetserve.infra.git import GitSource
+
 
 @dataclass(frozen=True)
 class Location:
@@ -35,6 +37,7 @@ class LaunchRequest:
     setup: str | None = None
     envs: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None  # copied into the replica's own working directory
+    workdir_git: GitSource | None = None  # or cloned into it (`workdir: {url, ref}`)
     file_mounts: tuple[FileMount, ...] = ()
     port: int | None = None  # a port the spec fixes; None: the infra picks a free one
 

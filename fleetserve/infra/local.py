@@ -28,6 +28,7 @@ import psutil
 
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
+from fleetserve.infra.git import clone
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
 HOME_ID_ENV = "FLEETSERVE_HOME_ID"  # every process a controller starts carries its home's id
@@ -278,7 +279,9 @@ class LocalInfra:
         rdir.mkdir(mode=0o700)
         rdir.chmod(0o700)
         workdir = rdir / "workdir"
-        if req.workdir is not None:
+        if req.workdir_git is not None:
+            clone(req.workdir_git, workdir)
+        elif req.workdir is not None:
             if not req.workdir.is_dir():
                 raise TerminalError(f"workdir {req.workdir} is not a directory")
             shutil.copytree(req.workdir, workdir, symlinks=True)

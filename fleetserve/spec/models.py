@@ -445,11 +445,18 @@ class Resources(ResourcesBase):
 EnvValue = str | int | FiniteFloat | bool | None
 
 
+class WorkdirGit(_Strict):
+    """`workdir: {url, ref}`: a git repository (SkyPilot's form) instead of a folder."""
+
+    url: Annotated[str, Field(min_length=1)]
+    ref: str | None = None
+
+
 class ServiceTask(_Strict):
     """A whole service YAML: task fields plus the `service:` section."""
 
     name: str | None = None
-    workdir: str | None = None
+    workdir: str | WorkdirGit | None = None
     num_nodes: Annotated[StrictCount, Field(ge=1)] = 1
     resources: Resources = Field(default_factory=Resources)
     envs: dict[str, EnvValue] = Field(default_factory=dict)

@@ -1,0 +1,63 @@
+"""Admission: relative paths start from the caller's folder; a git workdir is checked and
+reaches the launch request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetserve.controller.admission import check_deployable, resolve_paths
+from fleetserve.controller.executor import launch_request
+from fleetserve.core.errors import InvalidSpec
+from fleetserve.core.status import ReplicaStatus
+from fleetserve.core.types import ReplicaRecord
+from fleetserve.infra.git import GitSource
+from fleetserve.spec.loader import parse_spec
+
+BASE = "run: python3 server.py\nservice:\n  readiness_probe: /health\n  replicas: 1\n"
+
+
+def test_relative_paths_start_from_the_base_folder_given(tmp_path: Path) -> None:
+    (tmp_path / "app").mkdir()
+    (tmp_path / "data.txt").write_text("x")
+    (tmp_path / "k.pem").write_text("k")
+    (tmp_path / "c.pem").write_text("c")
+    text = (
+        "workdir: app\nfile_mounts: {/data.txt: data.txt}\n"
+        + BASE
+        + "  tls: {keyfile: k.pem, certfile: c.pem}\n"
+    )
+    spec = resolve_paths(parse_spec(text), tmp_path)
+    assert spec.workdir == str(tmp_path / "app")
+    assert spec.file_mounts == {"/data.txt": str(tmp_path / "data.txt")}
+    assert spec.service.tls is not None and spec.service.tls.keyfile == str(tmp_path / "k.pem")
+    with pytest.raises(InvalidSpec, match=f"workdir: {tmp_path}/elsewhere/app is not a dir"):
+        resolve_paths(parse_spec(text), tmp_path / "elsewhere")
+
+
+def test_a_git_workdir_is_kept_and_reaches_the_launch_request(tmp_path: Path) -> None:
+    spec = parse_spec("workdir: {url: 'file:///r.git', ref: v1}\n" + BASE)
+    spec = resolve_paths(spec, tmp_path)
+    check_deployable(spec, "local")
+    rec = ReplicaRecord(
+        service="s", replica_id=1, version=1, status=ReplicaStatus.PENDING, launch_token="t"
+    )
+    req = launch_request(spec, rec, tmp_path)
+    assert req.workdir is None and req.workdir_git == GitSource("file:///r.git", "v1")
+
+
+@pytest.mark.parametrize(
+    "workdir", ["{url: '-uoops'}", "{url: 'file:///r', ref: '--upload-pack=x'}", "{url: ' '}"]
+)
+def test_a_git_workdir_that_would_be_an_option_is_refused(workdir: str, tmp_path: Path) -> None:
+    with pytest.raises(InvalidSpec, match="must not be empty or start with '-'"):
+        resolve_paths(parse_spec(f"workdir: {workdir}\n" + BASE), tmp_path)
+
+
+def test_a_git_workdir_is_refused_on_ray_and_unknown_keys_are_errors() -> None:
+    spec = parse_spec("workdir: {url: 'file:///r.git'}\n" + BASE)
+    with pytest.raises(InvalidSpec, match="cloned on the local infra only, not on ray"):
+        check_deployable(spec, "ray")
+    with pytest.raises(InvalidSpec, match=r"workdir\..*branch: unknown field"):
+        parse_spec("workdir: {url: 'file:///r.git', branch: main}\n" + BASE)
