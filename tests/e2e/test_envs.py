@@ -11,6 +11,7 @@ import urllib.request
 import psutil
 import pytest
 
+from fleetserve.core.errors import InvalidSpec
 from tests.e2e.conftest import Fleet
 
 pytestmark = pytest.mark.e2e
@@ -64,6 +65,16 @@ def test_env_and_secret_flags_fill_nulls_reach_the_replica_and_secrets_stay_hidd
     assert "envs.HF_TOKEN, secrets.AUTH_TOKEN" in refused.stderr
     (cwd / "app.env").write_text("# the model\nMODEL='large'\n")
     fleet.cli("server", "start")  # before HF_TOKEN is in the shell: the controller lacks it
+    # The controller checks too (for API and SDK callers), and bounds what it is sent.
+    client = fleet.client()
+    with pytest.raises(InvalidSpec, match=r"envs\.HF_TOKEN, secrets\.AUTH_TOKEN: null"):
+        client.up(spec.read_text(), "viaapi", base_dir=str(cwd))
+    with pytest.raises(InvalidSpec, match="secrets") as too_many:
+        client.up(
+            spec.read_text(), "viaapi", str(cwd), secrets={f"S{i}": SECRET for i in range(300)}
+        )
+    assert SECRET not in too_many.value.message
+    assert client.status() == []
     fleet.env["HF_TOKEN"] = "hf-from-the-shell"
     try:
         out = fleet.cli(
