@@ -29,7 +29,8 @@ def embed(endpoint: str, inputs: list[str]) -> dict[str, object]:
 
 
 def test_embeddings_served_through_the_fleet(fleet: Fleet) -> None:
-    out = fleet.cli("up", str(EXAMPLE), timeout=300)
+    # The README runs it from the repository's root, which its `workdir` starts from.
+    out = fleet.cli("up", str(EXAMPLE), timeout=300, cwd=EXAMPLE.parents[2])
     endpoint = endpoint_of(out.stdout)
     body = embed(endpoint, ["a cat sat on the mat", "a kitten rested on the rug", "car insurance"])
     vectors = [d["embedding"] for d in body["data"]]  # type: ignore[attr-defined]
