@@ -17,8 +17,10 @@ from rich.table import Table
 from fleetserve.api.models import ServiceInfo
 from fleetserve.cli.render import events_table, replicas_table, services_table, styled
 from fleetserve.client import Client, server_pid, start_server, stop_server
+from fleetserve.controller.admission import has_container_runtime
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.spec.compat import compat_errors, compat_warnings
 from fleetserve.spec.loader import load_spec_file
 
 app = typer.Typer(
@@ -43,8 +45,12 @@ def validate(file: Annotated[Path, typer.Argument(help="Service YAML to check.")
     """Check a service YAML; print what is wrong, exit 2 if anything is."""
     try:
         spec, _ = load_spec_file(file)
+        errors = compat_errors(spec, has_container_runtime())
+        if errors:
+            raise InvalidSpec(f"{file}: " + "\n".join(errors))
     except InvalidSpec as e:
         raise _fail(e) from None
+    _print_warnings(compat_warnings(spec, spec.requested_infra() or "local"))
     lo, hi = spec.service.replica_bounds()
     probe = spec.service.readiness_probe
     probe_text = f"{probe.method} {probe.path}" if probe else "-"
@@ -52,6 +58,11 @@ def validate(file: Annotated[Path, typer.Argument(help="Service YAML to check.")
         f"[green]OK[/] {file}: replicas {lo}..{hi}, probe {probe_text}, "
         f"policy {spec.service.load_balancing_policy}"
     )
+
+
+def _print_warnings(lines: list[str]) -> None:
+    for line in lines:
+        out.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
 
 
 def _print_changes(svc: ServiceInfo, seen: dict[int, str], versions: bool = False) -> None:
@@ -123,6 +134,7 @@ def up(
         load_spec_file(file)  # a clear local error before anything starts
         client = Client()
         svc = client.up_file(file, name, infra)
+        _print_warnings(svc.warnings)
         out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
         if detach:
             out.print(f"Check it with `fleetserve status {svc.name}`.")
@@ -176,6 +188,7 @@ def update(
         load_spec_file(file)
         client = Client()
         svc = client.update_file(name, file, mode, traffic_percent)
+        _print_warnings(svc.warnings)
         version = svc.active_version
         if svc.serving_version == version:
             out.print(f"Version {version} serves: the replicas moved to it in place.")

@@ -51,7 +51,7 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         run=spec.run or "",
         setup=spec.setup,
         envs=envs,
-        workdir=Path(spec.workdir) if spec.workdir else None,
+        workdir=Path(spec.workdir) if isinstance(spec.workdir, str) and spec.workdir else None,
         file_mounts=mounts,
         port=spec.replica_port(),
     )

@@ -71,13 +71,18 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return _clip(out) or "(top level)"
 
 
+_BRANCH_LABELS = frozenset(
+    {"int", "float", "str", "bool", "list", "dict", "none", "function-after", "function-before"}
+)
+
+
 def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    """Drop pydantic's union-branch labels (`int`, `str`, `function-after[...]`) from a path."""
+    """Drop pydantic's union-branch labels (`int`, `str`, `constrained-float`,
+    `function-after[...]`, a model's class name) from a path."""
     kept: list[int | str] = []
     for part in loc:
         if isinstance(part, str) and (
-            "[" in part
-            or part in {"int", "float", "str", "bool", "list", "dict", "constrained-int"}
+            "[" in part or part in _BRANCH_LABELS or part.startswith("constrained-")
         ):
             continue
         kept.append(part)

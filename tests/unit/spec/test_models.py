@@ -85,7 +85,6 @@ def test_autoscaling_defaults() -> None:
     ("yaml_text", "where", "words"),
     [
         ("service:\n  readiness_probe: health\n", "service.readiness_probe.path", "start with '/'"),
-        ("service:\n  replicas: 2\n", "service", "'readiness_probe' is required"),
         (
             "service:\n  readiness_probe: /h\n  replicas: 2\n  replica_policy: {min_replicas: 1}\n",
             "service",
