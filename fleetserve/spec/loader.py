@@ -98,6 +98,9 @@ def _known_fields() -> set[str]:
 
 
 def _suggestion(name: str) -> str:
+    # A known name is misplaced, not misspelled: suggesting itself would say nothing.
+    if name in _known_fields():
+        return " (it belongs elsewhere in the YAML)"
     close = difflib.get_close_matches(name, sorted(_known_fields()), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
