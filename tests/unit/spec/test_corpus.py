@@ -1,5 +1,5 @@
 """SkyPilot's own SkyServe YAMLs through the real `fleetserve validate`, each against the
-verdict written for it in tests/fixtures/skyserve/manifest.yaml."""
+verdict written for it in tests/fixtures/skyserve/corpus/manifest.yml."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fleetserve.cli.main import app
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "skyserve"
 CORPUS = FIXTURES / "corpus"
-MANIFEST: dict[str, dict[str, Any]] = yaml.safe_load((FIXTURES / "manifest.yaml").read_text())
+MANIFEST: dict[str, dict[str, Any]] = yaml.safe_load((CORPUS / "manifest.yml").read_text())
 
 
 def test_the_manifest_covers_the_corpus_exactly() -> None:
