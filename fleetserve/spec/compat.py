@@ -33,6 +33,11 @@ _CLOUD_ONLY: tuple[tuple[str, str], ...] = (
 )
 
 
+# Fields an infra of ours acts on although SkyPilot's clouds own them: the ray infra places
+# a replica with `zone` on nodes that declare the custom resource `zone:<name>`.
+_ACTED_ON: dict[str, frozenset[str]] = {"ray": frozenset({"zone"})}
+
+
 def infra_kind(infra: str | None) -> str | None:
     """`ray/head` -> `ray`; None stays None."""
     return infra.split("/")[0] if infra else None
@@ -61,7 +66,7 @@ def compat_warnings(spec: ServiceTask, infra_name: str) -> list[str]:
     """One line per cloud-only field set in `spec`: it is accepted and has no effect on
     `infra_name`, the infra the replicas will run on."""
     lines: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = set(_ACTED_ON.get(infra_kind(infra_name) or "", ()))
     for where, res in _fields_set(spec):
         for field, what in _CLOUD_ONLY:
             value = getattr(res, field)

@@ -84,3 +84,12 @@ def test_what_cannot_run_here_is_refused_with_the_fix(
 def test_a_pool_is_refused() -> None:
     spec = parse_spec("service:\n  pool: {workers: 2}\n")
     assert any(e.startswith("pool:") for e in compat_errors(spec, has_container_runtime=False))
+
+
+def test_a_field_the_ray_infra_acts_on_is_not_called_ignored_there() -> None:
+    spec = parse_spec(HEAD + "resources: {zone: us-east-1a, cloud: aws}\n")
+    assert [w.split(":")[0] for w in compat_warnings(spec, "ray")] == ["resources.cloud"]
+    assert [w.split(":")[0] for w in compat_warnings(spec, "local")] == [
+        "resources.cloud",
+        "resources.zone",
+    ]
