@@ -34,6 +34,7 @@ from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound
 from fleetserve.core.types import ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
 from fleetserve.lb.wake import wake_token
+from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.loader import parse_spec
 
 log = logging.getLogger("fleetserve.controller")
@@ -96,6 +97,13 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
             for r in replicas
         ],
     )
+
+
+def with_warnings(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
+    """The service, with a line for each field of its YAML that has no effect here."""
+    spec = ctl.spec_of(svc)
+    lines = compat_warnings(spec, spec.requested_infra() or ctl.infra.name)
+    return service_info(ctl, svc).model_copy(update={"warnings": lines})
 
 
 def create_app(
@@ -196,7 +204,7 @@ def create_app(
         svc = ctl.create_service(
             body.yaml, body.name, body.base_dir, body.infra, body.envs, body.secrets
         )
-        return service_info(ctl, svc)
+        return with_warnings(ctl, svc)
 
     @app.get(f"{PREFIX}/services", response_model=list[ServiceInfo])
     async def list_services() -> list[ServiceInfo]:
@@ -255,7 +263,7 @@ def create_app(
             body.envs,
             body.secrets,
         )
-        return service_info(ctl, svc)
+        return with_warnings(ctl, svc)
 
     @app.post(f"{PREFIX}/services/{{name}}/rollback", response_model=ServiceInfo, responses=_ERRORS)
     async def rollback(name: ServiceName) -> ServiceInfo:

@@ -92,6 +92,11 @@ class ServiceInfo(BaseModel):
     max_replicas: int
     target_replicas: int = Field(0, description="What the autoscaler wants now (or min).")
     replicas: list[ReplicaInfo] = Field(default_factory=list)
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Fields of the YAML accepted with no effect here (cloud-only fields), "
+        "one line each; set on the answer to create and update.",
+    )
 
 
 class ErrorBody(BaseModel):

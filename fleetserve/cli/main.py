@@ -19,9 +19,11 @@ from fleetserve.api.models import ServiceInfo
 from fleetserve.cli.envs import overrides
 from fleetserve.cli.render import events_table, replicas_table, services_table, styled
 from fleetserve.client import Client, server_pid, start_server, stop_server
+from fleetserve.controller.admission import has_container_runtime
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec
-from fleetserve.spec.loader import load_spec_file, require_values
+from fleetserve.spec.compat import compat_errors, compat_warnings
+from fleetserve.spec.loader import load_spec_file, missing_secrets, require_values
 
 app = typer.Typer(
     help="Serve any model server as a fleet of replicas behind one endpoint.",
@@ -79,9 +81,19 @@ def validate(
     try:
         envs, secrets = _overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)
-        require_values(spec)
+        require_values(spec, secrets_too=False)  # SkyPilot's parser takes a null secret
+        errors = compat_errors(spec, has_container_runtime())
+        if errors:
+            raise InvalidSpec(f"{file}: " + "\n".join(errors))
     except InvalidSpec as e:
         raise _fail(e) from None
+    _print_warnings(compat_warnings(spec, spec.requested_infra() or "local"))
+    _print_warnings(
+        [
+            f"secrets.{k}: null here; `up` needs it: --secret {k}[=VALUE]"
+            for k in missing_secrets(spec)
+        ]
+    )
     lo, hi = spec.service.replica_bounds()
     probe = spec.service.readiness_probe
     probe_text = f"{probe.method} {probe.path}" if probe else "-"
@@ -89,6 +101,11 @@ def validate(
         f"[green]OK[/] {file}: replicas {lo}..{hi}, probe {probe_text}, "
         f"policy {spec.service.load_balancing_policy}"
     )
+
+
+def _print_warnings(lines: list[str]) -> None:
+    for line in lines:
+        out.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
 
 
 def _print_changes(svc: ServiceInfo, seen: dict[int, str], versions: bool = False) -> None:
@@ -165,6 +182,7 @@ def up(
         require_values(spec)
         client = Client()
         svc = client.up_file(file, name, infra, envs, secrets)
+        _print_warnings(svc.warnings)
         out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
         if detach:
             out.print(f"Check it with `fleetserve status {svc.name}`.")
@@ -223,6 +241,7 @@ def update(
         require_values(spec)
         client = Client()
         svc = client.update_file(name, file, mode, traffic_percent, envs, secrets)
+        _print_warnings(svc.warnings)
         version = svc.active_version
         if svc.serving_version == version:
             out.print(f"Version {version} serves: the replicas moved to it in place.")

@@ -9,12 +9,17 @@ import shutil
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
+from fleetserve.spec.compat import compat_errors
 from fleetserve.spec.loader import require_values
-from fleetserve.spec.models import ServiceTask, WorkdirGit
+from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask, WorkdirGit
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _REMOTE = re.compile(r"^[a-z][a-z0-9+.-]*://")
-SUPPORTED_INFRAS = ("local", "ray")
+SUPPORTED_INFRAS = FLEETSERVE_INFRAS
+
+
+def has_container_runtime() -> bool:
+    return shutil.which("docker") is not None or shutil.which("podman") is not None
 
 
 def service_name(requested: str | None, spec: ServiceTask) -> str:
@@ -29,21 +34,15 @@ def service_name(requested: str | None, spec: ServiceTask) -> str:
 
 
 def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
+    """Refuse what cannot run here (values still missing, compat.compat_errors, then this
+    infra's own rules)."""
     require_values(spec)
-    if spec.service.pool is not None:
-        raise InvalidSpec("service.pool: worker pools are not supported yet; serve a `run` command")
+    errors = compat_errors(spec, has_container_runtime())
+    if errors:
+        raise InvalidSpec("\n".join(errors))
     if not spec.run:
         raise InvalidSpec("run: a service needs a `run` command that starts the server on $PORT")
-    if spec.num_nodes != 1:
-        raise InvalidSpec(
-            f"num_nodes: multi-node replicas are not supported (got {spec.num_nodes})"
-        )
     wanted = spec.requested_infra()
-    if wanted is not None and wanted.split("/")[0] not in SUPPORTED_INFRAS:
-        raise InvalidSpec(
-            f"resources.infra: {wanted!r} is not available; "
-            f"supported: {', '.join(SUPPORTED_INFRAS)}"
-        )
     if spec.service.load_balancer.data_plane == "nginx" and shutil.which("nginx") is None:
         raise InvalidSpec(
             "service.load_balancer.data_plane: nginx is not installed on this machine "

@@ -25,7 +25,7 @@ from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra
 from fleetserve.infra.local import LocalInfra, rotate_log
 from fleetserve.spec.loader import parse_spec
-from fleetserve.spec.models import ServiceTask
+from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
@@ -153,6 +153,10 @@ class Controller:
         secrets: Mapping[str, str] | None = None,
     ) -> ServiceRecord:
         spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
+        if infra is not None and infra.split("/")[0] not in FLEETSERVE_INFRAS:
+            raise InvalidSpec(
+                f"infra {infra!r} is not available; supported: {', '.join(FLEETSERVE_INFRAS)}"
+            )
         if infra is not None:  # `up --infra NAME` overrides the YAML's resources.infra
             spec = spec.model_copy(
                 update={"resources": spec.resources.model_copy(update={"infra": infra})}

@@ -52,7 +52,7 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         run=spec.run or "",
         setup=spec.setup,
         envs=envs,
-        workdir=Path(spec.workdir) if isinstance(spec.workdir, str) else None,
+        workdir=Path(spec.workdir) if isinstance(spec.workdir, str) and spec.workdir else None,
         workdir_git=(
             GitSource(spec.workdir.url, spec.workdir.ref)
             if isinstance(spec.workdir, WorkdirGit)

@@ -47,12 +47,21 @@ from fleetserve.policies.fleet import (
     routable,
 )
 from fleetserve.policies.rollout import BLUE_GREEN, ROLLING, RolloutSettings
-from fleetserve.spec.models import ServiceTask
+from fleetserve.spec.models import ReadinessProbe, ServiceTask
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
 
 _RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY)
+
+
+def probe_interval(status: ReplicaStatus, probe: ReadinessProbe, settings: Settings) -> float:
+    """Seconds between probes of one replica: the YAML's endpoint_probe_interval_seconds,
+    else the controller's; a STARTING replica no less often than the starting interval."""
+    steady = probe.endpoint_probe_interval_seconds or settings.probe_interval
+    if status is ReplicaStatus.STARTING:
+        return min(settings.starting_probe_interval, steady)
+    return steady
 
 
 def lb_config(
@@ -209,7 +218,11 @@ class ServiceReconciler:
             target_replicas=target,
             version=svc.active_version,
             initial_delay_seconds=probe.initial_delay_seconds if probe else 0,
-            failure_window_seconds=self.settings.failure_window,
+            failure_window_seconds=(
+                probe.consecutive_failure_threshold_timeout
+                if probe and probe.consecutive_failure_threshold_timeout is not None
+                else self.settings.failure_window
+            ),
             max_concurrent_launches=self.settings.max_concurrent_launches,
             rollout=RolloutSettings(
                 target=target,
@@ -275,11 +288,7 @@ class ServiceReconciler:
             probe = self.spec(r.version).service.readiness_probe  # each version's own probe
             if inst.alive and probe is not None and r.endpoint:
                 result = self.prober.take(self.key(r.replica_id))
-                interval = (
-                    self.settings.starting_probe_interval
-                    if r.status is ReplicaStatus.STARTING
-                    else self.settings.probe_interval
-                )
+                interval = probe_interval(r.status, probe, self.settings)
                 self.prober.maybe_start(
                     self.key(r.replica_id), r.endpoint, probe, now, interval, on_done=self.wake.set
                 )

@@ -71,13 +71,18 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return _clip(out) or "(top level)"
 
 
+_BRANCH_LABELS = frozenset(
+    {"int", "float", "str", "bool", "list", "dict", "none", "function-after", "function-before"}
+)
+
+
 def _clean_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    """Drop pydantic's union-branch labels (`int`, `str`, `function-after[...]`) from a path."""
+    """Drop pydantic's union-branch labels (`int`, `str`, `constrained-float`,
+    `function-after[...]`, a model's class name) from a path."""
     kept: list[int | str] = []
     for part in loc:
         if isinstance(part, str) and (
-            "[" in part
-            or part in {"int", "float", "str", "bool", "list", "dict", "constrained-int"}
+            "[" in part or part in _BRANCH_LABELS or part.startswith("constrained-")
         ):
             continue
         kept.append(part)
@@ -93,6 +98,9 @@ def _known_fields() -> set[str]:
 
 
 def _suggestion(name: str) -> str:
+    # A known name is misplaced, not misspelled: suggesting itself would say nothing.
+    if name in _known_fields():
+        return " (it belongs elsewhere in the YAML)"
     close = difflib.get_close_matches(name, sorted(_known_fields()), n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -185,16 +193,24 @@ def _hide(text: str, secret_values: list[str]) -> str:
     return text
 
 
-def require_values(spec: ServiceTask) -> None:
+def require_values(spec: ServiceTask, secrets_too: bool = True) -> None:
     """SkyPilot's rule: an `envs` or `secrets` entry set to null must be given a value (by
-    `--env` / `--secret`, or the API's `envs` / `secrets`), else nothing starts."""
+    `--env` / `--secret`, or the API's `envs` / `secrets`), else nothing starts. SkyPilot's
+    parser refuses a null env, but takes a null secret until launch: `validate` does the
+    same (`secrets_too=False`); `up` needs both."""
     missing = [f"envs.{k}" for k, v in spec.envs.items() if v is None]
-    missing += [f"secrets.{k}" for k, v in spec.secrets.items() if v is None]
+    if secrets_too:
+        missing += [f"secrets.{k}" for k, v in spec.secrets.items() if v is None]
     if missing:
         raise InvalidSpec(
             f"{', '.join(missing)}: null in the YAML, which means a value is required: pass "
             "--env KEY=VALUE (--secret for secrets), or --env KEY to take it from your shell"
         )
+
+
+def missing_secrets(spec: ServiceTask) -> list[str]:
+    """The null `secrets` entries, which `up` needs with --secret."""
+    return [k for k, v in spec.secrets.items() if v is None]
 
 
 def load_spec(

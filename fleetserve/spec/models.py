@@ -41,6 +41,7 @@ LbPolicy = Literal[
     "prefix_affinity",
 ]
 DEFAULT_LB_POLICY: LbPolicy = "least_load"
+FLEETSERVE_INFRAS = ("local", "ray")  # where replicas can run; any other infra is a cloud
 
 # Every pattern is used with `fullmatch`: `$` in Python also matches before a trailing newline,
 # so `re.match("^...$")` would take "name\n" (tests/unit/spec/test_limits.py shows it).
@@ -125,6 +126,10 @@ class ReadinessProbe(_Strict):
     timeout_seconds: PositiveFloat = DEFAULT_PROBE_TIMEOUT_SECONDS
     post_data: dict[str, Any] | None = None
     headers: dict[str, str] = Field(default_factory=dict)
+    # SkyServe's per-service probe cadence and failure window; None: the controller's
+    # FLEETSERVE_PROBE_INTERVAL and FLEETSERVE_FAILURE_WINDOW.
+    endpoint_probe_interval_seconds: Annotated[PositiveFloat, Field(le=3600)] | None = None
+    consecutive_failure_threshold_timeout: Annotated[PositiveFloat, Field(le=86_400)] | None = None
 
     @field_validator("path")
     @classmethod
@@ -227,7 +232,8 @@ class Tls(_Strict):
 
 
 class LoadBalancerOptions(_Strict):
-    """`service.load_balancer`: fleetserve's extension to the YAML (SkyServe has none)."""
+    """`service.load_balancer`: SkyServe's block (`stream_timeout_seconds`) with fleetserve's
+    own options."""
 
     session_header: str | None = "X-Session-Id"  # sticky: the header that names a session
     session_cookie: str | None = None  # sticky: or a cookie
@@ -250,6 +256,24 @@ class LoadBalancerOptions(_Strict):
     max_connections: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     header_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a whole head; 408
     idle_timeout_seconds: Annotated[float, Field(gt=0, le=86_400)] = 75.0  # keep-alive, silent
+    # SkyServe's name for the proxied response's timeout (httpx's per-read timeout there):
+    # it sets read_timeout_seconds, which means the same here.
+    stream_timeout_seconds: PositiveFloat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_timeout(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("stream_timeout_seconds") is None:
+            return data
+        stream, read = data["stream_timeout_seconds"], data.get("read_timeout_seconds")
+        if read is None:
+            return {**data, "read_timeout_seconds": stream}
+        if read != stream:
+            raise ValueError(
+                "stream_timeout_seconds (SkyServe's name) and read_timeout_seconds are the same "
+                "setting: set one of them"
+            )
+        return data
 
 
 class Pool(_Strict):
@@ -302,6 +326,14 @@ class ServiceSection(_Strict):
     # fleetserve's extension: the longest a replica's launch (setup, then the start of run)
     # may take before it is FAILED_PROVISION; None: the controller's FLEETSERVE_LAUNCH_TIMEOUT.
     launch_timeout_seconds: Annotated[PositiveFloat, Field(le=7 * 24 * 3600)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_probe(cls, data: Any) -> Any:
+        # SkyServe probes `/` when the YAML names no readiness_probe (pools probe nothing).
+        if isinstance(data, dict) and data.get("readiness_probe") is None and not data.get("pool"):
+            return {**data, "readiness_probe": "/"}
+        return data
 
     @field_validator("readiness_probe", mode="before")
     @classmethod
@@ -380,6 +412,11 @@ class ResourcesBase(_Strict):
     image_id: str | dict[str, str] | None = None
     autostop: StrictBool | StrictInt | dict[str, Any] | None = None
     priority: StrictInt | None = None
+    priority_class: str | None = None
+    max_hourly_cost: PositiveFloat | None = None
+    local_disk: str | None = None
+    ephemeral_storage: StrictInt | str | None = None  # SkyPilot's deprecated disk_size
+    volumes: list[dict[str, Any]] | None = None
 
     @field_validator("cpus")
     @classmethod
@@ -461,6 +498,9 @@ class ServiceTask(_Strict):
     resources: Resources = Field(default_factory=Resources)
     envs: dict[str, EnvValue] = Field(default_factory=dict)
     secrets: dict[str, EnvValue] = Field(default_factory=dict)
+    # SkyPilot's list form of `secrets` (and `managed_secrets`): names of secrets kept by its
+    # API server. fleetserve has no secret store; compat.compat_errors refuses them at `up`.
+    managed_secrets: list[str | dict[str, Any]] | None = None
     setup: str | None = None
     run: str | None = None
     file_mounts: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
@@ -470,6 +510,18 @@ class ServiceTask(_Strict):
     inputs: dict[str, Any] | None = None
     outputs: dict[str, Any] | None = None
     volumes: dict[str, Any] | None = None
+    volume_mounts: list[dict[str, Any]] | None = None
+    pool: Pool | None = None  # SkyPilot's top-level pool section (pools are not run yet)
+    api_server_access: StrictBool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_list(cls, data: Any) -> Any:
+        # `secrets: [NAME, ...]` (SkyPilot's list form) names managed secrets, not values.
+        if isinstance(data, dict) and isinstance(data.get("secrets"), list):
+            refs = [*(data.get("managed_secrets") or []), *data["secrets"]]
+            return {**data, "secrets": {}, "managed_secrets": refs}
+        return data
 
     @field_validator("name")
     @classmethod
@@ -545,5 +597,11 @@ class ServiceTask(_Strict):
         return ports.pop() if len(ports) == 1 else None
 
     def requested_infra(self) -> str | None:
-        infras = {c.infra for c in self.resources.candidates() if c.infra}
+        """The fleetserve infra (local, ray) the YAML asks for; a cloud's name is not one
+        (compat.compat_warnings says so)."""
+        infras = {
+            c.infra
+            for c in self.resources.candidates()
+            if c.infra and c.infra.split("/")[0] in FLEETSERVE_INFRAS
+        }
         return infras.pop() if len(infras) == 1 else None

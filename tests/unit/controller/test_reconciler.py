@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import cast
 
@@ -253,3 +254,69 @@ def test_interleaved_port_reservations_never_share_a_port(store: Store, clock: F
     assert b.lb_port == 41_000
     assert a.lb_port == 41_001
     assert store.reserve_lb_port("a", 41_000, usable).lb_port == 41_001  # kept once reserved
+
+
+@pytest.mark.parametrize("interval", [None, 2.0], ids=["controller-default", "from-yaml"])
+async def test_the_yaml_probe_interval_sets_how_often_a_ready_replica_is_probed(
+    store: Store, settings: Settings, clock: FakeClock, interval: float | None
+) -> None:
+    answers = ProbeAnswers(clock)
+    yaml_text = service_yaml(replicas=1)
+    if interval is not None:
+        yaml_text = yaml_text.replace(
+            "  replicas:", f"    endpoint_probe_interval_seconds: {interval:g}\n  replicas:"
+        )
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answers)) as client:
+        create_service(store, "good", yaml_text, clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=80)  # 20 s
+    r = store.replica("good", 1)
+    assert r.first_ready_at is not None
+    ready_probes = [t for t in answers.times(host_of("good", 1)) if t > r.first_ready_at]
+    gaps = [b - a for a, b in itertools.pairwise(ready_probes)]
+    expected = interval or settings.probe_interval
+    assert gaps and all(expected <= g <= expected + ROUND for g in gaps), gaps
+
+
+def test_probe_interval_rules() -> None:
+    from fleetserve.controller.reconciler import probe_interval
+    from fleetserve.spec.models import ReadinessProbe
+
+    s = Settings(home=Path("/nonexistent"), probe_interval=5.0, starting_probe_interval=1.0)
+    default, slow, fast = (
+        ReadinessProbe(path="/"),
+        ReadinessProbe(path="/", endpoint_probe_interval_seconds=30),
+        ReadinessProbe(path="/", endpoint_probe_interval_seconds=0.5),
+    )
+    assert probe_interval(ReplicaStatus.READY, default, s) == 5.0
+    assert probe_interval(ReplicaStatus.READY, slow, s) == 30
+    assert probe_interval(ReplicaStatus.NOT_READY, fast, s) == 0.5
+    assert probe_interval(ReplicaStatus.STARTING, slow, s) == 1.0  # readiness noticed at once
+    assert probe_interval(ReplicaStatus.STARTING, fast, s) == 0.5
+
+
+@pytest.mark.parametrize(("window", "failed"), [(None, False), (3.0, True)])
+async def test_the_yaml_failure_window_sets_when_a_failing_replica_is_failed(
+    store: Store, settings: Settings, clock: FakeClock, window: float | None, failed: bool
+) -> None:
+    healthy = [True]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200 if healthy[0] else 500)
+
+    yaml_text = service_yaml(replicas=1)
+    if window is not None:
+        yaml_text = yaml_text.replace(
+            "  replicas:", f"    consecutive_failure_threshold_timeout: {window:g}\n  replicas:"
+        )
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        create_service(store, "good", yaml_text, clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=8)
+        assert store.replica("good", 1).status is ReplicaStatus.READY
+        healthy[0] = False
+        await run_rounds(clock, [rec], rounds=60)  # 15 s of failing probes: < 180 s default
+    status = store.replica("good", 1).status
+    assert (status is ReplicaStatus.FAILED_PROBING) is failed, status

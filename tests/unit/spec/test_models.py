@@ -85,7 +85,6 @@ def test_autoscaling_defaults() -> None:
     ("yaml_text", "where", "words"),
     [
         ("service:\n  readiness_probe: health\n", "service.readiness_probe.path", "start with '/'"),
-        ("service:\n  replicas: 2\n", "service", "'readiness_probe' is required"),
         (
             "service:\n  readiness_probe: /h\n  replicas: 2\n  replica_policy: {min_replicas: 1}\n",
             "service",
@@ -233,3 +232,60 @@ def test_the_accelerator_a_replica_has() -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidSpec, match="no such file"):
         load_spec_file(tmp_path / "nope.yaml")
+
+
+def test_skyserve_probe_and_load_balancer_keys_have_their_meaning() -> None:
+    spec = parse_spec(
+        "service:\n  replicas: 1\n  readiness_probe:\n    path: /h\n"
+        "    endpoint_probe_interval_seconds: 3\n    consecutive_failure_threshold_timeout: 40\n"
+        "  load_balancer: {stream_timeout_seconds: 90}\n"
+    )
+    probe = spec.service.readiness_probe
+    assert probe is not None
+    assert probe.endpoint_probe_interval_seconds == 3
+    assert probe.consecutive_failure_threshold_timeout == 40
+    assert spec.service.load_balancer.read_timeout_seconds == 90  # the LB's per-read timeout
+    conflict = err(
+        "service:\n  readiness_probe: /\n"
+        "  load_balancer: {stream_timeout_seconds: 90, read_timeout_seconds: 30}\n"
+    )
+    assert "set one of them" in conflict
+
+
+def test_without_a_readiness_probe_skyserve_probes_the_root() -> None:
+    probe = parse_spec("service:\n  replicas: 1\n").service.readiness_probe
+    assert probe is not None and probe.path == "/" and probe.method == "GET"
+
+
+def test_skypilot_task_and_resources_keys_are_accepted() -> None:
+    spec = parse_spec(
+        "service: {replicas: 1}\nsecrets: [HF_TOKEN]\npool: {workers: 1}\n"
+        "workdir: {url: 'https://github.com/x/y.git', ref: v1}\n"
+        "volume_mounts: [{path: /data, volume_name: v}]\n"
+        "resources: {max_hourly_cost: 1.5, local_disk: 'nvme:2', ephemeral_storage: 20,"
+        " priority_class: high, volumes: [{path: /d, name: v}]}\n"
+    )
+    assert spec.secrets == {} and spec.managed_secrets == ["HF_TOKEN"]
+    assert not isinstance(spec.workdir, str) and spec.workdir is not None
+    assert spec.workdir.url.endswith("y.git") and spec.workdir.ref == "v1"
+    assert parse_spec("service: {replicas: 1}\nworkdir: ./app\n").workdir == "./app"
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "service:\n  readiness_probe: /\n  replica_policy:\n    min_replicas: 1\n"
+            "    max_replicas: 2\n    target_qps_per_replica: -1\n",
+            "service.replica_policy.target_qps_per_replica:",
+        ),
+        (
+            "service: {replicas: 1}\nresources: {max_hourly_cost: -1}\n",
+            "resources.max_hourly_cost:",
+        ),
+    ],
+)
+def test_no_union_branch_label_leaks_into_an_error_path(text: str, where: str) -> None:
+    message = err(text)
+    assert where in message
+    assert "constrained" not in message and "function-" not in message
