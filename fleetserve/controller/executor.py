@@ -54,6 +54,7 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         workdir=Path(spec.workdir) if spec.workdir else None,
         file_mounts=mounts,
         port=spec.replica_port(),
+        own_network=spec.replica_port() is not None and spec.service.replica_bounds()[1] > 1,
     )
 
 
