@@ -303,19 +303,26 @@ class Client:
         name: str | None = None,
         base_dir: str | None = None,
         infra: str | None = None,
+        host: str | None = None,
     ) -> ServiceInfo:
         body = {"yaml": yaml_text, "name": name, "base_dir": base_dir, "infra": infra}
+        if host is not None:
+            body["host"] = host
         return ServiceInfo.model_validate(self._call("POST", "/services", json=body).json())
 
     def up_file(
-        self, path: str | Path, name: str | None = None, infra: str | None = None
+        self,
+        path: str | Path,
+        name: str | None = None,
+        infra: str | None = None,
+        host: str | None = None,
     ) -> ServiceInfo:
         p = Path(path)
         try:
             text = p.read_text()
         except OSError as e:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
-        return self.up(text, name, str(p.resolve().parent), infra)
+        return self.up(text, name, str(p.resolve().parent), infra, host)
 
     def update_file(
         self,

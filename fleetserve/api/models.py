@@ -19,6 +19,11 @@ class CreateService(BaseModel):
     infra: str | None = Field(
         None, max_length=64, description="local or ray; default: the YAML's, else local"
     )
+    host: str | None = Field(
+        None,
+        max_length=64,
+        description="The address the endpoint binds (service.load_balancer.host overridden)",
+    )
 
 
 class UpdateService(BaseModel):

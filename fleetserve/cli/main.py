@@ -19,6 +19,7 @@ from fleetserve.cli.render import events_table, replicas_table, services_table, 
 from fleetserve.client import Client, server_pid, start_server, stop_server
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import load_spec_file
 
 app = typer.Typer(
@@ -117,12 +118,24 @@ def up(
     infra: Annotated[
         str | None, typer.Option(help="local (default) or ray: where the replicas run")
     ] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="The address the endpoint binds (service.load_balancer.host); default "
+            "127.0.0.1 on the local infra, 0.0.0.0 on ray"
+        ),
+    ] = None,
 ) -> None:
     """Start a service: its replicas and a load balancer; print the endpoint."""
     try:
-        load_spec_file(file)  # a clear local error before anything starts
+        spec, _text = load_spec_file(file)  # a clear local error before anything starts
+        if host is not None:
+            spec = override_host(spec, host)
+        warning = exposure_warning(spec, infra or "local")
+        if warning is not None:
+            err.print(warning, highlight=False)
         client = Client()
-        svc = client.up_file(file, name, infra)
+        svc = client.up_file(file, name, infra, host)
         out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
         if detach:
             out.print(f"Check it with `fleetserve status {svc.name}`.")

@@ -24,6 +24,7 @@ from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_
 from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra
 from fleetserve.infra.local import LocalInfra, rotate_log
+from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
@@ -149,12 +150,15 @@ class Controller:
         name: str | None = None,
         base_dir: str | None = None,
         infra: str | None = None,
+        host: str | None = None,
     ) -> ServiceRecord:
         spec = parse_spec(yaml_text)
         if infra is not None:  # `up --infra NAME` overrides the YAML's resources.infra
             spec = spec.model_copy(
                 update={"resources": spec.resources.model_copy(update={"infra": infra})}
             )
+        if host is not None:  # `up --host ADDRESS` overrides service.load_balancer.host
+            spec = override_host(spec, host)
         check_deployable(spec, self.infra.name)
         spec = resolve_paths(spec, Path(base_dir or Path.cwd()))
         svc_name = service_name(name, spec)
@@ -170,6 +174,10 @@ class Controller:
         svc = self.store.create_service(
             svc_name, yaml_text, spec.model_dump_json(), self.clock.now()
         )
+        warning = exposure_warning(spec, self.infra.name)
+        if warning is not None:
+            log.warning("service %s: %s", svc_name, warning)
+            self.store.add_event(svc_name, self.clock.now(), "service", warning)
         self._run(svc_name)
         return svc
 

@@ -6,6 +6,7 @@ names the field instead of a silently ignored setting. Field defaults are SkySer
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -250,6 +251,19 @@ class LoadBalancerOptions(_Strict):
     max_connections: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     header_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a whole head; 408
     idle_timeout_seconds: Annotated[float, Field(gt=0, le=86_400)] = 75.0  # keep-alive, silent
+    # The address the endpoint binds (docs/security.md, exposing endpoints); default 127.0.0.1
+    # on the local infra, 0.0.0.0 when replicas run on Ray (fleetserve.spec.exposure).
+    host: str | None = None
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                ipaddress.ip_address(v)
+            except ValueError:
+                raise ValueError(f"{v!r} is not an IP address (0.0.0.0: every address)") from None
+        return v
 
 
 class Pool(_Strict):
