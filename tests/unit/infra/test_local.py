@@ -241,3 +241,17 @@ async def test_an_upgraded_home_adopts_the_replicas_started_before_home_ids(
         assert processes_with_token("legacy-1")
     finally:
         await old.terminate(launched.handle, "legacy-1")
+
+
+def test_port_free_checks_the_address_the_listener_will_bind() -> None:
+    import socket
+
+    from fleetserve.infra.local import port_free
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_free(port, "127.0.0.1")  # another address: free there
+        assert not port_free(port, "127.0.0.2")
+        assert not port_free(port, "0.0.0.0")  # every address includes 127.0.0.2
