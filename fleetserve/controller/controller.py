@@ -54,6 +54,7 @@ class Controller:
             home_id=self.home_id,
             umask=replica_umask,
             legacy_home=legacy,
+            replica_net=settings.replica_net,
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)

@@ -2,7 +2,8 @@
 
 Every replica of such a fleet listens on the same port, as it would in its own container: the
 replica runs in a namespace of its own, joined to this machine by a veth pair. Each pair gets a
-/30 from a private range (10.231.0.0/16 unless FLEETSERVE_REPLICA_NET says otherwise): the
+/30 from a private range (10.231.0.0/16 unless Settings.replica_net, FLEETSERVE_REPLICA_NET,
+says otherwise; a range that overlaps one of this machine's routes is refused): the
 host end takes the first address, the replica's end the second, and the load balancer and the
 prober reach the replica at that second address.
 
@@ -160,7 +161,7 @@ class ReplicaNetworks:
 
     def __init__(self, home_id: str, net: str | None = None) -> None:
         self.home_id = home_id
-        self.range_text = net or os.environ.get(RANGE_ENV) or DEFAULT_RANGE
+        self.range_text = net or DEFAULT_RANGE
         self._lock = threading.Lock()
         self._pending: set[ipaddress.IPv4Address] = set()
 
