@@ -255,3 +255,11 @@ def test_port_free_checks_the_address_the_listener_will_bind() -> None:
         assert port_free(port, "127.0.0.1")  # another address: free there
         assert not port_free(port, "127.0.0.2")
         assert not port_free(port, "0.0.0.0")  # every address includes 127.0.0.2
+
+
+def test_a_handle_without_a_namespace_reads_as_before_and_one_with_it_round_trips() -> None:
+    old = '{"create_time": 1.5, "dir": "/d", "pid": 7, "port": 9}'  # from before namespaces
+    assert LocalHandle.from_json(old).netns is None
+    assert LocalHandle.from_json(old).to_json() == old
+    h = LocalHandle(7, 1.5, 8080, "/d", netns="fleetserve-a-b", address="10.231.0.2")
+    assert LocalHandle.from_json(h.to_json()) == h
