@@ -305,6 +305,7 @@ class Client:
         infra: str | None = None,
         envs: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
+        host: str | None = None,
     ) -> ServiceInfo:
         """Start a service. `envs` / `secrets` take precedence over the YAML's (and fill its
         null entries, which are otherwise refused); secrets are never shown back."""
@@ -316,6 +317,8 @@ class Client:
             "envs": dict(envs) if envs else None,
             "secrets": dict(secrets) if secrets else None,
         }
+        if host is not None:
+            body["host"] = host
         return ServiceInfo.model_validate(self._call("POST", "/services", json=body).json())
 
     def up_file(
@@ -325,6 +328,7 @@ class Client:
         infra: str | None = None,
         envs: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
+        host: str | None = None,
     ) -> ServiceInfo:
         p = Path(path)
         try:
@@ -332,7 +336,7 @@ class Client:
         except OSError as e:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
         # Relative paths in the YAML start from the caller's folder, as in SkyPilot.
-        return self.up(text, name, str(Path.cwd()), infra, envs, secrets)
+        return self.up(text, name, str(Path.cwd()), infra, envs, secrets, host)
 
     def update_file(
         self,

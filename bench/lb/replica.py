@@ -66,9 +66,9 @@ class Http(asyncio.Protocol):
             self.transport.write(b"0\r\n\r\n")
 
 
-async def main(port: int) -> None:
+async def main(port: int, host: str = "127.0.0.1") -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(Http, "127.0.0.1", port, backlog=2048, reuse_address=True)
+    server = await loop.create_server(Http, host, port, backlog=2048, reuse_address=True)
     async with server:
         await server.serve_forever()
 
@@ -76,4 +76,4 @@ async def main(port: int) -> None:
 if __name__ == "__main__":
     import uvloop
 
-    uvloop.run(main(int(sys.argv[1])))
+    uvloop.run(main(int(sys.argv[1]), *sys.argv[2:3]))

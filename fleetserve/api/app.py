@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -35,6 +36,7 @@ from fleetserve.core.types import ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
 from fleetserve.lb.wake import wake_token
 from fleetserve.spec.compat import compat_warnings
+from fleetserve.spec.exposure import lb_host, reachable_host
 from fleetserve.spec.loader import parse_spec
 
 log = logging.getLogger("fleetserve.controller")
@@ -57,6 +59,13 @@ def _handle_field(r: ReplicaRecord, key: str) -> object:
         return None
 
 
+def _endpoint_host(ctl: Controller, svc: ServiceRecord) -> str:
+    """Where clients reach the endpoint: the address the LB binds, this machine's name when it
+    binds every address."""
+    bound = lb_host(ctl.spec_of(svc), ctl.infra.name)
+    return reachable_host(bound, socket.gethostname())
+
+
 def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
     replicas = ctl.store.list_replicas(svc.name)
     spec = ctl.spec_of(svc)
@@ -65,7 +74,7 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
         name=svc.name,
         status=ctl.status_of(svc, replicas).value,
         endpoint=(
-            f"{'https' if spec.service.tls else 'http'}://127.0.0.1:{svc.lb_port}"
+            f"{'https' if spec.service.tls else 'http'}://{_endpoint_host(ctl, svc)}:{svc.lb_port}"
             if svc.lb_port and svc.lb_pid
             else None
         ),
@@ -202,7 +211,7 @@ def create_app(
     async def create_service(body: CreateService) -> ServiceInfo:
         await parsed_off_loop(body.yaml)
         svc = ctl.create_service(
-            body.yaml, body.name, body.base_dir, body.infra, body.envs, body.secrets
+            body.yaml, body.name, body.base_dir, body.infra, body.envs, body.secrets, body.host
         )
         return with_warnings(ctl, svc)
 

@@ -39,6 +39,11 @@ class CreateService(BaseModel):
     )
     envs: Overrides = None
     secrets: Overrides = None
+    host: str | None = Field(
+        None,
+        max_length=64,
+        description="The address the endpoint binds (service.load_balancer.host overridden)",
+    )
 
 
 class UpdateService(BaseModel):

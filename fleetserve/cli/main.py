@@ -23,6 +23,7 @@ from fleetserve.controller.admission import has_container_runtime
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 from fleetserve.spec.compat import compat_errors, compat_warnings
+from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import load_spec_file, missing_secrets, require_values
 
 app = typer.Typer(
@@ -174,14 +175,26 @@ def up(
     env: EnvOption = None,
     env_file: EnvFileOption = None,
     secret: SecretOption = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="The address the endpoint binds (service.load_balancer.host); default "
+            "127.0.0.1 on the local infra, 0.0.0.0 on ray"
+        ),
+    ] = None,
 ) -> None:
     """Start a service: its replicas and a load balancer; print the endpoint."""
     try:
         envs, secrets = _overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)  # a clear local error before anything
         require_values(spec)
+        if host is not None:
+            spec = override_host(spec, host)
+        warning = exposure_warning(spec, infra or "local")
+        if warning is not None:
+            err.print(warning, highlight=False)
         client = Client()
-        svc = client.up_file(file, name, infra, envs, secrets)
+        svc = client.up_file(file, name, infra, envs, secrets, host)
         _print_warnings(svc.warnings)
         out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
         if detach:

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
+from fleetserve.infra import netns
 from fleetserve.spec.compat import compat_errors
 from fleetserve.spec.loader import require_values
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask, WorkdirGit
@@ -56,12 +57,15 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
         )
     _lo, hi = spec.service.replica_bounds()
     port = spec.replica_port()
-    if (wanted or infra).split("/")[0] == "local" and port is not None and hi > 1:
+    local = (wanted or infra).split("/")[0] == "local"
+    if local and port is not None and hi > 1 and not netns.available():
         raise InvalidSpec(
-            f"the spec fixes port {port} and asks for up to {hi} replicas, but on the local infra "
-            f"every replica shares this machine and port {port} can be bound only once. Remove "
-            "`ports` (from service and resources) and make the run command listen on $PORT, "
-            "which fleetserve sets to a free port for each replica"
+            f"the spec fixes port {port} and asks for up to {hi} replicas: on the local infra "
+            f"each replica then runs in a network namespace of its own, which needs root and "
+            f"iproute2 (`ip netns`); as a normal user (no unprivileged user namespaces with a "
+            f"port forwarder here) port {port} can be bound only once. Run the controller as "
+            "root, or remove `ports` (from service and resources) and make the run command "
+            "listen on $PORT, which fleetserve sets to a free port for each replica"
         )
 
 

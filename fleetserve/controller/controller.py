@@ -13,6 +13,7 @@ import httpx
 
 from fleetserve.controller import updates
 from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
+from fleetserve.controller.executor import uses_own_network
 from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
@@ -24,6 +25,7 @@ from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_
 from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra
 from fleetserve.infra.local import LocalInfra, rotate_log
+from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
 from fleetserve.store import Store
@@ -53,6 +55,7 @@ class Controller:
             home_id=self.home_id,
             umask=replica_umask,
             legacy_home=legacy,
+            replica_net=settings.replica_net,
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)
@@ -151,6 +154,7 @@ class Controller:
         infra: str | None = None,
         envs: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
+        host: str | None = None,
     ) -> ServiceRecord:
         spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
         if infra is not None and infra.split("/")[0] not in FLEETSERVE_INFRAS:
@@ -161,6 +165,8 @@ class Controller:
             spec = spec.model_copy(
                 update={"resources": spec.resources.model_copy(update={"infra": infra})}
             )
+        if host is not None:  # `up --host ADDRESS` overrides service.load_balancer.host
+            spec = override_host(spec, host)
         check_deployable(spec, self.infra.name)
         spec = resolve_paths(spec, Path(base_dir or Path.cwd()))
         svc_name = service_name(name, spec)
@@ -176,6 +182,10 @@ class Controller:
         svc = self.store.create_service(
             svc_name, yaml_text, spec.model_dump_json(), self.clock.now()
         )
+        warning = exposure_warning(spec, self.infra.name)
+        if warning is not None:
+            log.warning("service %s: %s", svc_name, warning)
+            self.store.add_event(svc_name, self.clock.now(), "service", warning)
         self._run(svc_name)
         return svc
 
@@ -183,12 +193,13 @@ class Controller:
         """A fixed replica port (`service.ports`) belongs to one service: a second one would
         probe, and send traffic to, the first one's replica."""
         port = spec.replica_port()
-        if port is None:
-            return
+        if port is None or uses_own_network(spec):
+            return  # a replica in a network namespace of its own binds no host port
         for other in self.store.list_services():
             if other.name == name:
                 continue
-            if self.spec_of(other).replica_port() == port:
+            theirs = self.spec_of(other)
+            if theirs.replica_port() == port and not uses_own_network(theirs):
                 raise Conflict(
                     f"port {port} (service.ports) is already the fixed port of service "
                     f"{other.name!r}: give this service another port, or none ($PORT)"

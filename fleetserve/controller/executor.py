@@ -36,6 +36,12 @@ def new_launch_token(home_id: str = "") -> str:
     return f"{home_id}-{uuid.uuid4().hex}" if home_id else uuid.uuid4().hex
 
 
+def uses_own_network(spec: ServiceTask) -> bool:
+    """A fixed port and several replicas: each replica in a network namespace of its own
+    (fleetserve.infra.netns), so that all of them can listen on that port."""
+    return spec.replica_port() is not None and spec.service.replica_bounds()[1] > 1
+
+
 def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchRequest:
     envs = {k: "" if v is None else str(v) for k, v in {**spec.envs, **spec.secrets}.items()}
     envs["FLEETSERVE_HOME"] = str(home)
@@ -60,6 +66,7 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         ),
         file_mounts=mounts,
         port=spec.replica_port(),
+        own_network=uses_own_network(spec),
     )
 
 

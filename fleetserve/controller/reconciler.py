@@ -47,6 +47,7 @@ from fleetserve.policies.fleet import (
     routable,
 )
 from fleetserve.policies.rollout import BLUE_GREEN, ROLLING, RolloutSettings
+from fleetserve.spec.exposure import lb_host
 from fleetserve.spec.models import ReadinessProbe, ServiceTask
 from fleetserve.store import Store
 
@@ -72,12 +73,14 @@ def lb_config(
     api_port: int,
     admin_secret: str | None = None,
     api_scheme: str = "http",
+    infra: str = "local",
 ) -> LbConfig:
     """What a service's load balancer needs from its spec (and the secret of its admin API)."""
     lo, _hi = spec.service.replica_bounds()
     tls = spec.service.tls
     return LbConfig(
         service=service,
+        host=lb_host(spec, infra),
         port=port,
         admin_port=admin_port,
         policy=spec.service.load_balancing_policy,
@@ -361,6 +364,7 @@ class ServiceReconciler:
             self.settings.api_port,
             running.admin_secret,
             self.settings.api_scheme,
+            self.infra.name,
         )
         ignore = {"replicas", "admin_port"}
         return running.model_dump(exclude=ignore) != wanted.model_dump(exclude=ignore)
@@ -386,7 +390,10 @@ class ServiceReconciler:
         try:
             # The port (and the admin secret) are the service's in the store before the LB
             # starts: two services started at once never share an endpoint.
-            svc = self.store.reserve_lb_port(self.name, self.settings.lb_port_start, port_free)
+            host = lb_host(spec, self.infra.name)
+            svc = self.store.reserve_lb_port(
+                self.name, self.settings.lb_port_start, lambda p: port_free(p, host)
+            )
             port = svc.lb_port
             if port is None or not svc.lb_secret:
                 raise TerminalError("no port or admin secret was reserved")
@@ -399,6 +406,7 @@ class ServiceReconciler:
                 self.settings.api_port,
                 svc.lb_secret,
                 self.settings.api_scheme,
+                self.infra.name,
             )
             config = config.model_copy(update={"replicas": upstream_payload(self._endpoints(svc))})
             pid, create_time = await self.lb.start(svc, config)

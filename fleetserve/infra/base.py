@@ -40,6 +40,9 @@ class LaunchRequest:
     workdir_git: GitSource | None = None  # or cloned into it (`workdir: {url, ref}`)
     file_mounts: tuple[FileMount, ...] = ()
     port: int | None = None  # a port the spec fixes; None: the infra picks a free one
+    # A fixed port shared by several replicas: each needs a network of its own (local: a
+    # namespace per replica, as a container would have).
+    own_network: bool = False
 
 
 class InstanceKind(enum.StrEnum):

@@ -29,6 +29,7 @@ import psutil
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.git import clone
+from fleetserve.infra.netns import ReplicaNetworks
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
 HOME_ID_ENV = "FLEETSERVE_HOME_ID"  # every process a controller starts carries its home's id
@@ -64,9 +65,12 @@ class LocalHandle:
     create_time: float
     port: int
     dir: str
+    netns: str | None = None  # the replica's own network namespace (a fixed-port fleet)
+    address: str | None = None  # its address there
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+        d = {k: v for k, v in self.__dict__.items() if v is not None}
+        return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> LocalHandle:
@@ -76,16 +80,20 @@ class LocalHandle:
             create_time=float(d["create_time"]),
             port=int(d["port"]),
             dir=d["dir"],
+            netns=d.get("netns"),
+            address=d.get("address"),
         )
 
 
-def port_free(port: int) -> bool:
-    """Whether a listener could bind 127.0.0.1:`port` now. Never with SO_REUSEPORT: that
-    would call a port free that another listener of this user shares out."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener could bind `host`:`port` now (the address it will bind: 0.0.0.0 is
+    taken by any listener on that port). Never with SO_REUSEPORT: that would call a port free
+    that another listener of this user shares out."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
@@ -223,8 +231,10 @@ class LocalInfra:
         home_id: str = "",
         umask: int | None = None,
         legacy_home: str | None = None,
+        replica_net: str | None = None,
     ) -> None:
         self.home = home
+        self.networks = ReplicaNetworks(home_id, replica_net)  # fixed-port fleets only
         self.home_id = home_id
         self.legacy_home = legacy_home  # processes of a home from before home ids
         self.grace_seconds = grace_seconds
@@ -309,6 +319,8 @@ class LocalInfra:
         return rdir, self.log_path(req.service, req.replica_id)
 
     def _pick_port(self, req: LaunchRequest) -> int:
+        if req.port is not None and req.own_network:
+            return req.port  # free in the replica's own, new namespace
         if req.port is not None:
             if not port_free(req.port):
                 raise TerminalError(
@@ -324,6 +336,10 @@ class LocalInfra:
     async def launch(self, request: LaunchRequest) -> Launched:
         rdir, log = await asyncio.to_thread(self._prepare, request)
         port = self._pick_port(request)
+        netns: str | None = None
+        address = "127.0.0.1"
+        if request.own_network:
+            netns, address = await asyncio.to_thread(self.networks.create, request.launch_token)
         env = dict(os.environ)
         env.update(request.envs)
         env.update(
@@ -341,8 +357,9 @@ class LocalInfra:
             env[HOME_ID_ENV] = self.home_id
         out = open_private(log)
         try:
+            entry = ["bash", str(rdir / "entry.sh")]
             proc = subprocess.Popen(
-                ["bash", str(rdir / "entry.sh")],
+                ["ip", "netns", "exec", netns, *entry] if netns else entry,
                 cwd=rdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -351,6 +368,10 @@ class LocalInfra:
                 start_new_session=True,
                 umask=-1 if self.umask is None else self.umask,
             )
+        except BaseException:
+            if netns:
+                await asyncio.to_thread(self.networks.remove, request.launch_token)
+            raise
         finally:
             os.close(out)
         self._children[proc.pid] = proc
@@ -358,7 +379,14 @@ class LocalInfra:
             create_time = psutil.Process(proc.pid).create_time()
         except psutil.NoSuchProcess:
             create_time = 0.0
-        handle = LocalHandle(pid=proc.pid, create_time=create_time, port=port, dir=str(rdir))
+        handle = LocalHandle(
+            pid=proc.pid,
+            create_time=create_time,
+            port=port,
+            dir=str(rdir),
+            netns=netns,
+            address=netns and address,
+        )
         try:
             while not (rdir / _SETUP_DONE).exists():
                 code = proc.poll()
@@ -373,7 +401,7 @@ class LocalInfra:
         except BaseException:
             await self.terminate(handle.to_json(), request.launch_token)
             raise
-        return Launched(handle=handle.to_json(), host="127.0.0.1", port=port)
+        return Launched(handle=handle.to_json(), host=address, port=port)
 
     async def poll(self, handle: str) -> InstanceState:
         h = LocalHandle.from_json(handle)
@@ -422,6 +450,8 @@ class LocalInfra:
         if alive:
             pids = ", ".join(str(p.pid) for p in alive)
             raise TerminalError(f"processes {pids} survived SIGKILL")
+        if (h is not None and h.netns) or (h is None and self.networks.may_exist()):
+            self.networks.remove(token)  # found by the token: also after a cut-short launch
         if h is not None:
             shutil.rmtree(h.dir, ignore_errors=True)
 
@@ -464,7 +494,10 @@ class LocalInfra:
         procs = await asyncio.to_thread(processes_where, orphan)
         if procs:
             await asyncio.to_thread(self._stop_all, orphan)
-        return len(procs)
+        networks = 0
+        if self.home_id and self.networks.may_exist():
+            networks = await asyncio.to_thread(self.networks.sweep, known_tokens)
+        return len(procs) + networks
 
     def logs(
         self,

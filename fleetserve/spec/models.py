@@ -6,6 +6,7 @@ names the field instead of a silently ignored setting. Field defaults are SkySer
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -274,6 +275,20 @@ class LoadBalancerOptions(_Strict):
                 "setting: set one of them"
             )
         return data
+
+    # The address the endpoint binds (docs/security.md, exposing endpoints); default 127.0.0.1
+    # on the local infra, 0.0.0.0 when replicas run on Ray (fleetserve.spec.exposure).
+    host: str | None = None
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                ipaddress.ip_address(v)
+            except ValueError:
+                raise ValueError(f"{v!r} is not an IP address (0.0.0.0: every address)") from None
+        return v
 
 
 class Pool(_Strict):

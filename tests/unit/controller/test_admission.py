@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetserve.controller import admission
 from fleetserve.controller.admission import check_deployable, resolve_paths
 from fleetserve.controller.executor import launch_request
 from fleetserve.core.errors import InvalidSpec
@@ -61,3 +62,26 @@ def test_a_git_workdir_is_refused_on_ray_and_unknown_keys_are_errors() -> None:
         check_deployable(spec, "ray")
     with pytest.raises(InvalidSpec, match=r"workdir\..*branch: unknown field"):
         parse_spec("workdir: {url: 'file:///r.git', branch: main}\n" + BASE)
+
+
+# -- a fixed port shared by several replicas: namespaces, else a refusal --------------------
+
+FIXED = "service:\n  readiness_probe: /h\n  ports: 8080\n  replicas: {n}\nrun: python3 s.py\n"
+
+
+def test_a_fixed_port_fleet_needs_namespaces_and_says_so_without_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(admission.netns, "available", lambda: False)
+    with pytest.raises(InvalidSpec, match="needs root and iproute2") as e:
+        admission.check_deployable(parse_spec(FIXED.format(n=3)))
+    assert "$PORT" in e.value.message and "unprivileged user namespaces" in e.value.message
+    admission.check_deployable(parse_spec(FIXED.format(n=1)))  # one replica: this machine's
+    admission.check_deployable(parse_spec(FIXED.format(n=3)), "ray")  # one per node there
+
+
+def test_a_fixed_port_fleet_is_accepted_where_namespaces_can_be_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(admission.netns, "available", lambda: True)
+    admission.check_deployable(parse_spec(FIXED.format(n=3)))

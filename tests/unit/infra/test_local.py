@@ -241,3 +241,25 @@ async def test_an_upgraded_home_adopts_the_replicas_started_before_home_ids(
         assert processes_with_token("legacy-1")
     finally:
         await old.terminate(launched.handle, "legacy-1")
+
+
+def test_port_free_checks_the_address_the_listener_will_bind() -> None:
+    import socket
+
+    from fleetserve.infra.local import port_free
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_free(port, "127.0.0.1")  # another address: free there
+        assert not port_free(port, "127.0.0.2")
+        assert not port_free(port, "0.0.0.0")  # every address includes 127.0.0.2
+
+
+def test_a_handle_without_a_namespace_reads_as_before_and_one_with_it_round_trips() -> None:
+    old = '{"create_time": 1.5, "dir": "/d", "pid": 7, "port": 9}'  # from before namespaces
+    assert LocalHandle.from_json(old).netns is None
+    assert LocalHandle.from_json(old).to_json() == old
+    h = LocalHandle(7, 1.5, 8080, "/d", netns="fleetserve-a-b", address="10.231.0.2")
+    assert LocalHandle.from_json(h.to_json()) == h

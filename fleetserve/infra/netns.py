@@ -1,0 +1,230 @@
+"""A network namespace per replica, for fleets whose spec fixes the port (`ports: 8080`).
+
+Every replica of such a fleet listens on the same port, as it would in its own container: the
+replica runs in a namespace of its own, joined to this machine by a veth pair. Each pair gets a
+/30 from a private range (10.231.0.0/16 unless Settings.replica_net, FLEETSERVE_REPLICA_NET,
+says otherwise; a range that overlaps one of this machine's routes is refused): the
+host end takes the first address, the replica's end the second, and the load balancer and the
+prober reach the replica at that second address.
+
+Names derive from the launch token (and the home's id), so terminate-by-token, recovery and
+the orphan sweep find a replica's namespace with no other record. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+
+from fleetserve.core.errors import TerminalError
+
+DEFAULT_RANGE = "10.231.0.0/16"
+RANGE_ENV = "FLEETSERVE_REPLICA_NET"
+_NS_PREFIX = "fleetserve-"
+_HOST_PREFIX = "fsh"  # interface names are at most 15 characters
+_PEER_PREFIX = "fsr"
+REFUSAL = (
+    "a fixed port shared by several replicas needs a network namespace per replica, which "
+    "needs root and iproute2 (`ip netns`) on the local infra; unprivileged user namespaces "
+    "with a port forwarder are not supported"
+)
+
+
+# -- pure: names and addresses --------------------------------------------------------------
+
+
+def _digest(text: str, n: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def home_tag(home_id: str) -> str:
+    return _digest(home_id or "-", 8)
+
+
+def namespace_name(home_id: str, token: str) -> str:
+    """`fleetserve-<home>-<token>`: the sweep finds this home's by the prefix."""
+    return f"{_NS_PREFIX}{home_tag(home_id)}-{_digest(token, 12)}"
+
+
+def veth_names(token: str) -> tuple[str, str]:
+    """(host end, replica end) of the replica's veth pair."""
+    tag = _digest(token, 11)
+    return f"{_HOST_PREFIX}{tag}", f"{_PEER_PREFIX}{tag}"
+
+
+def token_of_namespace(name: str, home_id: str) -> str | None:
+    """The token digest in a namespace name of this home, or None when it is not one."""
+    prefix = f"{_NS_PREFIX}{home_tag(home_id)}-"
+    return name[len(prefix) :] if name.startswith(prefix) else None
+
+
+def token_digest(token: str) -> str:
+    return _digest(token, 12)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One replica's /30: the host's end and the replica's end."""
+
+    host: ipaddress.IPv4Interface
+    replica: ipaddress.IPv4Interface
+
+
+def parse_range(text: str) -> ipaddress.IPv4Network:
+    try:
+        net = ipaddress.IPv4Network(text, strict=True)
+    except ValueError as e:
+        raise TerminalError(f"{RANGE_ENV}={text!r} is not an IPv4 network: {e}") from e
+    if not net.is_private or net.prefixlen > 29:
+        raise TerminalError(f"{RANGE_ENV}={text!r}: give a private range of /29 or larger")
+    return net
+
+
+def allocate_link(net: ipaddress.IPv4Network, used: set[ipaddress.IPv4Address]) -> Link:
+    """The first /30 of `net` none of whose addresses is in `used` (addresses already on
+    interfaces of this machine, or handed out and not yet there)."""
+    for sub in net.subnets(new_prefix=30):
+        if any(a in used for a in (sub.network_address, *sub.hosts(), sub.broadcast_address)):
+            continue
+        first, second = list(sub.hosts())
+        return Link(
+            host=ipaddress.IPv4Interface(f"{first}/30"),
+            replica=ipaddress.IPv4Interface(f"{second}/30"),
+        )
+    raise TerminalError(f"no free /30 is left in {net} for another replica's network")
+
+
+def collisions(
+    net: ipaddress.IPv4Network, routes: list[tuple[ipaddress.IPv4Network, str]]
+) -> list[str]:
+    """Routes of this machine that overlap `net` and are not ours (not on one of our veths);
+    the default route (0.0.0.0/0) never counts."""
+    return [
+        f"{dest} dev {dev}"
+        for dest, dev in routes
+        if dest.prefixlen > 0 and dest.overlaps(net) and not dev.startswith(_HOST_PREFIX)
+    ]
+
+
+# -- I/O: iproute2 -----------------------------------------------------------------------------
+
+
+def available() -> bool:
+    """Whether this process may make namespaces (root, with iproute2 installed)."""
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+def _ip(*args: str, check: bool = True) -> str:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise TerminalError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
+    return proc.stdout
+
+
+def _addresses_in_use() -> set[ipaddress.IPv4Address]:
+    used = set()
+    for line in _ip("-o", "-4", "addr", "show").splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            used.add(ipaddress.IPv4Interface(parts[parts.index("inet") + 1]).ip)
+    return used
+
+
+def _routes() -> list[tuple[ipaddress.IPv4Network, str]]:
+    out = []
+    for line in _ip("-o", "-4", "route", "show", "table", "all").splitlines():
+        parts = line.split()
+        if not parts or parts[0] in ("broadcast", "local", "unreachable", "blackhole"):
+            parts = parts[1:] if parts else parts
+        if not parts:
+            continue
+        dest = "0.0.0.0/0" if parts[0] == "default" else parts[0]
+        dev = parts[parts.index("dev") + 1] if "dev" in parts else ""
+        try:
+            out.append((ipaddress.IPv4Network(dest, strict=False), dev))
+        except ValueError:
+            continue
+    return out
+
+
+def namespaces() -> list[str]:
+    return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
+
+
+class ReplicaNetworks:
+    """Makes and removes replicas' namespaces; one lock orders this controller's allocations."""
+
+    def __init__(self, home_id: str, net: str | None = None) -> None:
+        self.home_id = home_id
+        self.range_text = net or DEFAULT_RANGE
+        self._lock = threading.Lock()
+        self._pending: set[ipaddress.IPv4Address] = set()
+
+    def may_exist(self) -> bool:
+        """Whether this controller could have made namespaces at all."""
+        return available()
+
+    def create(self, token: str) -> tuple[str, str]:
+        """Make the replica's namespace (loopback up, a veth to this machine); returns its name
+        and the replica's address. Anything half made is removed on failure."""
+        if not available():
+            raise TerminalError(REFUSAL)
+        net = parse_range(self.range_text)
+        bad = collisions(net, _routes())
+        if bad:
+            raise TerminalError(
+                f"the replica network {net} overlaps this machine's routes ({', '.join(bad)}): "
+                f"set {RANGE_ENV} to a free private range"
+            )
+        name = namespace_name(self.home_id, token)
+        outer, inner = veth_names(token)
+        self.remove(token)  # left by an earlier, cut-short launch with this token
+        with self._lock:
+            link = allocate_link(net, _addresses_in_use() | self._pending)
+            self._pending |= {link.host.ip, link.replica.ip}
+        try:
+            _ip("netns", "add", name)
+            _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", name)
+            _ip("addr", "add", str(link.host), "dev", outer)
+            _ip("link", "set", outer, "up")
+            _ip("netns", "exec", name, "ip", "addr", "add", str(link.replica), "dev", inner)
+            _ip("netns", "exec", name, "ip", "link", "set", inner, "up")
+            _ip("netns", "exec", name, "ip", "route", "add", "default", "via", str(link.host.ip))
+        except BaseException:
+            self.remove(token)
+            raise
+        finally:
+            with self._lock:
+                self._pending -= {link.host.ip, link.replica.ip}
+        return name, str(link.replica.ip)
+
+    def remove(self, token: str) -> None:
+        """Remove the replica's namespace and veth, if they exist (idempotent)."""
+        self._remove(namespace_name(self.home_id, token), veth_names(token)[0])
+
+    def _remove(self, name: str, outer: str | None) -> None:
+        if name in namespaces():
+            for pid in _ip("netns", "pids", name, check=False).split():
+                # Only what our token-matched stop left (it ran first); never outside it.
+                subprocess.run(["kill", "-9", pid], capture_output=True, timeout=10)
+            _ip("netns", "del", name, check=False)
+        if outer is not None:
+            _ip("link", "del", outer, check=False)  # gone with the namespace, usually
+
+    def sweep(self, known_tokens: set[str]) -> int:
+        """Remove this home's namespaces whose token no row knows; returns how many."""
+        known = {token_digest(t) for t in known_tokens}
+        removed = 0
+        for name in namespaces():
+            digest = token_of_namespace(name, self.home_id)
+            if digest is not None and digest not in known:
+                self._remove(name, None)
+                removed += 1
+        return removed
