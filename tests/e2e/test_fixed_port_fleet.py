@@ -9,11 +9,13 @@ import signal
 import subprocess
 import textwrap
 import time
+import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Fleet
+from tests.e2e.conftest import Fleet, endpoint_of
 from tests.e2e.test_service_lifecycle import get, up
 
 pytestmark = pytest.mark.e2e
@@ -139,3 +141,52 @@ def test_a_restarted_controller_adopts_and_the_sweep_removes_an_orphan_namespace
         subprocess.run(["ip", "netns", "del", orphan], capture_output=True, timeout=10)
     fleet.cli("down", "fixed", "--purge")
     assert networks()[0] == ns_before
+
+
+CORPUS = Path(__file__).parent.parent / "fixtures" / "skyserve" / "corpus"
+
+# Our own stand-in for SkyPilot's examples/serve/http_server/server.py (its code is not ours to
+# copy): the same contract, port 8080 on every address, 200 on /health and on /.
+HTTP_SERVER = textwrap.dedent(
+    """
+    import http.server, socketserver
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>Hi, SkyPilot here!</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    socketserver.TCPServer.allow_reuse_address = True
+    with socketserver.TCPServer(("", 8080), H) as httpd:
+        httpd.serve_forever()
+    """
+)
+
+
+def test_skyserves_canonical_example_runs_unchanged_from_its_usage_line(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """`sky serve up -n http examples/serve/http_server/task.yaml`, from the repository's
+    root, with SkyPilot's task.yaml byte for byte: `resources.ports: 8080`, 2 replicas, a
+    workdir relative to the current folder."""
+    repo = tmp_path / "skypilot"
+    example = repo / "examples" / "serve" / "http_server"
+    example.mkdir(parents=True)
+    shutil.copy(CORPUS / "examples" / "serve" / "http_server" / "task.yaml", example)
+    (example / "server.py").write_text(HTTP_SERVER)
+    out = fleet.cli("up", "-n", "http", "examples/serve/http_server/task.yaml", cwd=repo)
+    endpoint = endpoint_of(out.stdout)
+    client = fleet.client()
+    fleet.wait_for(
+        "both replicas READY",
+        lambda: [r.status for r in client.service("http").replicas] == ["READY", "READY"],
+        timeout=60,
+    )
+    for _ in range(6):
+        with urllib.request.urlopen(endpoint + "/", timeout=10) as r:
+            assert b"SkyPilot here" in r.read()
+    assert fleet.cli("status", "--endpoint", "http").stdout.strip() == endpoint
+    fleet.cli("down", "http", timeout=120)
