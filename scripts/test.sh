@@ -23,6 +23,10 @@ if ! command -v nginx >/dev/null 2>&1; then
     exit 1
   fi
 fi
+# Fixed-port replicas get outbound traffic through slirp4netns (tests check that they do).
+if ! command -v slirp4netns >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slirp4netns) >/dev/null
+fi
 echo "== ruff";        ruff check . && ruff format --check .
 echo "== mypy";        mypy
 echo "== lint-imports"; lint-imports

@@ -82,10 +82,16 @@ class Procs:
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(
-        self, cmd: list[str], log: str, env: dict[str, str] | None = None
+        self,
+        cmd: list[str],
+        log: str,
+        env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> subprocess.Popen[bytes]:
         out = open(self.workdir / log, "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, pass_fds=pass_fds
+        )
         self.started.append(proc)
         return proc
 

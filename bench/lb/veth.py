@@ -1,11 +1,13 @@
 """bench/lb/veth.py: what a replica in its own network namespace (a fixed-port fleet on the
 local infra, docs/skyserve.md) adds per request, next to one on loopback, in one run.
 
-Starts one bench replica on loopback and one inside a namespace made by fleetserve's own code
-(fleetserve.infra.netns: a veth pair, a /30 from the replica range), a fleetserve load balancer
-in front of each, then sends sequential keep-alive GETs through each LB, interleaved over
-rounds: median and mean latency, the veth/loopback ratio and the added microseconds. Direct
-requests (no LB) to each replica are measured too. Needs root and iproute2:
+Starts one bench replica on loopback, one inside a namespace made by fleetserve's own code for
+root (fleetserve.infra.netns: a veth pair, a /30 from the replica range) and one in the normal
+user's kind (fleetserve.infra.userns: a user namespace reached through a relay), a fleetserve
+load balancer in front of each, then sends sequential keep-alive GETs through each LB,
+interleaved over rounds: median and mean latency, the ratios to loopback and the added
+microseconds. Direct requests (no LB) to each replica are measured too. Needs root and
+iproute2 (for the veth pair; the user namespace needs neither):
     sudo .venv/bin/python bench/lb/veth.py [--rounds 5] [--requests 2000]
 """
 
@@ -15,6 +17,7 @@ import argparse
 import http.client
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -81,16 +84,31 @@ def main() -> None:
         replica = [sys.executable, str(HERE / "replica.py")]
         procs.start([*replica, str(loop_port)], "loopback.log", env)
         procs.start(["ip", "netns", "exec", ns, *replica, "8080", "0.0.0.0"], "veth.log", env)
+        relay = socket.socket()
+        relay.bind(("127.0.0.1", 0))
+        relay.listen(1024)
+        relay_port = int(relay.getsockname()[1])
+        procs.start(
+            [
+                *(sys.executable, "-m", "fleetserve.infra.userns", "--listen-fd"),
+                *(str(relay.fileno()), "--port", "8080", "--", *replica, "8080", "0.0.0.0"),
+            ],
+            "userns.log",
+            env,
+            pass_fds=(relay.fileno(),),
+        )
+        relay.close()
         wait_port(loop_port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                latencies(address, 8080, 1)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        for host, port in ((address, 8080), ("127.0.0.1", relay_port)):
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    latencies(host, port, 1)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
         targets = {
             "direct loopback": ("127.0.0.1", loop_port),
             "direct veth": (address, 8080),
@@ -99,6 +117,11 @@ def main() -> None:
                 start_lb(procs, "lb-loop", f"http://127.0.0.1:{loop_port}"),
             ),
             "LB -> veth": ("127.0.0.1", start_lb(procs, "lb-veth", f"http://{address}:8080")),
+            "direct userns relay": ("127.0.0.1", relay_port),
+            "LB -> userns relay": (
+                "127.0.0.1",
+                start_lb(procs, "lb-userns", f"http://127.0.0.1:{relay_port}"),
+            ),
         }
         samples: dict[str, list[float]] = {k: [] for k in targets}
         for host, port in targets.values():
@@ -115,6 +138,9 @@ def main() -> None:
         lb_loop, lb_veth = result["LB -> loopback"], result["LB -> veth"]
         result["LB veth/loopback p50 ratio"] = round(lb_veth["p50_us"] / lb_loop["p50_us"], 3)
         result["LB added p50_us"] = round(lb_veth["p50_us"] - lb_loop["p50_us"], 1)
+        lb_user = result["LB -> userns relay"]
+        result["LB userns/loopback p50 ratio"] = round(lb_user["p50_us"] / lb_loop["p50_us"], 3)
+        result["LB userns added p50_us"] = round(lb_user["p50_us"] - lb_loop["p50_us"], 1)
         print(json.dumps(result, indent=1))
     finally:
         procs.stop_all()

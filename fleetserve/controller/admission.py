@@ -34,7 +34,7 @@ def service_name(requested: str | None, spec: ServiceTask) -> str:
     return name
 
 
-def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
+def check_deployable(spec: ServiceTask, infra: str = "local", netns_mode: str = "auto") -> None:
     """Refuse what cannot run here (values still missing, compat.compat_errors, then this
     infra's own rules)."""
     require_values(spec)
@@ -58,14 +58,16 @@ def check_deployable(spec: ServiceTask, infra: str = "local") -> None:
     _lo, hi = spec.service.replica_bounds()
     port = spec.replica_port()
     local = (wanted or infra).split("/")[0] == "local"
-    if local and port is not None and hi > 1 and not netns.available():
+    if local and port is not None and hi > 1 and netns.kind(netns_mode) is None:
         raise InvalidSpec(
             f"the spec fixes port {port} and asks for up to {hi} replicas: on the local infra "
             f"each replica then runs in a network namespace of its own, which needs root and "
-            f"iproute2 (`ip netns`); as a normal user (no unprivileged user namespaces with a "
-            f"port forwarder here) port {port} can be bound only once. Run the controller as "
-            "root, or remove `ports` (from service and resources) and make the run command "
-            "listen on $PORT, which fleetserve sets to a free port for each replica"
+            f"iproute2 (`ip netns`) or, as a normal user, unprivileged user namespaces, and "
+            f"neither is possible here ({netns.MODE_ENV}={netns_mode}), so port {port} can be "
+            "bound only once. Run the controller as root, allow user namespaces (sysctl "
+            "kernel.unprivileged_userns_clone=1), or remove `ports` (from service and resources) "
+            "and make the run command listen on $PORT, which fleetserve sets to a free port for "
+            "each replica"
         )
 
 

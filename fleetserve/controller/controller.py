@@ -56,6 +56,7 @@ class Controller:
             umask=replica_umask,
             legacy_home=legacy,
             replica_net=settings.replica_net,
+            replica_netns=settings.replica_netns,
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)
@@ -167,7 +168,7 @@ class Controller:
             )
         if host is not None:  # `up --host ADDRESS` overrides service.load_balancer.host
             spec = override_host(spec, host)
-        check_deployable(spec, self.infra.name)
+        check_deployable(spec, self.infra.name, self.settings.replica_netns)
         spec = resolve_paths(spec, Path(base_dir or Path.cwd()))
         svc_name = service_name(name, spec)
         self.check_fixed_port(svc_name, spec)
@@ -228,6 +229,7 @@ class Controller:
             traffic_percent,
             self.infra.name,
             self.clock.now(),
+            netns_mode=self.settings.replica_netns,
             envs=envs,
             secrets=secrets,
         )

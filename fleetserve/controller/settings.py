@@ -53,6 +53,8 @@ class Settings:
     lb_port_start: int = 30001
     # Fixed-port fleets on the local infra: each replica's veth /30 comes from this range.
     replica_net: str = "10.231.0.0/16"
+    # How: "veth" (root), "userns" (a normal user: a user namespace and a relay), or "auto".
+    replica_netns: str = "auto"
     lb_repush_interval: float = 10.0  # the set is pushed on every change, and again this often
     autoscale_interval: float = 1.0  # seconds between two autoscaler decisions
     drain_seconds: float = 120.0  # the longest wait for a scaled-down replica's requests
@@ -87,6 +89,7 @@ class Settings:
             max_concurrent_launches=int(num("FLEETSERVE_MAX_LAUNCHES", 4)),
             lb_port_start=int(num("FLEETSERVE_LB_PORT_START", 30001)),
             replica_net=env.get("FLEETSERVE_REPLICA_NET") or "10.231.0.0/16",
+            replica_netns=env.get("FLEETSERVE_REPLICA_NETNS") or "auto",
             autoscale_interval=num("FLEETSERVE_AUTOSCALE_INTERVAL", 1.0),
             drain_seconds=num("FLEETSERVE_DRAIN_SECONDS", 120.0),
             launch_timeout=num("FLEETSERVE_LAUNCH_TIMEOUT", 1800.0),

@@ -48,6 +48,7 @@ def apply_update(
     now: float,
     envs: Mapping[str, str] | None = None,
     secrets: Mapping[str, str] | None = None,
+    netns_mode: str = "auto",
 ) -> tuple[ServiceRecord, bool]:
     """Store the new version and start its rollout; returns (service, moved in place)."""
     if svc.phase is ServicePhase.SHUTTING_DOWN:
@@ -66,7 +67,7 @@ def apply_update(
             f"`fleetserve promote` it, or `fleetserve rollback` first"
         )
     spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
-    check_deployable(spec, infra)
+    check_deployable(spec, infra, netns_mode)
     spec = resolve_paths(spec, base_dir)
     if (spec.service.tls is None) != (current.service.tls is None) or (
         spec.service.tls and current.service.tls and spec.service.tls != current.service.tls

@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import psutil
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.git import clone
-from fleetserve.infra.netns import ReplicaNetworks
+from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
 HOME_ID_ENV = "FLEETSERVE_HOME_ID"  # every process a controller starts carries its home's id
@@ -67,6 +68,7 @@ class LocalHandle:
     dir: str
     netns: str | None = None  # the replica's own network namespace (a fixed-port fleet)
     address: str | None = None  # its address there
+    relay_port: int | None = None  # or: this machine's port relayed into its user namespace
 
     def to_json(self) -> str:
         d = {k: v for k, v in self.__dict__.items() if v is not None}
@@ -82,6 +84,7 @@ class LocalHandle:
             dir=d["dir"],
             netns=d.get("netns"),
             address=d.get("address"),
+            relay_port=d.get("relay_port"),
         )
 
 
@@ -232,9 +235,10 @@ class LocalInfra:
         umask: int | None = None,
         legacy_home: str | None = None,
         replica_net: str | None = None,
+        replica_netns: str = "auto",
     ) -> None:
         self.home = home
-        self.networks = ReplicaNetworks(home_id, replica_net)  # fixed-port fleets only
+        self.networks = ReplicaNetworks(home_id, replica_net, replica_netns)  # fixed-port fleets
         self.home_id = home_id
         self.legacy_home = legacy_home  # processes of a home from before home ids
         self.grace_seconds = grace_seconds
@@ -338,8 +342,6 @@ class LocalInfra:
         port = self._pick_port(request)
         netns: str | None = None
         address = "127.0.0.1"
-        if request.own_network:
-            netns, address = await asyncio.to_thread(self.networks.create, request.launch_token)
         env = dict(os.environ)
         env.update(request.envs)
         env.update(
@@ -355,11 +357,33 @@ class LocalInfra:
         )
         if self.home_id:
             env[HOME_ID_ENV] = self.home_id
+        relay: socket.socket | None = None  # this machine's end of a user namespace's relay
+        relay_port = 0
+        how = await asyncio.to_thread(self.networks.kind) if request.own_network else None
+        if request.own_network and how is None:
+            raise TerminalError(REFUSAL)
+        if how == "veth":
+            netns, address = await asyncio.to_thread(
+                self.networks.create, request.launch_token, env
+            )
+        elif how == "userns":
+            relay = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            relay.bind(("127.0.0.1", 0))
+            relay.listen(1024)
+            relay_port = int(relay.getsockname()[1])
         out = open_private(log)
         try:
             entry = ["bash", str(rdir / "entry.sh")]
+            if netns:
+                entry = ["ip", "netns", "exec", netns, *entry]
+            elif relay is not None:
+                entry = [
+                    *(sys.executable, "-m", "fleetserve.infra.userns"),
+                    *("--listen-fd", str(relay.fileno()), "--port", str(port), "--", *entry),
+                ]
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", netns, *entry] if netns else entry,
+                entry,
+                pass_fds=() if relay is None else (relay.fileno(),),
                 cwd=rdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -374,6 +398,8 @@ class LocalInfra:
             raise
         finally:
             os.close(out)
+            if relay is not None:
+                relay.close()  # the relay holds it now
         self._children[proc.pid] = proc
         try:
             create_time = psutil.Process(proc.pid).create_time()
@@ -386,6 +412,7 @@ class LocalInfra:
             dir=str(rdir),
             netns=netns,
             address=netns and address,
+            relay_port=relay_port or None,
         )
         try:
             while not (rdir / _SETUP_DONE).exists():
@@ -401,6 +428,8 @@ class LocalInfra:
         except BaseException:
             await self.terminate(handle.to_json(), request.launch_token)
             raise
+        if relay is not None:
+            return Launched(handle=handle.to_json(), host=address, port=relay_port)
         return Launched(handle=handle.to_json(), host=address, port=port)
 
     async def poll(self, handle: str) -> InstanceState:

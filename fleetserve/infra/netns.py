@@ -9,6 +9,8 @@ prober reach the replica at that second address.
 
 Names derive from the launch token (and the home's id), so terminate-by-token, recovery and
 the orphan sweep find a replica's namespace with no other record. Needs root and iproute2.
+A normal user gets the other way, an unprivileged user namespace per replica joined by a relay
+(fleetserve.infra.userns); `kind` says which one this process can use.
 """
 
 from __future__ import annotations
@@ -19,19 +21,26 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import psutil
+
 from fleetserve.core.errors import TerminalError
+from fleetserve.infra import userns
 
 DEFAULT_RANGE = "10.231.0.0/16"
 RANGE_ENV = "FLEETSERVE_REPLICA_NET"
+MODE_ENV = "FLEETSERVE_REPLICA_NETNS"
+# auto: veth pairs as root, else an unprivileged user namespace with a relay (infra.userns)
+MODES = ("auto", "veth", "userns")
 _NS_PREFIX = "fleetserve-"
 _HOST_PREFIX = "fsh"  # interface names are at most 15 characters
 _PEER_PREFIX = "fsr"
 REFUSAL = (
-    "a fixed port shared by several replicas needs a network namespace per replica, which "
-    "needs root and iproute2 (`ip netns`) on the local infra; unprivileged user namespaces "
-    "with a port forwarder are not supported"
+    "a fixed port shared by several replicas needs a network namespace per replica: as root "
+    "with iproute2 (`ip netns`, veth pairs), or as a normal user where the kernel allows "
+    "unprivileged user namespaces; neither is possible here"
 )
 
 
@@ -119,6 +128,18 @@ def available() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None
 
 
+def kind(mode: str = "auto") -> str | None:
+    """How this process gives a replica a network of its own: "veth" (root), "userns" (an
+    unprivileged user namespace and a relay), or None when it cannot."""
+    if mode not in MODES:
+        raise TerminalError(f"{MODE_ENV}={mode!r}: use one of {', '.join(MODES)}")
+    if mode in ("auto", "veth") and available():
+        return "veth"
+    if mode in ("auto", "userns") and userns.available():
+        return "userns"
+    return None
+
+
 def _ip(*args: str, check: bool = True) -> str:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if check and proc.returncode != 0:
@@ -152,6 +173,44 @@ def _routes() -> list[tuple[ipaddress.IPv4Network, str]]:
     return out
 
 
+def start_outbound(name: str, env: Mapping[str, str] | None) -> bool:
+    """slirp4netns for the named namespace (its own default route, NAT in user space, this
+    machine's loopback out of reach); False when it is not installed or did not start."""
+    tool = userns.outbound_tool()
+    if tool is None:
+        return False
+    ready_r, ready_w = os.pipe()
+    try:
+        flags = ["--configure", "--mtu=65520", "--disable-host-loopback", f"--ready-fd={ready_w}"]
+        subprocess.Popen(
+            [tool, *flags, "--netns-type=path", f"/run/netns/{name}", "tap0"],
+            pass_fds=(ready_w,),
+            env=dict(env) if env is not None else None,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    finally:
+        os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as f:
+        return f.read(1) == b"1"
+
+
+def _stop_outbound(name: str) -> None:
+    """Kill, by pid, the slirp4netns of this user that serves exactly this namespace (one left
+    by a launch cut short; a stopped replica's went with its token)."""
+    target = f"/run/netns/{name}"
+    for p in psutil.process_iter(["cmdline", "uids"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            mine = p.info["uids"] is not None and p.info["uids"].real == os.getuid()
+            if mine and target in cmd and cmd[0].endswith("slirp4netns"):
+                p.kill()
+        except psutil.Error:
+            continue
+
+
 def namespaces() -> list[str]:
     return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
 
@@ -159,19 +218,26 @@ def namespaces() -> list[str]:
 class ReplicaNetworks:
     """Makes and removes replicas' namespaces; one lock orders this controller's allocations."""
 
-    def __init__(self, home_id: str, net: str | None = None) -> None:
+    def __init__(self, home_id: str, net: str | None = None, mode: str = "auto") -> None:
         self.home_id = home_id
         self.range_text = net or DEFAULT_RANGE
+        self.mode = mode
         self._lock = threading.Lock()
         self._pending: set[ipaddress.IPv4Address] = set()
 
     def may_exist(self) -> bool:
-        """Whether this controller could have made namespaces at all."""
+        """Whether this controller could have made named namespaces at all."""
         return available()
 
-    def create(self, token: str) -> tuple[str, str]:
+    def kind(self) -> str | None:
+        return kind(self.mode)
+
+    def create(self, token: str, env: Mapping[str, str] | None = None) -> tuple[str, str]:
         """Make the replica's namespace (loopback up, a veth to this machine); returns its name
-        and the replica's address. Anything half made is removed on failure."""
+        and the replica's address. Outbound traffic goes through slirp4netns when installed
+        (started with `env`, the replica's, so that stopping the replica by its token stops it
+        too), else through the veth (routed only as far as this machine forwards it). Anything
+        half made is removed on failure."""
         if not available():
             raise TerminalError(REFUSAL)
         net = parse_range(self.range_text)
@@ -196,7 +262,9 @@ class ReplicaNetworks:
             _ip("link", "set", outer, "up")
             _ip("netns", "exec", name, "ip", "addr", "add", str(link.replica), "dev", inner)
             _ip("netns", "exec", name, "ip", "link", "set", inner, "up")
-            _ip("netns", "exec", name, "ip", "route", "add", "default", "via", str(link.host.ip))
+            if not start_outbound(name, env):
+                gateway = str(link.host.ip)
+                _ip("netns", "exec", name, "ip", "route", "add", "default", "via", gateway)
         except BaseException:
             self.remove(token)
             raise
@@ -210,6 +278,7 @@ class ReplicaNetworks:
         self._remove(namespace_name(self.home_id, token), veth_names(token)[0])
 
     def _remove(self, name: str, outer: str | None) -> None:
+        _stop_outbound(name)
         if name in namespaces():
             for pid in _ip("netns", "pids", name, check=False).split():
                 # Only what our token-matched stop left (it ran first); never outside it.

@@ -42,7 +42,9 @@ SERVER = textwrap.dedent(
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         def do_GET(self):
-            body = json.dumps({"replica": RID, "path": self.path}).encode()
+            with open("/proc/self/net/dev") as f:  # this process's network namespace's
+                names = sorted(line.split(":")[0].strip() for line in f.readlines()[2:])
+            body = json.dumps({"replica": RID, "path": self.path, "interfaces": names}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -84,6 +86,9 @@ def test_fixed_port_replicas_each_in_a_namespace_replaced_and_removed(fleet: Fle
     seen = Counter(get(f"{endpoint}/x")["replica"] for _ in range(30))
     # Round robin in each LB worker process: every replica gets a fair share.
     assert set(seen) == {"1", "2", "3"} and min(seen.values()) >= 5, seen
+    interfaces = get(f"{endpoint}/x")["interfaces"]
+    # Outbound traffic through slirp4netns where installed (CI installs it), else the veth.
+    assert ("tap0" in interfaces) == (shutil.which("slirp4netns") is not None), interfaces
 
     victim = next(r for r in replicas if r.replica_id == 1)
     assert victim.pid is not None

@@ -10,7 +10,7 @@ import pytest
 from fleetserve.controller import admission
 from fleetserve.controller.admission import check_deployable, resolve_paths
 from fleetserve.controller.executor import launch_request
-from fleetserve.core.errors import InvalidSpec
+from fleetserve.core.errors import InvalidSpec, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 from fleetserve.infra.git import GitSource
@@ -73,9 +73,11 @@ def test_a_fixed_port_fleet_needs_namespaces_and_says_so_without_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(admission.netns, "available", lambda: False)
+    monkeypatch.setattr(admission.netns.userns, "available", lambda: False)
     with pytest.raises(InvalidSpec, match="needs root and iproute2") as e:
         admission.check_deployable(parse_spec(FIXED.format(n=3)))
     assert "$PORT" in e.value.message and "unprivileged user namespaces" in e.value.message
+    assert "FLEETSERVE_REPLICA_NETNS=auto" in e.value.message
     admission.check_deployable(parse_spec(FIXED.format(n=1)))  # one replica: this machine's
     admission.check_deployable(parse_spec(FIXED.format(n=3)), "ray")  # one per node there
 
@@ -84,4 +86,23 @@ def test_a_fixed_port_fleet_is_accepted_where_namespaces_can_be_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(admission.netns, "available", lambda: True)
+    monkeypatch.setattr(admission.netns.userns, "available", lambda: False)
     admission.check_deployable(parse_spec(FIXED.format(n=3)))
+    with pytest.raises(InvalidSpec, match="FLEETSERVE_REPLICA_NETNS=userns"):
+        admission.check_deployable(parse_spec(FIXED.format(n=3)), "local", "userns")
+
+
+def test_a_normal_user_gets_user_namespaces_for_a_fixed_port_fleet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(admission.netns, "available", lambda: False)  # not root
+    monkeypatch.setattr(admission.netns.userns, "available", lambda: True)
+    admission.check_deployable(parse_spec(FIXED.format(n=3)))
+    assert admission.netns.kind("auto") == "userns"
+    with pytest.raises(InvalidSpec, match="neither is possible"):
+        admission.check_deployable(parse_spec(FIXED.format(n=3)), "local", "veth")
+
+
+def test_an_unknown_replica_netns_mode_is_named() -> None:
+    with pytest.raises(TerminalError, match="FLEETSERVE_REPLICA_NETNS='bridge'"):
+        admission.netns.kind("bridge")
