@@ -76,18 +76,24 @@ def validate(
     env: EnvOption = None,
     env_file: EnvFileOption = None,
     secret: SecretOption = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict", help="Also exit 2 when the file is valid but cannot run on this machine."
+        ),
+    ] = False,
 ) -> None:
-    """Check a service YAML (with the --env / --secret values `up` would get); print what is
-    wrong, exit 2 if anything is."""
+    """Check a service YAML (with the --env / --secret values `up` would get) as SkyPilot's
+    parser does: print what is wrong, exit 2 if anything is. What is valid but cannot run here
+    (multi-node, pools, container images, SkyPilot volumes) is printed as `cannot run here:`
+    lines; --strict makes those exit 2 as well."""
     try:
         envs, secrets = _overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)
         require_values(spec, secrets_too=False)  # SkyPilot's parser takes a null secret
-        errors = compat_errors(spec, has_container_runtime())
-        if errors:
-            raise InvalidSpec(f"{file}: " + "\n".join(errors))
     except InvalidSpec as e:
         raise _fail(e) from None
+    not_here = compat_errors(spec, has_container_runtime())
     _print_warnings(compat_warnings(spec, spec.requested_infra() or "local"))
     _print_warnings(
         [
@@ -95,13 +101,32 @@ def validate(
             for k in missing_secrets(spec)
         ]
     )
-    lo, hi = spec.service.replica_bounds()
-    probe = spec.service.readiness_probe
-    probe_text = f"{probe.method} {probe.path}" if probe else "-"
-    out.print(
-        f"[green]OK[/] {file}: replicas {lo}..{hi}, probe {probe_text}, "
-        f"policy {spec.service.load_balancing_policy}"
-    )
+    for line in not_here:
+        out.print(f"[red]cannot run here:[/] {escape(line)}", highlight=False)
+    pool = spec.service.pool
+    if pool is not None:
+        size = (
+            pool.workers if pool.workers is not None else f"{pool.min_workers}..{pool.max_workers}"
+        )
+        summary = f"a worker pool of {size} workers"
+    else:
+        lo, hi = spec.service.replica_bounds()
+        probe = spec.service.readiness_probe
+        probe_text = f"{probe.method} {probe.path}" if probe else "-"
+        summary = (
+            f"replicas {lo}..{hi}, probe {probe_text}, policy {spec.service.load_balancing_policy}"
+        )
+    if not_here:
+        out.print(
+            f"[green]OK[/] {escape(str(file))}: valid ({summary}), but `fleetserve up` refuses it "
+            "here (cannot run here: above)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        if strict:
+            raise typer.Exit(2)
+        return
+    out.print(f"[green]OK[/] {escape(str(file))}: {summary}", highlight=False, soft_wrap=True)
 
 
 def _print_warnings(lines: list[str]) -> None:

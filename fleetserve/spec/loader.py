@@ -228,6 +228,10 @@ def load_spec(
         raise InvalidSpec(
             f"{source}: the document must be a mapping of fields, not {type(data).__name__}"
         )
+    if data.get("pool") is not None:  # SkyPilot's pool YAML: its service section's pool
+        if data.get("service") is not None:
+            raise InvalidSpec(f"{source}: set either 'service' or 'pool', not both")
+        data = {k: v for k, v in data.items() if k != "pool"} | {"service": {"pool": data["pool"]}}
     if "service" not in data:
         raise InvalidSpec(
             f"{source}: service: field required (a 'service:' section makes a task a service)"

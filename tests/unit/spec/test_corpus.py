@@ -35,11 +35,27 @@ def test_validate_gives_the_manifest_verdict(rel: str, monkeypatch: pytest.Monke
         assert all(line.startswith("warning: ") for line in lines[:-1]), result.output
         assert warned == expected.get("warnings", []), result.output
         assert lines[-1].startswith("OK "), result.output
+    elif expected["fleetserve"] == "not-here":
+        assert result.exit_code == 0, result.output
+        assert any(
+            line.startswith("cannot run here: ") and expected["match"] in line for line in lines
+        ), result.output
+        assert lines[-1].startswith("OK ") and "refuses it here" in lines[-1], result.output
+        strict = CliRunner().invoke(app, ["validate", "--strict", str(CORPUS / rel)])
+        assert strict.exit_code == 2, strict.output
+        assert expected["why"], "every refusal has its reason written down"
     else:
         assert expected["fleetserve"] == "refused"
         assert result.exit_code == 2, result.output
         assert expected["match"] in result.output, result.output
         assert expected["why"], "every refusal has its reason written down"
+
+
+def test_validate_gives_skypilots_verdict_on_every_file() -> None:
+    """The exit code of `fleetserve validate` is SkyPilot's parser's verdict, file by file."""
+    for rel, v in MANIFEST.items():
+        accepted = v["fleetserve"] in ("ok", "not-here")
+        assert accepted == (v["skypilot"] == "accept"), rel
 
 
 def test_every_file_skypilot_accepts_is_accepted_or_refused_on_purpose() -> None:

@@ -257,9 +257,18 @@ def test_without_a_readiness_probe_skyserve_probes_the_root() -> None:
     assert probe is not None and probe.path == "/" and probe.method == "GET"
 
 
+def test_a_top_level_pool_is_skypilots_pool_yaml_and_not_beside_a_service() -> None:
+    spec = parse_spec("pool: {workers: 3}\nsetup: echo hi\n")
+    assert spec.service.pool is not None and spec.service.pool.workers == 3
+    with pytest.raises(InvalidSpec, match="set either 'service' or 'pool', not both"):
+        parse_spec("service: {replicas: 1}\npool: {workers: 1}\n")
+    with pytest.raises(InvalidSpec, match="cannot have 'run'"):
+        parse_spec("pool: {workers: 1}\nrun: echo job\n")
+
+
 def test_skypilot_task_and_resources_keys_are_accepted() -> None:
     spec = parse_spec(
-        "service: {replicas: 1}\nsecrets: [HF_TOKEN]\npool: {workers: 1}\n"
+        "service: {replicas: 1}\nsecrets: [HF_TOKEN]\n"
         "workdir: {url: 'https://github.com/x/y.git', ref: v1}\n"
         "volume_mounts: [{path: /data, volume_name: v}]\n"
         "resources: {max_hourly_cost: 1.5, local_disk: 'nvme:2', ephemeral_storage: 20,"
