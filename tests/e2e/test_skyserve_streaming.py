@@ -42,9 +42,7 @@ SERVER = textwrap.dedent(
 )
 
 
-def test_skyserves_streaming_test_runs_unchanged_and_streams(
-    fleet: Fleet, tmp_path: Path
-) -> None:
+def test_skyserves_streaming_test_runs_unchanged_and_streams(fleet: Fleet, tmp_path: Path) -> None:
     repo = tmp_path / "skypilot"
     example = repo / "tests" / "skyserve" / "streaming"
     example.mkdir(parents=True)
