@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import textwrap
+import urllib.request
 
 import pytest
 
@@ -50,3 +53,34 @@ def test_the_default_endpoint_is_loopback_only_and_quiet(fleet: Fleet) -> None:
     with pytest.raises(OSError):
         get(f"http://127.0.0.2:{port}/x", timeout=2)
     fleet.cli("down", "narrow", "--purge")
+
+
+def test_the_api_returns_one_warning_per_cloud_only_field_and_none_otherwise(
+    fleet: Fleet,
+) -> None:
+    """POST /api/v1/services answers with `warnings`: the cloud-only fields it accepted with no
+    effect here, one line each (what `up` prints), and an empty list for a plain YAML."""
+    fleet.cli("server", "start")
+    body = EXPOSED.replace("      load_balancer:\n        host: 0.0.0.0\n", "")
+    cloudy = body + "    resources:\n      cloud: aws\n      instance_type: m5.large\n"
+
+    def create(name: str, text: str) -> dict[str, object]:
+        payload = {"yaml": textwrap.dedent(text.format(name=name, workdir=fleet.workdir))}
+        req = urllib.request.Request(
+            f"{fleet.api}/services",
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json", **fleet.auth()},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 201
+            return dict(json.loads(r.read()))
+
+    got = create("cloudy", cloudy)
+    warnings = got["warnings"]
+    assert isinstance(warnings, list)
+    assert [w.split(":")[0] for w in warnings] == ["resources.cloud", "resources.instance_type"]
+    assert all("does not apply" in w or "ignored" in w for w in warnings), warnings
+    assert create("plain", body)["warnings"] == []
+    fleet.cli("down", "cloudy", "--purge")
+    fleet.cli("down", "plain", "--purge")
