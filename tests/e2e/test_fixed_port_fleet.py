@@ -16,44 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Fleet, endpoint_of
+from tests.e2e.fixed_port import FIXED, SERVER
 from tests.e2e.test_service_lifecycle import get, up
 
 pytestmark = pytest.mark.e2e
 
 if os.geteuid() != 0 or shutil.which("ip") is None:  # never skipped in CI, which runs as root
     pytest.fail("the fixed-port fleet tests need root and iproute2", pytrace=False)
-
-FIXED = """\
-    name: {name}
-    service:
-      readiness_probe: /health
-      replicas: 3
-      ports: 8080
-      load_balancing_policy: round_robin
-    workdir: {workdir}
-    run: python3 fixed.py
-"""
-
-SERVER = textwrap.dedent(
-    """
-    import json, os
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    RID = os.environ["FLEETSERVE_REPLICA_ID"]
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        def do_GET(self):
-            with open("/proc/self/net/dev") as f:  # this process's network namespace's
-                names = sorted(line.split(":")[0].strip() for line in f.readlines()[2:])
-            body = json.dumps({"replica": RID, "path": self.path, "interfaces": names}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        def log_message(self, *a):
-            pass
-    ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
-    """
-)
 
 
 def networks() -> tuple[set[str], set[str]]:
