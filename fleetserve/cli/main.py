@@ -90,7 +90,10 @@ def validate(
     try:
         envs, secrets = _overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)
-        require_values(spec, secrets_too=False)  # SkyPilot's parser takes a null secret
+        try:
+            require_values(spec, secrets_too=False)  # SkyPilot's parser takes a null secret
+        except InvalidSpec as e:
+            raise InvalidSpec(f"{file}: {e.message}") from None
     except InvalidSpec as e:
         raise _fail(e) from None
     not_here = compat_errors(spec, has_container_runtime())

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from fleetserve.controller.settings import is_loopback
 from fleetserve.core.sockets import listener_uids
 from fleetserve.core.types import ReplicaKey
 from fleetserve.policies.fleet import ProbeResult
@@ -41,10 +42,24 @@ async def probe_once(
             False, f"{probe.method} {probe.path} timed out after {probe.timeout_seconds:g} s"
         )
     except Exception as e:
-        return ProbeResult(False, f"{probe.method} {probe.path}: {type(e).__name__}: {e}")
+        return ProbeResult(False, f"{probe.method} {probe.path}: {_explain(e, url)}")
     if resp.status_code == 200:
         return ProbeResult(True, f"{probe.method} {probe.path} -> 200")
     return ProbeResult(False, f"{probe.method} {probe.path} -> HTTP {resp.status_code}")
+
+
+def _explain(e: Exception, url: str) -> str:
+    """The probe's failure in words: the exception, plus what it usually means."""
+    text = f"{type(e).__name__}: {e}"
+    host = httpx.URL(url).host
+    if isinstance(e, httpx.ConnectError) and host and not is_loopback(host):
+        return (
+            f"{text} (nothing accepts connections at {host}: the server must listen on "
+            "0.0.0.0, every address, not only 127.0.0.1)"
+        )
+    if isinstance(e, httpx.ReadError | httpx.RemoteProtocolError) and not str(e):
+        return f"{type(e).__name__}: the connection was closed before any answer (see the log)"
+    return text
 
 
 def foreign_listener(endpoint: str) -> str | None:

@@ -38,6 +38,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from typing import cast
 
 CLONE_NEWUSER = 0x10000000
@@ -174,12 +175,9 @@ class _Client(_Side):
         asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            _, upstream = await asyncio.wait_for(
-                loop.create_connection(_Side, "127.0.0.1", self.port), _CONNECT_TIMEOUT
-            )
-        except (OSError, TimeoutError):
+        upstream = await _dial(self.port)
+        if upstream is None:
+            _say_not_listening(self.port)
             if self.transport is not None:  # the replica does not listen (yet): a reset
                 sock = self.transport.get_extra_info("socket")
                 if sock is not None:
@@ -192,6 +190,36 @@ class _Client(_Side):
             return
         upstream.link(self)
         self.link(upstream)
+
+
+async def _dial(port: int) -> _Side | None:
+    """A connection to the replica inside the namespace: IPv4 loopback, else IPv6's."""
+    loop = asyncio.get_running_loop()
+    for host in ("127.0.0.1", "::1"):
+        try:
+            _, side = await asyncio.wait_for(
+                loop.create_connection(_Side, host, port), _CONNECT_TIMEOUT
+            )
+            return side
+        except (OSError, TimeoutError):
+            continue
+    return None
+
+
+_said_at = [0.0]  # when the replica's log last heard that nothing listens
+
+
+def _say_not_listening(port: int, every: float = 60.0) -> None:
+    """Once a minute at most, in the replica's log: why the load balancer and the probe see
+    their connections reset (the relay accepted them for a replica that does not listen)."""
+    now = time.monotonic()
+    if now - _said_at[0] >= every:
+        _said_at[0] = now
+        print(
+            f"[fleetserve] relay: nothing accepts connections on port {port} (127.0.0.1 or ::1) "
+            "inside the replica's network namespace; connections to it are reset",
+            flush=True,
+        )
 
 
 async def _relay(listen: socket.socket, port: int, replica: int) -> int:
@@ -332,7 +360,8 @@ def _exit_as(code: int) -> None:
     """Exit as the replica did: with its code, or killed by the same signal."""
     if code < 0:
         sys.stdout.flush()
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be handled
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code & 0xFF)
 

@@ -228,6 +228,9 @@ def load_spec(
         raise InvalidSpec(
             f"{source}: the document must be a mapping of fields, not {type(data).__name__}"
         )
+    # A top-level key set to null is absent, as in SkyPilot (`secrets:` with nothing under it);
+    # not `envs` (SkyPilot refuses that) nor `service` (then not a service).
+    data = {k: v for k, v in data.items() if v is not None or k in ("envs", "service")}
     if data.get("pool") is not None:  # SkyPilot's pool YAML: its service section's pool
         if data.get("service") is not None:
             raise InvalidSpec(f"{source}: set either 'service' or 'pool', not both")
@@ -487,6 +490,11 @@ def parse_spec(
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
+        if "another document" in problem:  # `---` then more: valid YAML, not one service
+            raise InvalidSpec(
+                f"{source}: a second YAML document starts{where}: a service YAML is one "
+                "document (SkyPilot's `sky serve up` takes one task too); split the file"
+            ) from None
         raise InvalidSpec(f"{source}: not valid YAML{where}: {_clip(problem)}") from None
     return load_spec(data, source, envs, secrets)
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -48,7 +49,8 @@ FLEETSERVE_INFRAS = ("local", "ray")  # where replicas can run; any other infra 
 # so `re.match("^...$")` would take "name\n" (tests/unit/spec/test_limits.py shows it).
 _ACCELERATOR_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(:\d+(\.\d+)?)?")
 _CPUS = re.compile(r"\d+(\.\d+)?\+?")
-_MEMORY = re.compile(r"\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?)?\+?")
+# A size (`32`, `32GB`, `32+`), or SkyPilot's multiple of the vCPUs (`4x`, `4x+`).
+_MEMORY = re.compile(r"\d+(\.\d+)?(\s*([kKmMgGtT][iI]?[bB]?)|x)?\+?")
 _PORT_RANGE = re.compile(r"(\d+)(-(\d+))?")
 # SkyPilot's task name rule (sky/task.py): letters and digits, joined by one or two of '._-'.
 _TASK_NAME = re.compile(r"[A-Za-z0-9]+(?:[._-]{1,2}[A-Za-z0-9]+)*")
@@ -109,7 +111,13 @@ def _within_replica_limit(value: int, info: ValidationInfo) -> int:
 
 # Strict types: YAML's `true` is not 1, "3" is not 3, 2.5 is not an int (as in SkyServe's JSON
 # schema); a float is finite (an infinite one would be stored as JSON null and not read back).
-StrictCount = Annotated[StrictInt, Field(ge=0)]
+def _integral(v: Any) -> Any:
+    """1.0 is the integer 1, as JSON schema's `integer` (SkyPilot's) has it; 2.5 stays a float
+    and is refused."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+StrictCount = Annotated[StrictInt, BeforeValidator(_integral), Field(ge=0)]
 ReplicaCount = Annotated[StrictCount, AfterValidator(_within_replica_limit)]
 FiniteFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Seconds = Annotated[FiniteFloat, Field(ge=0)]
@@ -446,7 +454,10 @@ class ResourcesBase(_Strict):
     @classmethod
     def _memory(cls, v: Any) -> Any:
         if isinstance(v, str) and not _MEMORY.fullmatch(v.strip()):
-            raise ValueError(f"must be a size in GB such as 16 or '32+' (got {v!r})")
+            raise ValueError(
+                f"must be a size in GB such as 16 or '32+', or a multiple of the vCPUs such as "
+                f"'4x' (got {v!r})"
+            )
         if isinstance(v, int | float) and v <= 0:
             raise ValueError(f"must be > 0 (got {v})")
         return v

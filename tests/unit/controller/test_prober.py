@@ -39,3 +39,15 @@ async def test_a_shared_prober_never_mixes_two_services_with_the_same_replica_id
         result = prober.take(bad)
         assert result is not None and not result.ok
         prober.close()
+
+
+def test_a_probe_failure_says_what_it_usually_means() -> None:
+    from fleetserve.controller.prober import _explain
+
+    refused = httpx.ConnectError("All connection attempts failed")
+    away = _explain(refused, "http://10.231.0.2:8080/health")
+    assert "must listen on 0.0.0.0" in away and "10.231.0.2" in away
+    assert "0.0.0.0" not in _explain(refused, "http://127.0.0.1:8080/health")
+    closed = _explain(httpx.ReadError(""), "http://127.0.0.1:4000/")
+    assert closed == "ReadError: the connection was closed before any answer (see the log)"
+    assert _explain(httpx.ReadError("boom"), "http://127.0.0.1:4000/") == "ReadError: boom"

@@ -4,10 +4,14 @@ flow control, half-closes, and a reset when the replica does not listen."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import os
+import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -92,3 +96,37 @@ async def test_no_replica_listening_resets_the_connection() -> None:
 def test_probe_and_refusal_of_a_missing_command() -> None:
     with pytest.raises(SystemExit):
         userns.main(["--listen-fd", "3"])  # no port, no command: argparse names them
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_launcher_exits_as_the_replica_did_even_killed_by_sigkill(sig: int) -> None:
+    """The controller reads "killed by signal X" from the launcher's status: SIGKILL (the OOM
+    killer's) must come through as itself, not as exit code 1."""
+    code = f"from fleetserve.infra.userns import _exit_as; _exit_as({-sig})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+    assert proc.returncode == -sig, proc.stderr
+
+
+async def test_an_ipv6_only_replica_is_reached_and_silence_is_said_in_the_log(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async def hello(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"v6")
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(hello, "::1", 0)
+    port = server.sockets[0].getsockname()[1]
+    relay, relay_port = await _relay_to(port)
+    r, w = await asyncio.open_connection("127.0.0.1", relay_port)
+    assert await asyncio.wait_for(r.read(), 5) == b"v6"
+    w.close()
+    server.close()
+    await server.wait_closed()
+    userns._said_at[0] = 0.0
+    r, w = await asyncio.open_connection("127.0.0.1", relay_port)  # now nothing listens
+    with contextlib.suppress(ConnectionResetError):
+        await asyncio.wait_for(r.read(), 5)
+    w.close()
+    relay.close()
+    assert f"nothing accepts connections on port {port}" in capsys.readouterr().out
