@@ -298,3 +298,20 @@ def test_no_union_branch_label_leaks_into_an_error_path(text: str, where: str) -
     message = err(text)
     assert where in message
     assert "constrained" not in message and "function-" not in message
+
+
+def test_skypilots_leniencies_null_blocks_vcpu_multiples_and_integral_floats() -> None:
+    spec = parse_spec(
+        "service:\n  replica_policy: {min_replicas: 1.0, max_replicas: 2.0, "
+        "target_qps_per_replica: 1}\nsecrets:\nfile_mounts:\nnum_nodes:\n"
+        "resources: {memory: 4x+}\nrun: python3 s.py\n"
+    )
+    assert spec.secrets == {} and spec.file_mounts == {} and spec.num_nodes == 1
+    assert spec.service.replica_bounds() == (1, 2)
+    assert spec.resources.memory == "4x+"
+    with pytest.raises(InvalidSpec, match=r"got 1\.5"):
+        parse_spec("service:\n  replicas: 1.5\n")
+    with pytest.raises(InvalidSpec, match="envs"):
+        parse_spec("service:\n  replicas: 1\nenvs:\n")
+    with pytest.raises(InvalidSpec, match="a second YAML document starts at line 3"):
+        parse_spec("service:\n  replicas: 1\n---\nservice:\n  replicas: 2\n")
