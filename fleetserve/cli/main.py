@@ -456,12 +456,54 @@ def simulate(
     upscale_delay: Annotated[float, typer.Option(help="Seconds")] = 300.0,
     downscale_delay: Annotated[float, typer.Option(help="Seconds")] = 1200.0,
     window: Annotated[float, typer.Option(help="Request-rate window, seconds")] = 60.0,
-    cold_start: Annotated[float, typer.Option(help="Seconds from launch to READY")] = 60.0,
+    cold_start: Annotated[
+        float | None,
+        typer.Option(help="Seconds from launch to READY (default 60; 300 with --spot-trace)"),
+    ] = None,
     step: Annotated[float, typer.Option(help="Seconds between decisions")] = 1.0,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="Write a PNG here")] = None,
+    spot_trace: Annotated[
+        str | None,
+        typer.Option(
+            help="Compare spot placers instead: a folder of per-zone capacity JSON files, or a "
+            "shipped trace (AWS1, AWS2, AWS3, GCP1); --trace then sets the target over time"
+        ),
+    ] = None,
+    target: Annotated[
+        int, typer.Option(help="With --spot-trace and no --trace: READY replicas wanted")
+    ] = 4,
+    overprovision: Annotated[
+        int, typer.Option(help="With --spot-trace: num_overprovision (spare spot replicas)")
+    ] = 1,
+    seeds: Annotated[
+        int, typer.Option(help="With --spot-trace: runs of a placer with random ties, averaged")
+    ] = 5,
+    start: Annotated[float, typer.Option(help="With --spot-trace: seconds to skip")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="With --spot-trace: JSON out")] = False,
 ) -> None:
     """Replay a request trace through autoscaling policies on a virtual clock and compare them:
-    replicas over time, requests over capacity, replica-hours."""
+    replicas over time, requests over capacity, replica-hours. With --spot-trace, compare spot
+    placers on a spot-capacity trace instead: cost, availability, preemptions."""
+    if spot_trace is not None:
+        _simulate_spot(
+            spot_trace,
+            trace,
+            duration,
+            start,
+            scale,
+            policies,
+            target,
+            target_qps,
+            min_replicas,
+            max_replicas,
+            cold_start,
+            overprovision,
+            seeds,
+            as_json,
+            plot_file,
+        )
+        return
+    cold_start = 60.0 if cold_start is None else cold_start
     from fleetserve.sim.simulator import (
         burst_trace,
         load_trace,
@@ -535,6 +577,58 @@ def simulate(
             plot(runs, tr, target_qps, plot_file)
         except ValueError as e:
             raise _fail(InvalidSpec(str(e))) from None
+        out.print(f"Plot written to {plot_file}")
+
+
+def _simulate_spot(
+    spot_trace: str,
+    trace: str | None,
+    duration: float | None,
+    start: float,
+    scale: float,
+    policies: str,
+    target: int,
+    target_qps: float,
+    min_replicas: int,
+    max_replicas: int,
+    cold_start: float | None,
+    overprovision: int,
+    seeds: int,
+    as_json: bool,
+    plot_file: Path | None,
+) -> None:
+    from fleetserve.cli.spot import plot_spot, run_spot, show
+    from fleetserve.sim.simulator import load_trace
+    from fleetserve.sim.spot import ALL_POLICIES, load_spot_trace
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if names == ["request_rate", "in_flight", "skyserve"]:  # the autoscaling default
+        names = list(ALL_POLICIES)
+    try:
+        if not 1 <= target <= 1000 or not 0 <= overprovision <= 100 or not 1 <= seeds <= 100:
+            raise ValueError("--target 1..1000, --overprovision 0..100 and --seeds 1..100")
+        st = load_spot_trace(spot_trace, duration, start)
+        requests = None
+        if trace is not None:
+            requests = load_trace(trace, scale, st.seconds)
+        results = run_spot(
+            st,
+            names,
+            target,
+            requests,
+            target_qps,
+            min_replicas,
+            max_replicas,
+            300.0 if cold_start is None else cold_start,
+            overprovision,
+            seeds,
+        )
+        if plot_file is not None:
+            plot_spot(st, results, plot_file)
+    except ValueError as e:
+        raise _fail(InvalidSpec(str(e))) from None
+    show(out, st, results, as_json)
+    if plot_file is not None and not as_json:
         out.print(f"Plot written to {plot_file}")
 
 
