@@ -131,7 +131,7 @@ class Adaptive(Placer):
         half_life: float = 6 * 3600.0,
         backoff: float = 60.0,
         max_backoff: float = 600.0,
-        hedge_window: float = 4 * 3600.0,
+        hedge_window: float = 12 * 3600.0,
     ) -> None:
         super().__init__(zones, prices, seed)
         self.half_life = half_life  # a preemption or failed launch counts half after this
@@ -163,7 +163,7 @@ class Adaptive(Placer):
         if zone in self.failures_in_row:
             k = self.failures_in_row[zone]
             self.failures_in_row[zone] = k + 1
-            self.blocked_until[zone] = now + min(self.max_backoff, self.backoff * 2**k)
+            self.blocked_until[zone] = now + min(self.max_backoff, self.backoff * 2 ** min(k, 32))
 
     def select(self, counts: Mapping[str, int], now: float) -> str | None:
         open_zones = [z for z in self.zones if self.blocked_until[z] <= now]

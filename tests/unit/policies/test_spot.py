@@ -50,6 +50,9 @@ def test_adaptive_backs_off_a_zone_whose_launch_failed_and_doubles_it() -> None:
     for z in ("b", "c"):
         p.launch_failed(z, 200)
     assert p.select({}, 201) is None  # every zone just refused: none is tried
+    for i in range(5000):  # a zone that never has capacity: the back-off stays capped
+        p.launch_failed("c", 1000 + i)
+    assert p.blocked_until["c"] == 1000 + 4999 + 200
 
 
 def test_adaptive_spreads_first_then_avoids_the_zone_preempted_recently() -> None:
