@@ -289,16 +289,26 @@ def _outer(listen_fd: int, port: int, command: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: _forward(child, signal.SIGTERM))
     signal.signal(signal.SIGINT, lambda *_: _forward(child, signal.SIGINT))
     while True:
-        try:
-            _, status = os.waitpid(child, 0)
+        pid, status = os.wait()  # the replica's side ending, or the outbound link dying
+        if pid == child:
             break
-        except InterruptedError:
-            continue
+        if link is not None and pid == link.pid:
+            code = os.waitstatus_to_exitcode(status)
+            print(
+                f"[fleetserve] replica network: slirp4netns ended ({_ended(code)}): no outbound "
+                "traffic from now on; inbound traffic still reaches the replica",
+                flush=True,
+            )
+            link = None
     if link is not None:
         link.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             link.wait(timeout=5)
     return os.waitstatus_to_exitcode(status)
+
+
+def _ended(code: int) -> str:
+    return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _start_outbound(pid: int) -> subprocess.Popen[bytes] | None:

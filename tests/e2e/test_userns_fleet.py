@@ -22,6 +22,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fleetserve.infra import userns
@@ -78,6 +79,21 @@ def test_a_fixed_port_fleet_in_user_namespaces_serves_heals_and_leaves_nothing(
                 out = get(f"{endpoint}/out?host={host}&port={srv.getsockname()[1]}")
                 t.join(10)
             assert out["out"] == "hello", out
+        # The outbound link dies: the replica's log says so, and inbound traffic goes on.
+        two = next(r for r in replicas if r.replica_id == 2)
+        assert two.pid is not None
+        links = [c for c in psutil.Process(two.pid).children() if c.name() == "slirp4netns"]
+        assert len(links) == 1, links
+        links[0].kill()
+        fleet.wait_for(
+            "the log line of a dead outbound link",
+            lambda: (
+                "slirp4netns ended (killed by signal SIGKILL)"
+                in fleet.cli("logs", "fixed", "2").stdout
+            ),
+            timeout=20,
+        )
+        assert set(Counter(get(f"{endpoint}/w")["replica"] for _ in range(15))) == {"1", "2", "3"}
     else:
         assert reply["interfaces"] == ["lo"], reply
         assert "loopback only" in fleet.cli("logs", "fixed", "1").stdout
