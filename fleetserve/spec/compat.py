@@ -73,9 +73,7 @@ def compat_warnings(spec: ServiceTask, infra_name: str) -> list[str]:
             if value is None or field in seen:
                 continue
             seen.add(field)
-            lines.append(
-                f"{where}.{field}: {what} does not apply on the {infra_name} infra; ignored"
-            )
+            lines.append(f"{where}.{field}: no effect on the {infra_name} infra ({what}); ignored")
         kind = infra_kind(res.infra)
         if kind is not None and kind not in FLEETSERVE_INFRAS and "infra" not in seen:
             seen.add("infra")
