@@ -29,6 +29,7 @@ class Rejection(StrEnum):
     URL_BYTES = "url_bytes"  # 414
     PIPELINED = "pipelined"  # 429: more requests queued on one connection than allowed
     CONNECTIONS = "connections"  # 503 and close: the process holds its connection limit
+    CLIENT_CONNECTIONS = "client_connections"  # 503 and close: max_connections_per_client
     HEADER_TIMEOUT = "header_timeout"  # 408 (or a silent close before any byte)
     IDLE_TIMEOUT = "idle_timeout"  # a keep-alive connection closed silently
 

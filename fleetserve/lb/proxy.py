@@ -828,6 +828,7 @@ class ClientConn(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self.peer = b""
+        self.counted = False  # counted in proxy.per_client
         self.scheme = b"http"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -841,10 +842,20 @@ class ClientConn(asyncio.Protocol):
             self.transport.write(proxy.busy)  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
             return
-        proxy.clients.add(self)
-        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]).encode() if peer else b""
+        if proxy.per_client_limit is not None:
+            held = proxy.per_client.get(self.peer, 0)
+            if held >= proxy.per_client_limit:  # one address must not take every connection
+                self.dead = self.closed = True
+                proxy.metrics.rejected(Rejection.CLIENT_CONNECTIONS)
+                self.transport.write(proxy.busy_client)  # type: ignore[union-attr]
+                self.transport.close()  # type: ignore[union-attr]
+                return
+            proxy.per_client[self.peer] = held + 1
+            self.counted = True
+        proxy.clients.add(self)
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
         self.scheme = b"https" if transport.get_extra_info("sslcontext") else b"http"
 
     def data_received(self, data: bytes) -> None:
@@ -1238,6 +1249,13 @@ class ClientConn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.proxy.clients.discard(self)
+        if self.counted:
+            self.counted = False
+            left = self.proxy.per_client.get(self.peer, 1) - 1
+            if left > 0:
+                self.proxy.per_client[self.peer] = left
+            else:
+                self.proxy.per_client.pop(self.peer, None)
         self.closed = self.dead = True
         self.backlog = b""
         pending, self.queue = list(self.queue), deque()
@@ -1269,6 +1287,16 @@ class Proxy:
             503,
             "too_many_connections",
             f"this load balancer holds its {self.max_connections} connections; retry shortly",
+            close=True,
+            extra={"Retry-After": "1"},
+        )
+        self.per_client_limit = self.opts.max_connections_per_client
+        self.per_client: dict[bytes, int] = {}  # open connections by client address
+        self.busy_client = error_response(
+            503,
+            "too_many_connections_from_client",
+            f"this client address holds {self.per_client_limit} connections to this load "
+            "balancer; close some, or retry shortly",
             close=True,
             extra={"Retry-After": "1"},
         )

@@ -433,3 +433,46 @@ async def test_the_process_comes_back_to_its_baseline_after_abuse(
             assert line in metrics and f"{line} 0.0" not in metrics, reason
     finally:
         replica.close()
+
+
+async def test_one_client_address_past_its_limit_gets_503_and_others_are_served(
+    serve: Serve,
+) -> None:
+    """max_connections_per_client: 127.0.0.2 holds its 3 connections; its 4th gets a 503 and is
+    closed, while 127.0.0.1 is served; a freed connection lets 127.0.0.2 in again."""
+    replica, proxy, port = await serve(max_connections_per_client=3)
+    loop = asyncio.get_running_loop()
+
+    async def connect_from(address: str) -> socket.socket:
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.bind((address, 0))
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        return sock
+
+    async def ask(sock: socket.socket, path: str) -> bytes:
+        await loop.sock_sendall(sock, b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+        return await asyncio.wait_for(loop.sock_recv(sock, 65536), 5)
+
+    held = [await connect_from("127.0.0.2") for _ in range(3)]
+    try:
+        await eventually(lambda: proxy.per_client.get(b"127.0.0.2") == 3)
+        over = await connect_from("127.0.0.2")  # answered at once, before it sends anything
+        answer = await asyncio.wait_for(loop.sock_recv(over, 65536), 5)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections_from_client" in answer
+        assert await asyncio.wait_for(loop.sock_recv(over, 100), 5) == b""  # and closed
+        over.close()
+        reply = await converse(port, b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n", read_for=0.5)
+        assert reply.statuses == [200]  # another address is not held back
+        assert (await ask(held[0], "/mine")).startswith(b"HTTP/1.1 200")
+        held.pop().close()
+        await eventually(lambda: proxy.per_client.get(b"127.0.0.2") == 2)
+        again = await connect_from("127.0.0.2")
+        held.append(again)
+        assert (await ask(again, "/again")).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in held:
+            sock.close()
+    await eventually(lambda: proxy.per_client == {})
+    assert rejected(proxy, "client_connections") == 1
+    assert "/again" in replica.paths()
