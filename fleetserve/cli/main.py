@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -574,10 +575,22 @@ def simulate(
     out.print(samples)
     if plot_file is not None:
         try:
+            check_plot_path(plot_file)
             plot(runs, tr, target_qps, plot_file)
         except ValueError as e:
             raise _fail(InvalidSpec(str(e))) from None
+        except OSError as e:
+            raise _fail(InvalidSpec(f"--plot {plot_file}: {e.strerror or e}")) from None
         out.print(f"Plot written to {plot_file}")
+
+
+def check_plot_path(path: Path) -> None:
+    """A plot goes to a file named with its format's suffix, in a folder that exists (matplotlib
+    would add `.png` to a bare name, or write beside a folder's name)."""
+    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"--plot {path}: name a .png, .svg or .pdf file")
+    if path.is_dir() or not path.parent.is_dir():
+        raise ValueError(f"--plot {path}: not a file in an existing folder")
 
 
 def _simulate_spot(
@@ -605,8 +618,17 @@ def _simulate_spot(
     if names == ["request_rate", "in_flight", "skyserve"]:  # the autoscaling default
         names = list(ALL_POLICIES)
     try:
-        if not 1 <= target <= 1000 or not 0 <= overprovision <= 100 or not 1 <= seeds <= 100:
-            raise ValueError("--target 1..1000, --overprovision 0..100 and --seeds 1..100")
+        if not 1 <= target <= 100 or not 0 <= overprovision <= 100 or not 1 <= seeds <= 100:
+            raise ValueError("--target 1..100, --overprovision 0..100 and --seeds 1..100")
+        if not names:
+            raise ValueError("--policy names no policy")
+        names = list(dict.fromkeys(names))  # each once, in the order given
+        if cold_start is not None and not (math.isfinite(cold_start) and cold_start >= 0):
+            raise ValueError(f"--cold-start {cold_start}: seconds, >= 0")
+        if trace is not None and not (target_qps > 0 and 1 <= min_replicas <= max_replicas <= 100):
+            raise ValueError("with --trace: --target-qps > 0 and 1 <= --min <= --max <= 100")
+        if plot_file is not None:
+            check_plot_path(plot_file)
         st = load_spot_trace(spot_trace, duration, start)
         requests = None
         if trace is not None:
@@ -624,7 +646,10 @@ def _simulate_spot(
             seeds,
         )
         if plot_file is not None:
-            plot_spot(st, results, plot_file)
+            try:
+                plot_spot(st, results, plot_file)
+            except OSError as e:
+                raise ValueError(f"--plot {plot_file}: {e.strerror or e}") from None
     except ValueError as e:
         raise _fail(InvalidSpec(str(e))) from None
     show(out, st, results, as_json)

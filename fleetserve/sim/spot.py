@@ -65,10 +65,18 @@ class SpotTrace:
         return values[i] if 0 <= i < len(values) else 0
 
 
+MAX_TRACE_STEPS = 10_000_000  # decision rounds (of `tick` seconds) one simulation may take
+MAX_ZONE_FILE_BYTES = 64 * 1024 * 1024
+
+
 def load_spot_trace(path: str, duration: float | None = None, start: float = 0.0) -> SpotTrace:
     """A folder of one JSON file per zone (`{"metadata": {"gap_seconds": G}, "data": [...]}`),
     or the name of one shipped with fleetserve (AWS1, AWS2, AWS3, GCP1). `start` and `duration`
-    (seconds) cut a slice."""
+    (seconds) cut a slice. Zones of different lengths are cut to the shortest."""
+    if not math.isfinite(start) or start < 0:
+        raise ValueError(f"--start {start}: seconds from the trace's start, >= 0")
+    if duration is not None and (not math.isfinite(duration) or duration <= 0):
+        raise ValueError(f"--duration {duration}: seconds, > 0")
     folder = SPOT_TRACES / path if (SPOT_TRACES / path).is_dir() else Path(path)
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
     if not files:
@@ -77,14 +85,8 @@ def load_spot_trace(path: str, duration: float | None = None, start: float = 0.0
     capacity: dict[str, tuple[int, ...]] = {}
     step = None
     for f in files:
-        try:
-            doc = json.loads(f.read_text())
-            gap = float(doc["metadata"]["gap_seconds"])
-            data = [int(x) for x in doc["data"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"spot trace {f}: {type(e).__name__}: {e}") from None
-        if gap <= 0 or any(x < 0 for x in data):
-            raise ValueError(f"spot trace {f}: gap_seconds > 0 and capacities >= 0 are needed")
+        doc = _zone_file(f)
+        gap, data = doc
         if step is not None and gap != step:
             raise ValueError(f"spot trace {path}: its zones have different gap_seconds")
         step = gap
@@ -92,7 +94,40 @@ def load_spot_trace(path: str, duration: float | None = None, start: float = 0.0
         last = None if duration is None else first + max(1, math.ceil(duration / gap))
         capacity[f.stem.split("_")[0]] = tuple(data[first:last])
     assert step is not None
-    return SpotTrace(Path(path).name, step, capacity)
+    trace = SpotTrace(Path(path).name, step, capacity)
+    if trace.seconds <= 0:
+        full = step * min(len(_zone_file(f)[1]) for f in files)
+        raise ValueError(
+            f"spot trace {path}: nothing left to replay from --start {start:g} s (the trace "
+            f"holds {full:g} s)"
+        )
+    return trace
+
+
+def _zone_file(f: Path) -> tuple[float, list[int]]:
+    """(gap_seconds, capacities) of one zone's file, or ValueError saying what is wrong."""
+    if not f.is_file():  # a FIFO or a device would block or never end
+        raise ValueError(f"spot trace {f}: not a regular file")
+    if f.stat().st_size > MAX_ZONE_FILE_BYTES:
+        raise ValueError(f"spot trace {f}: larger than {MAX_ZONE_FILE_BYTES} bytes")
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"spot trace {f}: not readable JSON: {e}") from None
+    meta = doc.get("metadata") if isinstance(doc, dict) else None
+    gap = meta.get("gap_seconds") if isinstance(meta, dict) else None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(gap, int | float) or isinstance(gap, bool) or not isinstance(data, list):
+        raise ValueError(
+            f'spot trace {f}: expected {{"metadata": {{"gap_seconds": G}}, "data": [n, ...]}}'
+        )
+    if not (math.isfinite(gap) and 0 < gap <= 86400):
+        raise ValueError(f"spot trace {f}: gap_seconds must be > 0 and at most a day ({gap})")
+    if not data or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in data):
+        raise ValueError(f"spot trace {f}: data must be a non-empty list of whole numbers >= 0")
+    if gap * len(data) / 60.0 > MAX_TRACE_STEPS:
+        raise ValueError(f"spot trace {f}: longer than {MAX_TRACE_STEPS:,} minutes")
+    return float(gap), data
 
 
 def prices_for(trace: SpotTrace) -> tuple[float, float]:

@@ -262,10 +262,10 @@ class LoadBalancerOptions(_Strict):
     max_url_bytes: Annotated[int, Field(ge=64, le=1024 * 1024)] = 8 * 1024  # else 414
     max_pipelined_requests: Annotated[int, Field(ge=1, le=1024)] = 16  # per connection
     # Client connections per LB process (past it: 503); default from RLIMIT_NOFILE, <= 10,000.
-    max_connections: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    max_connections: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     # ... and from one client address (past it: 503); unset: no per-client limit (behind a
     # proxy every client has the proxy's address).
-    max_connections_per_client: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    max_connections_per_client: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     header_timeout_seconds: Annotated[float, Field(gt=0, le=3600)] = 10.0  # a whole head; 408
     idle_timeout_seconds: Annotated[float, Field(gt=0, le=86_400)] = 75.0  # keep-alive, silent
     # SkyServe's name for the proxied response's timeout (httpx's per-read timeout there):

@@ -66,7 +66,7 @@ def test_the_shipped_traces_load_and_bad_ones_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="different gap_seconds"):
         load_spot_trace(str(tmp_path))
     (tmp_path / "z2_x.json").write_text('{"data": [1]}')
-    with pytest.raises(ValueError, match=r"z2_x\.json: KeyError"):
+    with pytest.raises(ValueError, match=r"z2_x\.json: expected"):
         load_spot_trace(str(tmp_path))
 
 
@@ -84,3 +84,39 @@ def test_simulate_spot_trace_cli_prints_every_policy_as_json_and_refuses_bad_inp
     assert bad.exit_code == 2 and "spot trace nowhere" in bad.output
     bad = runner.invoke(app, ["simulate", "--spot-trace", "GCP1", "--policy", "magic"])
     assert bad.exit_code == 2 and "unknown policy 'magic'" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--start", "-100"], "--start -100.0"),
+        (["--start", "inf"], "--start inf"),
+        (["--start", "1e9"], "nothing left to replay"),
+        (["--duration", "0"], "--duration 0.0"),
+        (["--policy", ","], "names no policy"),
+        (["--target", "1000"], "--target 1..100"),
+        (["--cold-start", "-5"], "--cold-start -5.0"),
+        (["--plot", "/nonexistent/x.png"], "not a file in an existing folder"),
+        (["--plot", "/tmp"], "name a .png, .svg or .pdf file"),
+        (["--trace", "maf1", "--min", "5", "--max", "2"], "--min <= --max"),
+    ],
+)
+def test_simulate_spot_trace_refuses_what_would_mislead_or_hang(args: list[str], says: str) -> None:
+    res = CliRunner().invoke(app, ["simulate", "--spot-trace", "GCP1", *args])
+    assert res.exit_code == 2 and says in res.output, res.output
+
+
+def test_a_trace_that_would_never_end_or_block_is_refused(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "a.json").write_text('{"metadata": {"gap_seconds": 1e300}, "data": [1, 2]}')
+    with pytest.raises(ValueError, match="at most a day"):
+        load_spot_trace(str(tmp_path))
+    (tmp_path / "a.json").unlink()
+    os.mkfifo(tmp_path / "x.json")  # reading it would block for ever
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_spot_trace(str(tmp_path))
+    (tmp_path / "x.json").unlink()
+    (tmp_path / "b.json").write_text('{"metadata": {"gap_seconds": 60}, "data": []}')
+    with pytest.raises(ValueError, match="non-empty list"):
+        load_spot_trace(str(tmp_path))

@@ -315,3 +315,12 @@ def test_skypilots_leniencies_null_blocks_vcpu_multiples_and_integral_floats() -
         parse_spec("service:\n  replicas: 1\nenvs:\n")
     with pytest.raises(InvalidSpec, match="a second YAML document starts at line 3"):
         parse_spec("service:\n  replicas: 1\n---\nservice:\n  replicas: 2\n")
+
+
+@pytest.mark.parametrize("value", ['"3"', "true", "0", "3.5"])
+def test_lb_connection_limits_are_whole_numbers_not_strings_or_booleans(value: str) -> None:
+    for field in ("max_connections", "max_connections_per_client"):
+        with pytest.raises(InvalidSpec, match=f"service.load_balancer.{field}"):
+            parse_spec(f"service:\n  replicas: 1\n  load_balancer: {{{field}: {value}}}\n")
+    spec = parse_spec("service:\n  replicas: 1\n  load_balancer: {max_connections_per_client: 3}\n")
+    assert spec.service.load_balancer.max_connections_per_client == 3
