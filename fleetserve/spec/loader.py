@@ -216,7 +216,8 @@ def load_spec(
     # A top-level key set to null is absent, as in SkyPilot (`secrets:` with nothing under it);
     # not `envs` (SkyPilot refuses that) nor `service` (then not a service).
     data = {k: v for k, v in data.items() if v is not None or k in ("envs", "service")}
-    if data.get("pool") is not None:  # SkyPilot's pool YAML: its service section's pool
+    top_level_pool = data.get("pool") is not None
+    if top_level_pool:  # SkyPilot's pool YAML: its service section's pool
         if data.get("service") is not None:
             raise InvalidSpec(f"{source}: set either 'service' or 'pool', not both")
         data = {k: v for k, v in data.items() if k != "pool"} | {"service": {"pool": data["pool"]}}
@@ -251,6 +252,8 @@ def load_spec(
         return ServiceTask.model_validate(data, context=context)
     except ValidationError as e:
         lines = format_validation_error(e)
+        if top_level_pool:  # name the field where the YAML has it
+            lines = [line.replace("service.pool", "pool", 1) for line in lines]
         raise InvalidSpec(_hide(f"{source}: " + "\n".join(lines), hidden)) from None
 
 

@@ -324,3 +324,9 @@ def test_lb_connection_limits_are_whole_numbers_not_strings_or_booleans(value: s
             parse_spec(f"service:\n  replicas: 1\n  load_balancer: {{{field}: {value}}}\n")
     spec = parse_spec("service:\n  replicas: 1\n  load_balancer: {max_connections_per_client: 3}\n")
     assert spec.service.load_balancer.max_connections_per_client == 3
+
+
+def test_a_top_level_pools_errors_name_its_own_path() -> None:
+    with pytest.raises(InvalidSpec) as e:
+        parse_spec("pool: {workers: -1}\n")
+    assert e.value.message.startswith("service YAML: pool.workers:"), e.value.message
