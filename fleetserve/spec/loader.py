@@ -117,6 +117,7 @@ def format_validation_error(err: ValidationError) -> list[str]:
             msg = "field required"
         else:
             msg = _clip(str(e["msg"]).removeprefix("Value error, "), 2 * MAX_SHOWN_CHARS)
+            msg = _MODEL_NAME.sub("", msg)  # "a valid dictionary or instance of Tls": no class
         secret = any(str(part) in _SECRET_FIELDS for part in loc)
         if e["type"] != "extra_forbidden" and "input" in e and e["type"] != "missing":
             value = e["input"]
@@ -178,6 +179,22 @@ def _hide(text: str, secret_values: list[str]) -> str:
     return text
 
 
+_MODEL_NAME = re.compile(r" or instance of [A-Za-z_]+")
+
+
+def _kind(value: object) -> str:
+    """A YAML value's kind in YAML's words."""
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return type(value).__name__
+
+
 def require_values(spec: ServiceTask, secrets_too: bool = True) -> None:
     """SkyPilot's rule: an `envs` or `secrets` entry set to null must be given a value (by
     `--env` / `--secret`, or the API's `envs` / `secrets`), else nothing starts. SkyPilot's
@@ -211,7 +228,10 @@ def load_spec(
     document, the overrides and that limit."""
     if not isinstance(data, dict):
         raise InvalidSpec(
-            f"{source}: the document must be a mapping of fields, not {type(data).__name__}"
+            f"{source}: the document is empty: a service YAML is a mapping of fields "
+            "(service:, run:, ...)"
+            if data is None
+            else f"{source}: the document must be a mapping of fields, not {_kind(data)}"
         )
     # A top-level key set to null is absent, as in SkyPilot (`secrets:` with nothing under it);
     # not `envs` (SkyPilot refuses that) nor `service` (then not a service).

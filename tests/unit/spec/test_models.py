@@ -330,3 +330,18 @@ def test_a_top_level_pools_errors_name_its_own_path() -> None:
     with pytest.raises(InvalidSpec) as e:
         parse_spec("pool: {workers: -1}\n")
     assert e.value.message.startswith("service YAML: pool.workers:"), e.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "the document is empty"),
+        ("[1, 2]\n", "must be a mapping of fields, not a list"),
+        ("service:\nrun: x\n", "service: Input should be a valid dictionary"),
+    ],
+)
+def test_errors_about_the_documents_shape_speak_yaml_not_python(text: str, says: str) -> None:
+    with pytest.raises(InvalidSpec) as e:
+        parse_spec(text)
+    assert says in e.value.message
+    assert "NoneType" not in e.value.message and "instance of" not in e.value.message
