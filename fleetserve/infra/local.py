@@ -68,7 +68,6 @@ class LocalHandle:
     dir: str
     netns: str | None = None  # the replica's own network namespace (a fixed-port fleet)
     address: str | None = None  # its address there
-    relay_port: int | None = None  # or: this machine's port relayed into its user namespace
 
     def to_json(self) -> str:
         d = {k: v for k, v in self.__dict__.items() if v is not None}
@@ -84,7 +83,6 @@ class LocalHandle:
             dir=d["dir"],
             netns=d.get("netns"),
             address=d.get("address"),
-            relay_port=d.get("relay_port"),
         )
 
 
@@ -412,7 +410,6 @@ class LocalInfra:
             dir=str(rdir),
             netns=netns,
             address=netns and address,
-            relay_port=relay_port or None,
         )
         try:
             while not (rdir / _SETUP_DONE).exists():
@@ -428,9 +425,8 @@ class LocalInfra:
         except BaseException:
             await self.terminate(handle.to_json(), request.launch_token)
             raise
-        if relay is not None:
-            return Launched(handle=handle.to_json(), host=address, port=relay_port)
-        return Launched(handle=handle.to_json(), host=address, port=port)
+        # A user namespace's replica is reached through its relay's port on this machine.
+        return Launched(handle=handle.to_json(), host=address, port=relay_port or port)
 
     async def poll(self, handle: str) -> InstanceState:
         h = LocalHandle.from_json(handle)

@@ -174,27 +174,16 @@ def _routes() -> list[tuple[ipaddress.IPv4Network, str]]:
 
 
 def start_outbound(name: str, env: Mapping[str, str] | None) -> bool:
-    """slirp4netns for the named namespace (its own default route, NAT in user space, this
-    machine's loopback out of reach); False when it is not installed or did not start."""
-    tool = userns.outbound_tool()
-    if tool is None:
-        return False
-    ready_r, ready_w = os.pipe()
-    try:
-        flags = ["--configure", "--mtu=65520", "--disable-host-loopback", f"--ready-fd={ready_w}"]
-        subprocess.Popen(
-            [tool, *flags, "--netns-type=path", f"/run/netns/{name}", "tap0"],
-            pass_fds=(ready_w,),
-            env=dict(env) if env is not None else None,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    finally:
-        os.close(ready_w)
-    with os.fdopen(ready_r, "rb") as f:
-        return f.read(1) == b"1"
+    """slirp4netns for the named namespace, detached (stopped with the replica, by its
+    token: it runs with `env`); False when it is not installed or did not start."""
+    link = userns.start_slirp(
+        ["--netns-type=path", f"/run/netns/{name}", "tap0"],
+        env=dict(env) if env is not None else None,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return link is not None
 
 
 def _stop_outbound(name: str) -> None:

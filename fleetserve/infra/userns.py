@@ -39,7 +39,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import cast
+from typing import Any, cast
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -255,12 +255,11 @@ def _inner(listen_fd: int, port: int, command: list[str], ready: int, go: int) -
         os._exit(127)
     listen = socket.socket(fileno=listen_fd)
     listen.setblocking(False)
-    try:  # the load balancer's event loop, where installed: about half the relay's latency
+    try:  # the load balancer's event loop where installed (this file also runs alone)
         import uvloop
-
-        return uvloop.run(_relay(listen, port, replica))
     except ImportError:
         return asyncio.run(_relay(listen, port, replica))
+    return uvloop.run(_relay(listen, port, replica))
 
 
 def _outer(listen_fd: int, port: int, command: list[str]) -> int:
@@ -311,33 +310,45 @@ def _ended(code: int) -> str:
     return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _start_outbound(pid: int) -> subprocess.Popen[bytes] | None:
+def start_slirp(target: list[str], **popen: Any) -> subprocess.Popen[bytes] | None:
+    """slirp4netns for a namespace (`target`: a pid, or `--netns-type=path PATH`, then the
+    device): user-space NAT out of it, a default route, this machine's loopback out of reach.
+    Returns it once it says it is ready; None when it is not installed or did not start."""
     tool = outbound_tool()
     if tool is None:
+        return None
+    ready_r, ready_w = os.pipe()
+    flags = ["--configure", "--mtu=65520", "--disable-host-loopback", f"--ready-fd={ready_w}"]
+    try:
+        link = subprocess.Popen(
+            [tool, *flags, *target], pass_fds=(ready_w,), stdin=subprocess.DEVNULL, **popen
+        )
+    finally:
+        os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as f:
+        ok = f.read(1) == b"1"
+    if not ok:
+        link.wait()
+        return None
+    return link
+
+
+def _start_outbound(pid: int) -> subprocess.Popen[bytes] | None:
+    if outbound_tool() is None:
         print(
             "[fleetserve] replica network: a namespace of its own with loopback only (no "
             "outbound traffic: install slirp4netns for it)",
             flush=True,
         )
         return None
-    ready_r, ready_w = os.pipe()
-    flags = ["--configure", "--mtu=65520", "--disable-host-loopback", f"--ready-fd={ready_w}"]
-    link = subprocess.Popen(
-        [tool, *flags, str(pid), "tap0"],
-        pass_fds=(ready_w,),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # its errors (e.g. no access to /dev/net/tun) go to the log
-    )
-    os.close(ready_w)
-    with os.fdopen(ready_r, "rb") as f:
-        ok = f.read(1) == b"1"
-    if not ok:
+    # Its errors (e.g. no access to /dev/net/tun) go to the replica's log, this one's stderr.
+    link = start_slirp([str(pid), "tap0"], stdout=subprocess.DEVNULL)
+    if link is None:
         print(
             "[fleetserve] replica network: slirp4netns did not start (above: why), so a "
             "namespace of its own with loopback only (no outbound traffic)",
             flush=True,
         )
-        link.wait()
         return None
     print("[fleetserve] replica network: a namespace of its own, outbound through slirp4netns")
     sys.stdout.flush()

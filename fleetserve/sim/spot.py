@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fleetserve.policies.autoscaler import fallback_targets
@@ -160,7 +160,6 @@ class SpotRun:
     failed_launches: int = 0
     spot_seconds: float = 0.0  # replica-seconds, for the share of spot
     od_seconds: float = 0.0
-    ready_curve: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def relative_cost(self) -> float:
@@ -204,7 +203,6 @@ def simulate_spot(
     requests: Trace | None = None,
     capacity_qps: float = 1.0,
     seed: int = 0,
-    curve_every: float = 0.0,
 ) -> SpotRun:
     """One policy over the whole trace. `target` is a number of READY replicas, or a function of
     time (e.g. from a request trace). `replica_policy` supplies SkyServe's fallback settings
@@ -226,43 +224,33 @@ def simulate_spot(
     fleet: list[_Replica] = []
     t = 0.0
     end = trace.seconds
-    next_curve = 0.0
     while t < end:
         n = max(0, want(t))
         run.seconds += tick
         run.on_demand_cost += n * od_price * tick / 3600
         if policy == "optimum":
             spot = min(n, sum(trace.at(z, t) for z in zones))
-            run.cost += (spot * spot_price + (n - spot) * od_price) * tick / 3600
-            run.spot_seconds += spot * tick
-            run.od_seconds += (n - spot) * tick
-            run.available_seconds += tick
+            od = n - spot
             ready = n
         else:
             _fail_launches(fleet, t, placer)
             _preempt(fleet, trace, t, run, placer)
             _act(fleet, policy, n, rp, placer, trace, t, cold_start, fail_delay, run)
-            for r in fleet:
-                if r.fails_at is not None:
-                    continue  # a launch that will fail holds no instance
-                price = spot_price if r.spot else od_price
-                run.cost += price * tick / 3600
-                if r.spot:
-                    run.spot_seconds += tick
-                else:
-                    run.od_seconds += tick
+            held = [r for r in fleet if r.fails_at is None]  # a failing launch holds nothing
+            spot = sum(r.spot for r in held)
+            od = len(held) - spot
             ready = sum(r.ready_at <= t for r in fleet)  # a failing launch is never ready
-            if ready >= n:
-                run.available_seconds += tick
             if placer is not None:
                 placer.observe(t, ready_spot=sum(r.spot and r.ready_at <= t for r in fleet))
+        run.cost += (spot * spot_price + od * od_price) * tick / 3600
+        run.spot_seconds += spot * tick
+        run.od_seconds += od * tick
+        if ready >= n:
+            run.available_seconds += tick
         if requests is not None:
             qps = requests.at(t)
             run.requests += qps * tick
             run.over_capacity += max(0.0, qps - ready * capacity_qps) * tick
-        if curve_every and t >= next_curve:
-            run.ready_curve.append((t, ready))
-            next_curve = t + curve_every
         t += tick
     return run
 
