@@ -218,3 +218,49 @@ def _listening(port: int) -> bool:
 
 if sys.platform != "linux":  # pragma: no cover
     pytest.fail("user namespaces are Linux's", pytrace=False)
+
+
+def test_two_fixed_port_services_started_at_once_one_broken_in_user_namespaces(
+    fleet: Fleet,
+) -> None:
+    """Both fix port 8080 (namespaced, so both may): the healthy one serves from each of its
+    replicas while the broken one's replicas exit; the broken one is reported, not the other."""
+    if not userns.available():
+        pytest.fail("this machine does not allow user namespaces", pytrace=False)
+    fleet.env["FLEETSERVE_REPLICA_NETNS"] = "userns"
+    (fleet.workdir / "fixed.py").write_text(SERVER)
+    fleet.cli("server", "start")
+    good = fleet.write_service(
+        "good",
+        FIXED.replace("replicas: 3", "replicas: 2").format(name="good", workdir=fleet.workdir),
+    )
+    bad = fleet.write_service(
+        "bad",
+        FIXED.replace("replicas: 3", "replicas: 2")
+        .replace("run: python3 fixed.py", "run: echo boom; exit 3")
+        .format(name="bad", workdir=fleet.workdir),
+    )
+    cmd = [sys.executable, "-m", "fleetserve", "up"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(p)], env=fleet.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for p in (good, bad)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 0, outs[0]
+    assert procs[1].returncode == 1 and "exited with code 3" in outs[1][1], outs[1]
+
+    def good_ready() -> bool:
+        with fleet.client() as c:
+            return [r.status for r in c.service("good").replicas] == ["READY", "READY"]
+
+    fleet.wait_for("both good replicas READY", good_ready, timeout=30)
+    with fleet.client() as c:
+        endpoint = c.service("good").endpoint
+        assert all(r.status == "FAILED" for r in c.service("bad").replicas)
+    assert endpoint is not None
+    assert set(Counter(get(f"{endpoint}/x")["replica"] for _ in range(12))) == {"1", "2"}
+    fleet.cli("down", "--all", "--purge")
+    left = [p for p in fleet.processes() if p.pid != fleet.controller_pid()]
+    assert left == [], [p.cmdline() for p in left]
