@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from fleetserve.api.models import EventInfo, ServiceInfo
+from fleetserve.api.models import EventInfo, Preempted, ServiceInfo
 from fleetserve.controller.home import secure_home
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import (
@@ -400,6 +400,21 @@ class Client:
                 return last
             time.sleep(0.3)
         return last
+
+    def zones(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("GET", "/zones").json()
+        return result
+
+    def chaos_preempt(
+        self, name: str, replica_id: int | None = None, zone: str | None = None
+    ) -> list[Preempted]:
+        body = {"service": name, "replica_id": replica_id, "zone": zone}
+        resp = self._call("POST", "/chaos/preempt", json=body)
+        return [Preempted.model_validate(p) for p in resp.json()]
+
+    def chaos_capacity(self, capacity: dict[str, int | None]) -> list[Preempted]:
+        resp = self._call("POST", "/chaos/capacity", json={"capacity": capacity})
+        return [Preempted.model_validate(p) for p in resp.json()]
 
     def terminate_replica(self, name: str, replica_id: int, purge: bool = False) -> None:
         self._call(

@@ -21,17 +21,20 @@ from sqlalchemy.exc import OperationalError
 from fleetserve._version import __version__
 from fleetserve.api.auth import ApiGuard, allowed_host_names
 from fleetserve.api.models import (
+    ChaosCapacity,
+    ChaosPreempt,
     CreateService,
     ErrorResponse,
     EventInfo,
     Health,
+    Preempted,
     ReplicaInfo,
     ServiceInfo,
     UpdateService,
 )
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.home import ensure_token
-from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound
+from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound
 from fleetserve.core.types import ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
 from fleetserve.lb.wake import wake_token
@@ -102,9 +105,12 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
                 launched_at=r.launched_at,
                 first_ready_at=r.first_ready_at,
                 terminated_at=r.terminated_at,
+                zone=r.zone,
+                spot=r.spot,
             )
             for r in replicas
         ],
+        spot_placer=ctl.placer_of(svc.name) if spec.uses_spot else None,
     )
 
 
@@ -259,6 +265,23 @@ def create_app(
     ) -> dict[str, str]:
         ctl.terminate_replica(name, replica_id, purge)
         return {"status": "terminating"}
+
+    @app.get(f"{PREFIX}/zones", responses=_ERRORS)
+    async def zones() -> list[dict[str, object]]:
+        return ctl.zones()
+
+    @app.post(f"{PREFIX}/chaos/preempt", response_model=list[Preempted], responses=_ERRORS)
+    async def chaos_preempt(body: ChaosPreempt) -> list[dict[str, object]]:
+        if (body.replica_id is None) == (body.zone is None):
+            raise InvalidSpec("name one replica (replica_id) or one zone (zone), not both")
+        lost = ctl.chaos_preempt(body.service, body.replica_id, body.zone)
+        if body.replica_id is not None and not lost:
+            raise Conflict(f"replica {body.replica_id} of {body.service} is not running")
+        return lost
+
+    @app.post(f"{PREFIX}/chaos/capacity", response_model=list[Preempted], responses=_ERRORS)
+    async def chaos_capacity(body: ChaosCapacity) -> list[dict[str, object]]:
+        return ctl.chaos_capacity(dict(body.capacity))
 
     @app.post(f"{PREFIX}/services/{{name}}/update", response_model=ServiceInfo, responses=_ERRORS)
     async def update_service(name: ServiceName, body: UpdateService) -> ServiceInfo:

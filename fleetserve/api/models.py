@@ -71,6 +71,8 @@ class ReplicaInfo(BaseModel):
     launched_at: float | None = None
     first_ready_at: float | None = None
     terminated_at: float | None = None
+    zone: str | None = Field(None, description="Where it runs (the spot placer's choice)")
+    spot: bool = Field(False, description="A spot instance (may be preempted)")
 
 
 class EventInfo(BaseModel):
@@ -97,6 +99,9 @@ class ServiceInfo(BaseModel):
     max_replicas: int
     target_replicas: int = Field(0, description="What the autoscaler wants now (or min).")
     replicas: list[ReplicaInfo] = Field(default_factory=list)
+    spot_placer: dict[str, object] | None = Field(
+        None, description="A spot service's placer and its zone marks (as stored)."
+    )
     warnings: list[str] = Field(
         default_factory=list,
         description="Fields of the YAML accepted with no effect here (cloud-only fields), "
@@ -118,3 +123,29 @@ class Health(BaseModel):
     version: str
     pid: int
     home: str
+
+
+ZoneName = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
+
+
+class ChaosPreempt(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    service: str = Field(min_length=1, max_length=64)
+    replica_id: int | None = Field(None, ge=1, le=2**31 - 1)
+    zone: ZoneName | None = None
+
+
+class ChaosCapacity(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    capacity: dict[ZoneName, Annotated[int, Field(ge=0, le=10_000)] | None] = Field(
+        max_length=64,
+        description="Spot capacity per zone (null: unlimited). A zone below what it holds "
+        "preempts its newest spot replicas.",
+    )
+
+
+class Preempted(BaseModel):
+    service: str
+    replica_id: int
+    zone: str
+    spot: bool

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetserve.api.models import ServiceInfo
+from fleetserve.cli.chaos import chaos_app
 from fleetserve.cli.envs import overrides
 from fleetserve.cli.render import events_table, replicas_table, services_table, styled
 from fleetserve.client import Client, server_pid, start_server, stop_server
@@ -35,6 +36,7 @@ app = typer.Typer(
 )
 server_app = typer.Typer(help="Manage the background controller.", no_args_is_help=True)
 app.add_typer(server_app, name="server")
+app.add_typer(chaos_app, name="chaos")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
@@ -349,6 +351,9 @@ def status(
         for s in services:
             if s.failure_reason:
                 out.print(f"[red]{s.name}:[/] {s.failure_reason}", highlight=False)
+            if s.spot_placer:
+                placer, summary = s.spot_placer.get("placer"), s.spot_placer.get("summary")
+                out.print(f"{s.name}: spot placer {placer}; {summary}", highlight=False)
         out.print(replicas_table(services))
         if verbose:
             for s in services:

@@ -63,15 +63,21 @@ def services_table(services: list[ServiceInfo]) -> Table:
 
 def replicas_table(services: list[ServiceInfo]) -> Table:
     t = Table(title="Service Replicas", title_justify="left")
-    for col in ("SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "PID", "LAUNCHED", "STATUS", "REASON"):
+    cols = ["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "PID", "LAUNCHED", "STATUS", "REASON"]
+    zoned = any(r.spot or (r.zone and r.zone != "local") for s in services for r in s.replicas)
+    if zoned:
+        cols[4:4] = ["ZONE", "SPOT"]
+    for col in cols:
         t.add_column(col)
     for s in services:
         for r in s.replicas:
+            where = [r.zone or "-", "spot" if r.spot else "on-demand"] if zoned else []
             t.add_row(
                 s.name,
                 str(r.replica_id),
                 str(r.version),
                 r.endpoint or "-",
+                *where,
                 str(r.pid) if r.pid else "-",
                 ago(r.launched_at),
                 styled(r.status),

@@ -19,12 +19,15 @@ from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
 from fleetserve.controller.scaling import STATE_KEY
 from fleetserve.controller.settings import Settings
+from fleetserve.controller.spot import STATE_KEY as SPOT_STATE_KEY
+from fleetserve.controller.spot import zone_marks
 from fleetserve.core.clock import Clock, SystemClock
 from fleetserve.core.errors import Conflict, InvalidSpec, NotFound
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
 from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra
 from fleetserve.infra.local import LocalInfra, rotate_log
+from fleetserve.infra.zones import Held
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
@@ -57,6 +60,7 @@ class Controller:
             legacy_home=legacy,
             replica_net=settings.replica_net,
             replica_netns=settings.replica_netns,
+            zones=list(settings.local_zones),
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)
@@ -277,6 +281,82 @@ class Controller:
             drain_seconds=self.settings.drain_seconds,
         )
         reconciler.wake.set()
+
+    # -- chaos (the local infra's fault injection) ------------------------------------------
+
+    def _local(self) -> LocalInfra:
+        if not isinstance(self.infra, LocalInfra):
+            raise Conflict(f"chaos needs the local infra (this controller's is {self.infra.name})")
+        return self.infra
+
+    def _woken_by(self, lost: list[Held]) -> list[dict[str, object]]:
+        """Wake the reconcilers of the services that lost replicas: PREEMPTED and out of the
+        load balancer's set within a round."""
+        for held in lost:
+            rec = self.reconcilers.get(held.service)
+            if rec is not None:
+                rec.wake.set()
+        return [
+            {"service": h.service, "replica_id": h.replica_id, "zone": h.zone, "spot": h.spot}
+            for h in lost
+        ]
+
+    def chaos_preempt(
+        self, name: str, replica_id: int | None = None, zone: str | None = None
+    ) -> list[dict[str, object]]:
+        """Preempt one replica of a service, or every spot replica it has in a zone."""
+        infra = self._local()
+        self.store.service(name)
+        if replica_id is not None:
+            self.store.replica(name, replica_id)
+        lost = infra.preempt(name, replica_id, zone)
+        for held in lost:
+            self.store.add_event(
+                name,
+                self.clock.now(),
+                "chaos",
+                f"replica {held.replica_id} preempted by `fleetserve chaos` (zone {held.zone})",
+                held.replica_id,
+            )
+        return self._woken_by(lost)
+
+    def chaos_capacity(self, capacity: dict[str, int | None]) -> list[dict[str, object]]:
+        """New spot capacity for zones (a replayed trace): zones below what they hold preempt
+        their newest spot replicas; full zones refuse spot launches."""
+        infra = self._local()
+        for zone in capacity:
+            infra.zones.config(zone)  # every zone is checked before any changes
+        lost: list[Held] = []
+        for zone, n in capacity.items():
+            lost += infra.set_spot_capacity(zone, n)
+        for held in lost:
+            if self.store.get_service(held.service) is not None:
+                self.store.add_event(
+                    held.service,
+                    self.clock.now(),
+                    "chaos",
+                    f"replica {held.replica_id} preempted: zone {held.zone}'s spot capacity "
+                    f"fell to {capacity[held.zone]}",
+                    held.replica_id,
+                )
+        return self._woken_by(lost)
+
+    def zones(self) -> list[dict[str, object]]:
+        """The infra's zones: capacity, what is held, prices (local infra)."""
+        if isinstance(self.infra, LocalInfra):
+            return self.infra.zones.describe()
+        return [
+            {"zone": loc.zone, "spot_capable": loc.spot_capable} for loc in self.infra.locations()
+        ]
+
+    def placer_of(self, name: str) -> dict[str, object] | None:
+        """A spot service's placer and its zone marks (from the store: what a restart keeps)."""
+        saved = self.store.get_policy_state(name, SPOT_STATE_KEY)
+        if not saved:
+            return None
+        state = saved.get("state") if isinstance(saved.get("state"), dict) else {}
+        placer = str(saved.get("placer", ""))
+        return {"placer": placer, "state": state, "summary": zone_marks(placer, state or {})}
 
     def wake(self, name: str) -> None:
         """The load balancer holds a request and no replica is ready: scale up from zero now."""

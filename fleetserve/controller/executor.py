@@ -19,6 +19,7 @@ from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
 from fleetserve.infra.git import GitSource
+from fleetserve.infra.zones import NoCapacity
 from fleetserve.spec.models import ServiceTask, WorkdirGit
 from fleetserve.store import Store
 
@@ -67,6 +68,8 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         file_mounts=mounts,
         port=spec.replica_port(),
         own_network=uses_own_network(spec),
+        spot=rec.spot,
+        zone=rec.zone,
     )
 
 
@@ -91,19 +94,24 @@ class Executor:
         self.launches: dict[int, asyncio.Task[None]] = {}
         self.terminations: dict[int, asyncio.Task[None]] = {}
         self.inflight_of: Callable[[int], int] = lambda _rid: 0  # from the LB's load report
+        # A launch that found its zone full (or lost its host during setup): the row goes and
+        # the spot placer hears of it (the planner creates another replica).
+        self.on_no_capacity: Callable[[ReplicaRecord, NoCapacity], None] = lambda _r, _e: None
 
     def busy(self, replica_id: int) -> bool:
         return replica_id in self.launches or replica_id in self.terminations
 
-    def launch(self, rec: ReplicaRecord, spec: ServiceTask) -> None:
+    def launch(self, rec: ReplicaRecord, spec: ServiceTask, zone: str | None = None) -> None:
         if self.busy(rec.replica_id):
             return
+        where = f" (spot, zone {zone})" if rec.spot and zone else " (spot)" if rec.spot else ""
         rec = self.store.update_replica(
             rec,
             self.clock.now(),
-            f"launching on the {self.infra.name} infra (setup, then run)",
+            f"launching on the {self.infra.name} infra{where} (setup, then run)",
             status=ReplicaStatus.PROVISIONING,
             launched_at=self.clock.now(),
+            zone=zone,
         )
         task = asyncio.create_task(self._launch(rec, spec), name=f"launch-{rec.replica_id}")
         self.launches[rec.replica_id] = task
@@ -139,6 +147,11 @@ class Executor:
             launched = await self._launch_retrying(rec, spec)
         except asyncio.CancelledError:
             raise
+        except NoCapacity as e:
+            # Not the replica's fault: no failed row (it would count towards a crash loop).
+            self.store.delete_replica(rec.service, rec.replica_id, self.clock.now(), e.message)
+            self.on_no_capacity(rec, e)
+            return
         except FleetserveError as e:
             self.store.update_replica(
                 rec, self.clock.now(), status=ReplicaStatus.FAILED_PROVISION, reason=e.message
@@ -164,6 +177,7 @@ class Executor:
             endpoint=launched.endpoint,
             port=launched.port,
             started_at=self.clock.now(),
+            zone=launched.zone or rec.zone,
         )
 
     def terminate(

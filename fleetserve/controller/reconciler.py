@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import shutil
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from fleetserve.controller.lb_manager import LbManager, upstream_payload
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.scaling import Scaler
 from fleetserve.controller.settings import Settings
+from fleetserve.controller.spot import DEFAULT_PLACER, SpotPlacement
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError, TerminalError
 from fleetserve.core.status import ReplicaStatus
@@ -29,9 +31,10 @@ from fleetserve.core.types import (
 )
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.infra.local import free_port, port_free
+from fleetserve.infra.zones import NoCapacity
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.wake import wake_token
-from fleetserve.policies.autoscaler import per_replica_qps
+from fleetserve.policies.autoscaler import FallbackTargets, per_replica_qps
 from fleetserve.policies.fleet import (
     Action,
     CreateReplicas,
@@ -129,6 +132,8 @@ class ServiceReconciler:
         self.scaler = Scaler(name, store, clock, settings.autoscale_interval)
         self._lb_checked: tuple[int, int | None] | None = None  # (version, LB pid) compared
         self.executor.inflight_of = self.scaler.inflight_of
+        self.executor.on_no_capacity = self._no_capacity
+        self.spot: SpotPlacement | None = None  # a spot service's placer, made on first use
 
     def spec(self, version: int) -> ServiceTask:
         if version not in self._specs:
@@ -217,6 +222,9 @@ class ServiceReconciler:
             self.scaler.observe(await self.lb.load(svc))
         target = self.scaler.target(spec)
         lo, _hi = spec.service.replica_bounds()
+        split = self._spot_split(spec, svc.active_version, target, replicas)
+        if split is not None:
+            target = split.spot + split.on_demand
         settings = FleetSettings(
             target_replicas=target,
             version=svc.active_version,
@@ -236,6 +244,7 @@ class ServiceReconciler:
                 switch_ready=max(1, lo),
                 canary_percent=svc.traffic_percent,
             ),
+            spot=split,
         )
         plan = plan_fleet(replicas, observations, settings, self.clock.now())
         by_id = {r.replica_id: r for r in replicas}
@@ -270,6 +279,53 @@ class ServiceReconciler:
             update_mode=None,
             traffic_percent=None,
         )
+
+    # -- spot ----------------------------------------------------------------------------
+
+    def _placement(self, spec: ServiceTask) -> SpotPlacement | None:
+        """The spot placer of a spot service (None for on-demand services and for infras
+        that declare no zone)."""
+        if not spec.uses_spot:
+            return None
+        policy = spec.service.replica_policy
+        name = (policy.spot_placer if policy else None) or DEFAULT_PLACER
+        if self.spot is None or self.spot.name != name:
+            try:
+                self.spot = SpotPlacement(
+                    self.name, self.store, self.clock, name, self.infra.locations()
+                )
+            except ValueError as e:
+                log.warning("service %s: no spot placement: %s", self.name, e)
+                return None
+        return self.spot
+
+    def _spot_split(
+        self, spec: ServiceTask, version: int, target: int, replicas: list[ReplicaRecord]
+    ) -> FallbackTargets | None:
+        """A spot service's spot and on-demand counts for `target` (the autoscaler's target
+        counts num_overprovision already; the placer decides the spares here instead)."""
+        placement = self._placement(spec)
+        if placement is None:
+            return None
+        policy = spec.service.replica_policy
+        if policy is not None and policy.autoscaled and target > 0:
+            target = max(0, target - (policy.num_overprovision or 0))
+        current = [
+            r
+            for r in replicas
+            if r.version == version
+            and not r.status.is_terminal
+            and r.status is not ReplicaStatus.SHUTTING_DOWN
+        ]
+        return placement.targets(policy, target, current)
+
+    def _no_capacity(self, rec: ReplicaRecord, e: NoCapacity) -> None:
+        if self.spot is None or not rec.spot:
+            return
+        if e.preempted:
+            self.spot.preempted(rec.replica_id, e.zone)
+        else:
+            self.spot.launch_failed(rec.replica_id, e.zone, e.message)
 
     async def _observe(
         self, replicas: list[ReplicaRecord], spec: ServiceTask
@@ -306,6 +362,7 @@ class ServiceReconciler:
         spec: ServiceTask,
     ) -> None:
         now = self.clock.now()
+        placed: list[ReplicaRecord] = list(by_id.values())  # spot zones chosen this round too
         for action in actions:
             if isinstance(action, SetStatus):
                 rec = by_id[action.replica_id]
@@ -319,6 +376,14 @@ class ServiceReconciler:
                 )
             elif isinstance(action, Terminate):
                 self.prober.forget(self.key(action.replica_id))
+                rec = by_id[action.replica_id]
+                if (
+                    action.final_status is ReplicaStatus.PREEMPTED
+                    and rec.spot
+                    and rec.zone
+                    and self.spot is not None
+                ):
+                    self.spot.preempted(rec.replica_id, rec.zone)
                 self.executor.terminate(
                     by_id[action.replica_id],
                     action.final_status,
@@ -335,10 +400,18 @@ class ServiceReconciler:
                         self.infra.name,
                         new_launch_token(self.home_id),
                         now,
+                        spot=action.spot,
                     )
                 self.wake.set()
             elif isinstance(action, StartLaunch):
-                self.executor.launch(by_id[action.replica_id], spec)
+                rec = by_id[action.replica_id]
+                zone: str | None = None
+                if rec.spot and self.spot is not None:
+                    zone = self.spot.zone_for(placed)
+                    if zone is None:
+                        continue  # every zone is backing off: it waits for the next round
+                    placed.append(dataclasses.replace(rec, zone=zone))
+                self.executor.launch(rec, spec, zone)
             elif isinstance(action, DeleteRow):
                 self.store.delete_replica(
                     self.name, action.replica_id, now, "old failed replica row pruned"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
+from fleetserve.infra.zones import ZoneConfig, parse_zones
 
 DEFAULT_API_PORT = 46580
 
@@ -62,6 +63,9 @@ class Settings:
     log_cap_bytes: int = 100 * 1024 * 1024  # per log file (replica, LB, controller), rotated
     max_body_bytes: int = 2 * 1024 * 1024  # REST request bodies; larger ones get 413
     parse_timeout: float = 5.0  # seconds a service YAML may take to parse and check
+    # The local infra's zones (FLEETSERVE_LOCAL_ZONES; fleetserve.infra.zones): one unlimited
+    # zone, `local`, by default.
+    local_zones: tuple[ZoneConfig, ...] = (ZoneConfig("local"),)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -96,6 +100,7 @@ class Settings:
             log_cap_bytes=int(num("FLEETSERVE_LOG_CAP_BYTES", 100 * 1024 * 1024)),
             max_body_bytes=int(num("FLEETSERVE_MAX_BODY_BYTES", 2 * 1024 * 1024)),
             parse_timeout=num("FLEETSERVE_PARSE_TIMEOUT", 5.0),
+            local_zones=tuple(parse_zones(env.get("FLEETSERVE_LOCAL_ZONES"))),
         )
 
     @property

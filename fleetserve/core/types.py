@@ -49,6 +49,8 @@ class ReplicaRecord:
     updated_at: float = 0.0
     scale_down: bool = False  # terminated because the fleet shrank: its row goes afterwards
     purge: bool = False  # delete the row once terminated, even if it failed
+    zone: str | None = None  # where it runs (set at launch), when the infra has zones
+    spot: bool = False  # a spot instance: may be preempted
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ class Location:
     zone: str
     region: str
     spot_capable: bool = False
-    hourly_price: float = 0.0
+    hourly_price: float = 0.0  # on demand, per instance
+    spot_price: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class LaunchRequest:
     # A fixed port shared by several replicas: each needs a network of its own (local: a
     # namespace per replica, as a container would have).
     own_network: bool = False
+    spot: bool = False  # a spot instance (preemptible)
+    zone: str | None = None  # where the placer put it; None: the infra chooses
 
 
 class InstanceKind(enum.StrEnum):
@@ -65,6 +68,7 @@ class Launched:
     handle: str
     host: str
     port: int
+    zone: str | None = None  # where it runs, when the infra has zones
 
     @property
     def endpoint(self) -> str:

@@ -31,6 +31,7 @@ from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.git import clone
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
+from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
 HOME_ID_ENV = "FLEETSERVE_HOME_ID"  # every process a controller starts carries its home's id
@@ -68,6 +69,11 @@ class LocalHandle:
     dir: str
     netns: str | None = None  # the replica's own network namespace (a fixed-port fleet)
     address: str | None = None  # its address there
+    # Where it runs (zones: fleetserve.infra.zones); absent in handles of older versions.
+    service: str | None = None
+    replica_id: int | None = None
+    zone: str | None = None
+    spot: bool | None = None
 
     def to_json(self) -> str:
         d = {k: v for k, v in self.__dict__.items() if v is not None}
@@ -83,6 +89,10 @@ class LocalHandle:
             dir=d["dir"],
             netns=d.get("netns"),
             address=d.get("address"),
+            service=d.get("service"),
+            replica_id=d.get("replica_id"),
+            zone=d.get("zone"),
+            spot=d.get("spot"),
         )
 
 
@@ -234,8 +244,11 @@ class LocalInfra:
         legacy_home: str | None = None,
         replica_net: str | None = None,
         replica_netns: str = "auto",
+        zones: list[ZoneConfig] | None = None,
     ) -> None:
         self.home = home
+        self.zones = ZoneBook(zones or [ZoneConfig("local")])
+        self._preempted: dict[int, str] = {}  # pid -> why (preempted replicas poll LOST)
         self.networks = ReplicaNetworks(home_id, replica_net, replica_netns)  # fixed-port fleets
         self.home_id = home_id
         self.legacy_home = legacy_home  # processes of a home from before home ids
@@ -271,7 +284,56 @@ class LocalInfra:
         return True
 
     def locations(self) -> list[Location]:
-        return [Location(zone="local", region="local")]
+        return [
+            Location(
+                zone=z.name,
+                region="local",
+                spot_capable=True,  # spot capacity may come and go (chaos)
+                hourly_price=z.od_price,
+                spot_price=z.spot_price,
+            )
+            for z in self.zones.zones
+        ]
+
+    def _hold(self, token: str, h: LocalHandle) -> None:
+        if h.zone is not None and h.service is not None and h.replica_id is not None:
+            self.zones.held[token] = Held(
+                h.service, h.replica_id, h.zone, bool(h.spot), h.create_time, h.pid
+            )
+
+    def set_spot_capacity(self, zone: str, capacity: int | None) -> list[Held]:
+        """A zone's spot capacity changes (`chaos`): the newest spot replicas beyond it are
+        preempted (killed at once, no drain); returns them."""
+        victims = self.zones.set_spot_capacity(zone, capacity)
+        why = f"preempted: zone {zone}'s spot capacity fell to {capacity}"
+        return [self._preempt(token, held, why) for token, held in victims]
+
+    def preempt(
+        self, service: str, replica_id: int | None = None, zone: str | None = None
+    ) -> list[Held]:
+        """Preempt a service's replica, or every spot replica it has in a zone (`chaos`)."""
+        if zone is not None:
+            self.zones.config(zone)
+        out = []
+        for token, held in list(self.zones.held.items()):
+            if held.service != service:
+                continue
+            if replica_id is not None and held.replica_id != replica_id:
+                continue
+            if zone is not None and (held.zone != zone or not held.spot):
+                continue
+            where = f"zone {held.zone}"
+            out.append(self._preempt(token, held, f"preempted by fleetserve chaos ({where})"))
+        return out
+
+    def _preempt(self, token: str, held: Held, why: str) -> Held:
+        self._preempted[held.pid] = why
+        self.zones.held.pop(token, None)
+        procs = processes_with_token(token)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()  # a lost host: no SIGTERM, no grace
+        return held
 
     def prepare(self, service: str, resources: dict[str, Any]) -> None:
         """Nothing to place: every replica runs on this machine."""
@@ -336,6 +398,7 @@ class LocalInfra:
         return port
 
     async def launch(self, request: LaunchRequest) -> Launched:
+        zone = self.zones.place(request.zone, request.spot)  # NoCapacity: a full zone
         rdir, log = await asyncio.to_thread(self._prepare, request)
         port = self._pick_port(request)
         netns: str | None = None
@@ -410,13 +473,20 @@ class LocalInfra:
             dir=str(rdir),
             netns=netns,
             address=netns and address,
+            service=request.service,
+            replica_id=request.replica_id,
+            zone=zone,
+            spot=request.spot,
         )
+        self._hold(request.launch_token, handle)  # the zone's capacity counts it from now
         try:
             while not (rdir / _SETUP_DONE).exists():
                 code = proc.poll()
                 if code is not None:
                     if (rdir / _SETUP_DONE).exists():
                         break  # run already ended: poll() reports it
+                    if proc.pid in self._preempted:
+                        raise NoCapacity(self._preempted[proc.pid], zone, preempted=True)
                     raise TerminalError(
                         f"setup failed with exit code {code} (see `fleetserve logs "
                         f"{request.service} {request.replica_id}`)"
@@ -426,10 +496,13 @@ class LocalInfra:
             await self.terminate(handle.to_json(), request.launch_token)
             raise
         # A user namespace's replica is reached through its relay's port on this machine.
-        return Launched(handle=handle.to_json(), host=address, port=relay_port or port)
+        return Launched(handle=handle.to_json(), host=address, port=relay_port or port, zone=zone)
 
     async def poll(self, handle: str) -> InstanceState:
         h = LocalHandle.from_json(handle)
+        why = self._preempted.get(h.pid)
+        if why is not None:
+            return InstanceState(InstanceKind.LOST, detail=why)
         child = self._children.get(h.pid)
         code: int | None = None
         if child is not None:
@@ -442,6 +515,12 @@ class LocalInfra:
                 return InstanceState(
                     InstanceKind.LOST, detail=f"pid {h.pid} belongs to another fleetserve home"
                 )
+            if h.zone is not None and not any(x.pid == h.pid for x in self.zones.held.values()):
+                # Adopted after a controller restart: its zone counts it again.
+                with contextlib.suppress(psutil.Error):
+                    token = p.environ().get(TOKEN_ENV)
+                    if token:
+                        self._hold(token, h)
             return InstanceState(InstanceKind.RUNNING)
         recorded = Path(h.dir) / _EXIT_CODE
         with contextlib.suppress(OSError, ValueError):
@@ -456,6 +535,9 @@ class LocalInfra:
 
     async def terminate(self, handle: str | None, launch_token: str) -> None:
         h = LocalHandle.from_json(handle) if handle else None
+        self.zones.held.pop(launch_token, None)
+        if h is not None:
+            self._preempted.pop(h.pid, None)
         await asyncio.to_thread(self._terminate_sync, h, launch_token)
 
     def _terminate_sync(self, h: LocalHandle | None, token: str) -> None:

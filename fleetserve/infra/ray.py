@@ -158,6 +158,9 @@ def _gpus(accelerators: object) -> float:
     return float(count or 1)
 
 
+ANY_ZONE = "ray"  # a cluster whose nodes declare no zone: one zone, any node
+
+
 class RayInfra:
     name = "ray"
 
@@ -233,9 +236,11 @@ class RayInfra:
 
     def locations(self) -> list[Location]:
         ray = self._connect()
-        zones = sorted(k.split(":", 1)[1] for k in ray.cluster_resources() if k.startswith("zone:"))
-        return [Location(zone=z, region=z.rsplit("-", 1)[0]) for z in zones] or [
-            Location(zone="ray", region="ray")
+        resources = ray.cluster_resources()
+        zones = sorted(k.split(":", 1)[1] for k in resources if k.startswith("zone:"))
+        spot = "spot" in resources  # spot nodes declare the resource `spot`
+        return [Location(zone=z, region=z.rsplit("-", 1)[0], spot_capable=spot) for z in zones] or [
+            Location(zone=ANY_ZONE, region="ray", spot_capable=spot)
         ]
 
     async def launch(self, request: LaunchRequest) -> Launched:
@@ -247,6 +252,17 @@ class RayInfra:
             "lifetime": "detached",
             **self._launch_options.get(request.service, {}),
         }
+        # The spot placer's zone, and spot or on-demand (a fallback replica must not wait for
+        # a spot node): the per-replica choice overrides the service's resources.
+        custom = dict(options.get("resources") or {})
+        if request.zone is not None and request.zone != ANY_ZONE:
+            custom = {k: v for k, v in custom.items() if not k.startswith("zone:")}
+            custom[f"zone:{request.zone}"] = 0.001
+        if request.spot:
+            custom["spot"] = 0.001
+        else:
+            custom.pop("spot", None)
+        options["resources"] = custom
         actor = self._actor_cls.options(**options).remote(self.root)
         req = {
             "service": request.service,
@@ -275,7 +291,7 @@ class RayInfra:
             await self.terminate(None, request.launch_token)
             raise
         handle = json.dumps({"actor": name, **info}, sort_keys=True)
-        return Launched(handle=handle, host=info["host"], port=int(info["port"]))
+        return Launched(handle=handle, host=info["host"], port=int(info["port"]), zone=request.zone)
 
     async def poll(self, handle: str) -> InstanceState:
         ray = await self._ray()

@@ -185,3 +185,15 @@ def fallback_targets(
     spot = target - base
     extra = max(0, spot - ready_spot) if policy.dynamic_ondemand_fallback else 0
     return FallbackTargets(spot=spot, on_demand=min(base + extra, target))
+
+
+def spot_split(
+    policy: ReplicaPolicy, target: int, extra: int, basis: int, ready_spot: int
+) -> FallbackTargets:
+    """The spot and on-demand replicas a spot fleet wants: `target` READY ones plus `extra`
+    spare spot ones, on-demand fallback counted against `basis` spot replicas (the placer's
+    `fallback_basis`: SkyServe's counts the spares too), never more on demand than `target`.
+    The controller and the simulator call this same rule."""
+    split = fallback_targets(policy, target + extra, ready_spot, uses_spot=True)
+    hedge = fallback_targets(policy, basis, ready_spot, uses_spot=True)
+    return FallbackTargets(spot=split.spot, on_demand=min(hedge.on_demand, target))

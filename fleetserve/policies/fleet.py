@@ -13,7 +13,8 @@ from typing import Any
 
 from fleetserve.core.status import FAILED_STATUSES, ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
-from fleetserve.policies.rollout import RolloutSettings, plan_rollout
+from fleetserve.policies.autoscaler import FallbackTargets
+from fleetserve.policies.rollout import RolloutSettings, RolloutStep, plan_rollout, scale_down_order
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class FleetSettings:
     crash_loop_limit: int = 3  # consecutive never-ready failures of a version that stop launches
     keep_terminal_rows: int = 20  # failed rows kept for debugging, newest first
     rollout: RolloutSettings | None = None  # how replicas of older versions give way
+    # A spot fleet: how many spot and on-demand replicas it wants (`spot_split`); None: every
+    # replica on demand.
+    spot: FallbackTargets | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Terminate:
 @dataclass(frozen=True)
 class CreateReplicas:
     count: int
+    spot: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,14 +237,20 @@ def plan_fleet(
     # Rows are written only as launch slots free up: a target of thousands never writes
     # thousands of rows in one round (the next rounds write more as launches finish).
     room = settings.max_concurrent_launches - launching - pending
-    if rs.create > 0 and room > 0:
-        actions.append(CreateReplicas(min(rs.create, room)))
+    creates: list[CreateReplicas] = [CreateReplicas(rs.create)]
+    if settings.spot is not None:
+        rs, creates = _spot_step(alive, rs, settings.spot, settings.version, stopped)
+    for c in creates:
+        if c.count > 0 and room > 0:
+            actions.append(CreateReplicas(min(c.count, room), c.spot))
+            room -= min(c.count, room)
     for r in rs.retire:
-        why = (
-            "scaled down"
-            if r.version == settings.version
-            else f"replaced by version {settings.version}"
-        )
+        if r.version != settings.version:
+            why = f"replaced by version {settings.version}"
+        elif settings.spot is not None and not r.spot:
+            why = "on-demand fallback retired: enough spot replicas are READY"
+        else:
+            why = "scaled down"
         actions.append(Terminate(r.replica_id, r.status, why, delete_row=True, drain=True))
         ending.add(r.replica_id)
 
@@ -263,6 +274,36 @@ def plan_fleet(
         rollout_complete=rs.complete,
         switch_traffic=rs.switch,
     )
+
+
+def _spot_step(
+    alive: list[ReplicaRecord],
+    rs: RolloutStep,
+    want: FallbackTargets,
+    version: int,
+    stopped: bool,
+) -> tuple[RolloutStep, list[CreateReplicas]]:
+    """A spot fleet's creations and retirements, per kind. At rest, each kind is brought to
+    its count (extra on-demand fallbacks retire once enough spot replicas are READY: `want`
+    shrinks as they come up); during a rollout, the rollout's new replicas fill the spot
+    count first."""
+    new = [r for r in alive if r.version == version]
+    spot = [r for r in new if r.spot]
+    od = [r for r in new if not r.spot]
+    if len(new) < len(alive):  # a rollout: the rollout planner sizes it
+        n_spot = min(rs.create, max(0, want.spot - len(spot)))
+        return rs, [CreateReplicas(n_spot, True), CreateReplicas(rs.create - n_spot)]
+    if stopped:
+        create_spot = create_od = 0
+    else:
+        create_spot = max(0, want.spot - len(spot))
+        create_od = max(0, want.on_demand - len(od))
+    retire = tuple(
+        scale_down_order(spot)[: max(0, len(spot) - want.spot)]
+        + scale_down_order(od)[: max(0, len(od) - want.on_demand)]
+    )
+    step = RolloutStep(create_spot + create_od, retire, rs.complete, rs.switch)
+    return step, [CreateReplicas(create_spot, True), CreateReplicas(create_od)]
 
 
 def plan_shutdown(replicas: list[ReplicaRecord]) -> list[Terminate]:

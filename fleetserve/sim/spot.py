@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetserve.policies.autoscaler import fallback_targets
+from fleetserve.policies.autoscaler import spot_split
 from fleetserve.policies.spot import Placer, make_placer
 from fleetserve.sim.simulator import Trace
 from fleetserve.spec.models import ReplicaPolicy
@@ -296,9 +296,8 @@ def _act(
         assert placer is not None
         extra = placer.overprovision(rp.num_overprovision or 0, n, t) if n else 0
         ready_spot = sum(r.spot and r.ready_at <= t and r.fails_at is None for r in fleet)
-        split = fallback_targets(rp, n + extra, ready_spot, uses_spot=True)
-        basis = fallback_targets(rp, placer.fallback_basis(n, extra), ready_spot, uses_spot=True)
-        want_spot, want_od = split.spot, min(basis.on_demand, n)
+        split = spot_split(rp, n, extra, placer.fallback_basis(n, extra), ready_spot)
+        want_spot, want_od = split.spot, split.on_demand
     spot = [r for r in fleet if r.spot]
     od = [r for r in fleet if not r.spot]
     while len(spot) < want_spot:

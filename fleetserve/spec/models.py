@@ -187,7 +187,8 @@ class ReplicaPolicy(_Strict):
     downscale_delay_seconds: Seconds = DEFAULT_DOWNSCALE_DELAY_SECONDS
     base_ondemand_fallback_replicas: ReplicaCount = 0
     dynamic_ondemand_fallback: StrictBool = False
-    spot_placer: Literal["dynamic_fallback"] | None = None
+    # SkyServe's placer; `adaptive` is fleetserve's (docs/spot.md).
+    spot_placer: Literal["dynamic_fallback", "adaptive"] | None = None
 
     @field_validator("target_qps_per_replica")
     @classmethod

@@ -325,7 +325,7 @@ class Store:
     # -- replicas ------------------------------------------------------------------------
 
     def allocate_replica(
-        self, service: str, version: int, infra: str, token: str, now: float
+        self, service: str, version: int, infra: str, token: str, now: float, spot: bool = False
     ) -> ReplicaRecord:
         """Take the next replica id (never reused) and write its PENDING row, atomically."""
         with self.engine.begin() as conn:
@@ -349,9 +349,11 @@ class Store:
                     updated_at=now,
                     scale_down=False,
                     purge=False,
+                    spot=spot,
                 )
             )
-            self._event(conn, service, now, "replica", "replica created", next_id, None, "PENDING")
+            created = "spot replica created" if spot else "replica created"
+            self._event(conn, service, now, "replica", created, next_id, None, "PENDING")
         return self.replica(service, next_id)
 
     def get_replica(self, service: str, replica_id: int) -> ReplicaRecord | None:

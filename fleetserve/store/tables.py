@@ -83,6 +83,9 @@ replicas = Table(
     Column("updated_at", Float, nullable=False),
     Column("scale_down", Boolean, nullable=False, default=False),
     Column("purge", Boolean, nullable=False, default=False),
+    # Migration 0004: where the replica runs and whether it is a spot instance.
+    Column("zone", String(64)),
+    Column("spot", Boolean, nullable=False, default=False),
     ForeignKeyConstraint(["service"], ["services.name"], ondelete="CASCADE"),
 )
 
