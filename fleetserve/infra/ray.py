@@ -236,12 +236,22 @@ class RayInfra:
 
     def locations(self) -> list[Location]:
         ray = self._connect()
-        resources = ray.cluster_resources()
-        zones = sorted(k.split(":", 1)[1] for k in resources if k.startswith("zone:"))
-        spot = "spot" in resources  # spot nodes declare the resource `spot`
-        return [Location(zone=z, region=z.rsplit("-", 1)[0], spot_capable=spot) for z in zones] or [
-            Location(zone=ANY_ZONE, region="ray", spot_capable=spot)
-        ]
+        zones: set[str] = set()
+        spot_zones: set[str] = set()
+        any_spot = False
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            res = node.get("Resources") or {}
+            mine = {k.split(":", 1)[1] for k in res if k.startswith("zone:")}
+            zones |= mine
+            if "spot" in res:  # a spot node declares the resource `spot`
+                spot_zones |= mine
+                any_spot = True
+        return [
+            Location(zone=z, region=z.rsplit("-", 1)[0], spot_capable=z in spot_zones)
+            for z in sorted(zones)
+        ] or [Location(zone=ANY_ZONE, region="ray", spot_capable=any_spot)]
 
     async def launch(self, request: LaunchRequest) -> Launched:
         ray = await self._ray()

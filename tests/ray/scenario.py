@@ -39,9 +39,10 @@ ThreadingHTTPServer(("0.0.0.0", int(os.environ["PORT"])), H).serve_forever()
 def main(work: Path) -> None:
     found: dict[str, object] = {}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    node_a = cluster.add_node(num_cpus=1, resources={"zone:a": 10})
+    # Zones a and c are spot nodes (they declare `spot`), b is on demand.
+    node_a = cluster.add_node(num_cpus=1, resources={"zone:a": 10, "spot": 10})
     node_b = cluster.add_node(num_cpus=1, resources={"zone:b": 10})
-    node_c = cluster.add_node(num_cpus=1, resources={"zone:c": 10})
+    node_c = cluster.add_node(num_cpus=1, resources={"zone:c": 10, "spot": 10})
     cluster.wait_for_nodes()
     env = dict(os.environ)
     env.update(
@@ -109,6 +110,27 @@ def main(work: Path) -> None:
         for s in api("/services")  # type: ignore[attr-defined]
     ):
         time.sleep(0.3)
+    # A spot service: its replicas go where the spot placer says, zones with spot nodes.
+    (work / "spot.yaml").write_text(
+        "service:\n  readiness_probe: {path: /, initial_delay_seconds: 60}\n"
+        "  replica_policy: {min_replicas: 2, spot_placer: dynamic_fallback}\n"
+        f"resources: {{infra: ray, cpus: 0.25, use_spot: true}}\nrun: python3 {app}/server.py\n"
+    )
+    cli("up", str(work / "spot.yaml"), "-n", "spotray")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        spot = service("spotray")
+        if sum(r["status"] == "READY" for r in spot["replicas"]) >= 2:  # type: ignore[union-attr]
+            break
+        time.sleep(0.3)
+    spot_names = {node_a.node_id: "a", node_b.node_id: "b", node_c.node_id: "c"}
+    found["spot_replicas"] = sorted(
+        (str(r["zone"]), bool(r["spot"]), spot_names.get(_node_of(r) or "", "?"))
+        for r in spot["replicas"]  # type: ignore[union-attr]
+        if r["status"] == "READY"
+    )
+    found["spot_placer"] = spot["spot_placer"]
+    cli("down", "spotray", "--purge")
     started = time.monotonic()
     cli("up", str(work / "pinned.yaml"), "-n", "pinned")
     found["pinned_up_seconds"] = round(time.monotonic() - started, 1)

@@ -62,6 +62,9 @@ def test_ray_replicas_zones_node_loss_and_adoption(tmp_path: Path) -> None:
         subprocess.run(["ip", "link", "del", outer], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
     assert found["pair_statuses"] == ["READY", "READY"]  # concurrent first launches
+    # Spot: one replica in each spot zone (a, c), on a node of that zone; never on b.
+    assert found["spot_replicas"] == [["a", True, "a"], ["c", True, "c"]]
+    assert found["spot_placer"]["placer"] == "dynamic_fallback"
     assert found["pinned_answer"]["replica"] == "1"
     assert found["pinned_node_is_b"] is True  # placed in the zone it asked for
     assert "replica 1 serving on" in found["pinned_log"]

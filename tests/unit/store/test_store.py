@@ -114,6 +114,9 @@ def test_a_database_of_the_first_schema_is_upgraded_in_place(tmp_path: Path) -> 
     store.create_service("new", "y", "{}", 2.0)
     assert store.add_version("new", "y2", "{}", 3.0) == 2
     assert svc.lb_secret is None and store.home_id() is None  # 0003's columns, still unset
+    old = store.allocate_replica("old", 1, "local", "tok", 4.0)
+    assert old.replica_id == 3 and old.zone is None and old.spot is False  # 0004's
+    assert store.allocate_replica("old", 1, "local", "tok2", 5.0, spot=True).spot is True
 
 
 # -- a database that is not this home's own: refused, never turned into a new home ----------
