@@ -14,7 +14,11 @@ call the same code.
   alone for a short back-off that doubles with each failure in a row; the next launch goes to
   the zone holding the fewest spot replicas, the least risky of those, then the cheapest.
   On-demand fallback: for a lost spare (overprovision) only within `hedge_window` of a
-  preemption, when bursts are likely; otherwise only below the target.
+  preemption, when bursts are likely; otherwise only below the target. Correlated bursts:
+  zones preempted within `together` seconds of each other form a correlated group (one such
+  group takes several replicas at once, which one spare cannot cover); after `burst_groups`
+  groups within `burst_memory`, one more spare spot replica is kept for `burst_spare_for`
+  after the latest (a spot spare only: on-demand never stands in for it).
 - `even_spread`, `round_robin`: the naive baselines, blind to preemptions.
 """
 
@@ -121,7 +125,8 @@ class DynamicFallback(Placer):
 
 class Adaptive(Placer):
     """fleetserve's placer: recency-weighted zone risk, a short back-off after failed launches,
-    and on-demand fallback for a lost spare only while preemptions are recent."""
+    on-demand fallback for a lost spare only while preemptions are recent, and one more spare
+    spot replica while correlated preemptions (several zones at once) recur."""
 
     def __init__(
         self,
@@ -132,6 +137,10 @@ class Adaptive(Placer):
         backoff: float = 60.0,
         max_backoff: float = 600.0,
         hedge_window: float = 12 * 3600.0,
+        together: float = 60.0,
+        burst_groups: int = 2,
+        burst_memory: float = 6 * 3600.0,
+        burst_spare_for: float = 3 * 3600.0,
     ) -> None:
         super().__init__(zones, prices, seed)
         self.half_life = half_life  # a preemption or failed launch counts half after this
@@ -144,6 +153,14 @@ class Adaptive(Placer):
         self.blocked_until = {z: -math.inf for z in self.zones}
         self.last_preemption = -math.inf
         self.now = 0.0
+        self.together = together  # preemptions of zones this close form one correlated group
+        self.burst_groups = burst_groups  # this many groups within burst_memory make a burst
+        self.burst_memory = burst_memory
+        self.burst_spare_for = burst_spare_for  # a burst keeps one more spare this long
+        self.recent: list[tuple[str, float]] = []  # (zone, time) of the last preemptions
+        self.groups: list[float] = []  # when correlated groups formed, within burst_memory
+        self.burst_until = -math.inf
+        self.added = 0  # spares overprovision() last added to the configured ones
 
     def _risk(self, zone: str, now: float) -> float:
         age = max(0.0, now - self.risk_at[zone])
@@ -157,6 +174,16 @@ class Adaptive(Placer):
     def preempted(self, zone: str, now: float) -> None:
         self._bump(zone, now)
         self.last_preemption = now
+        self.recent = [(z, t) for z, t in self.recent if 0 <= now - t <= self.together]
+        self.recent.append((zone, now))
+        if len({z for z, _ in self.recent}) < 2:
+            return
+        # Another zone lost replicas within `together`: a correlated group (counted once).
+        if self.groups and now - self.groups[-1] <= self.together:
+            return
+        self.groups = [g for g in self.groups if now - g <= self.burst_memory] + [now]
+        if len(self.groups) >= self.burst_groups:
+            self.burst_until = now + self.burst_spare_for
 
     def launch_failed(self, zone: str, now: float) -> None:
         self._bump(zone, now)
@@ -181,12 +208,18 @@ class Adaptive(Placer):
             if self.failures_in_row[z] and self.blocked_until[z] <= now - self.max_backoff:
                 self.failures_in_row[z] = 0
 
+    def overprovision(self, configured: int, target: int, now: float) -> int:
+        # Correlated groups take several replicas at once: while they recur, one more spare.
+        self.added = 1 if now <= self.burst_until else 0
+        return configured + self.added
+
     def fallback_basis(self, target: int, extra: int) -> int:
         # Soon after a preemption (they come in bursts) a lost spare is replaced by on-demand
         # at once, as SkyServe does; when spot has been quiet, the spares are the hedge and
-        # on-demand starts only when the READY spot replicas fall below the target.
+        # on-demand starts only when the READY spot replicas fall below the target. The burst
+        # spare is spot only: on-demand stands in for the configured spares at most.
         if self.now - self.last_preemption <= self.hedge_window:
-            return target + extra
+            return target + max(0, extra - self.added)
         return target
 
     def state(self) -> dict[str, object]:
@@ -196,6 +229,10 @@ class Adaptive(Placer):
             "failures_in_row": dict(self.failures_in_row),
             "blocked_until": {z: v for z, v in self.blocked_until.items() if v > -math.inf},
             "last_preemption": (self.last_preemption if self.last_preemption > -math.inf else None),
+            "recent": [[z, t] for z, t in self.recent],
+            "groups": list(self.groups),
+            "burst_until": self.burst_until if self.burst_until > -math.inf else None,
+            "added": self.added,
         }
 
     def restore(self, state: Mapping[str, object]) -> None:
@@ -209,6 +246,26 @@ class Adaptive(Placer):
         last = state.get("last_preemption")
         if isinstance(last, int | float):
             self.last_preemption = float(last)
+        recent = state.get("recent")
+        if isinstance(recent, list):
+            self.recent = [
+                (str(e[0]), float(e[1]))
+                for e in recent
+                if isinstance(e, list | tuple)
+                and len(e) == 2
+                and isinstance(e[0], str)
+                and e[0] in self.risk
+                and isinstance(e[1], int | float)
+            ]
+        groups = state.get("groups")
+        if isinstance(groups, list):
+            self.groups = [float(g) for g in groups if isinstance(g, int | float)]
+        until = state.get("burst_until")
+        if isinstance(until, int | float):
+            self.burst_until = float(until)
+        added = state.get("added")
+        if added in (0, 1):
+            self.added = int(added)
 
 
 def make_placer(

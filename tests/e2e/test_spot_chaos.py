@@ -147,6 +147,7 @@ def test_a_replayed_trace_slice_preempts_and_the_endpoint_keeps_answering(fleet:
     assert any("launching on the local infra" in m and "spot" not in m for m in events) or any(
         "on-demand" in m for m in events
     )
+    print(f"\nreplay: {len(preempted)} preemptions, requests {dict(results)}")
     assert results["200"] > 200, results
     assert set(results) == {"200"}, f"failed requests during the replay: {results}"
     # Capacity is back after the replay: the fleet heals to its target.

@@ -3,6 +3,8 @@ fleetserve's adaptive placer, each on hand-made event sequences."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fleetserve.policies.spot import Adaptive, DynamicFallback, make_placer
@@ -77,6 +79,34 @@ def test_adaptive_hedges_a_lost_spare_with_on_demand_only_soon_after_a_preemptio
     assert p.fallback_basis(4, 1) == 4
 
 
+def test_adaptive_keeps_one_more_spare_while_correlated_preemptions_recur() -> None:
+    p = Adaptive(
+        ZONES, PRICES, together=60, burst_groups=2, burst_memory=6000, burst_spare_for=3000
+    )
+    p.preempted("a", 0)
+    p.preempted("b", 500)  # minutes apart: not a correlated group
+    assert p.overprovision(1, 4, 600) == 1
+    p.preempted("a", 1000)
+    p.preempted("b", 1000)  # two zones in the same round: one correlated group ...
+    p.preempted("c", 1030)  # ... which a third zone within `together` joins, not a new group
+    assert p.groups == [1000]
+    assert p.overprovision(1, 4, 1100) == 1  # one group alone may be a one-off
+    p.preempted("b", 4000)
+    p.preempted("c", 4010)  # a second group within burst_memory: a burst
+    assert p.overprovision(1, 4, 4100) == 2
+    p.observe(4100, ready_spot=4)
+    # The burst spare is spot only: on-demand stands in for the configured spare at most.
+    assert p.fallback_basis(4, 2) == 5
+    q = Adaptive(ZONES, PRICES)
+    q.restore(p.state())  # a restarted controller keeps the burst
+    assert q.overprovision(1, 4, 4100) == 2 and q.groups == p.groups
+    assert p.overprovision(1, 4, 4010 + 3000) == 2
+    assert p.overprovision(1, 4, 4010 + 3001) == 1  # quiet again: back to the configured
+    p.preempted("a", 20000)
+    p.preempted("c", 20000)  # the earlier groups are older than burst_memory
+    assert p.overprovision(1, 4, 20100) == 1
+
+
 def test_adaptive_state_survives_a_restart() -> None:
     p = Adaptive(ZONES, PRICES)
     p.preempted("a", 50)
@@ -87,6 +117,9 @@ def test_adaptive_state_survives_a_restart() -> None:
     assert q.select({}, 61) == p.select({}, 61) == "c"
     q.restore({"risk": {"zz": 9, "a": "bad"}, "last_preemption": "x"})  # junk is ignored
     assert q.last_preemption == 50
+    q.restore({"recent": [["zz", 1], [["a"], 2], ["a", "x"], "b", ["c", 70]], "groups": ["x"]})
+    assert q.recent == [("c", 70.0)] and q.groups == []
+    json.dumps(p.state())  # what a controller persists is plain JSON
 
 
 def test_an_unknown_placer_is_named() -> None:
