@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from fleetserve.api.models import EventInfo, Preempted, ServiceInfo
+from fleetserve.api.models import EventInfo, JobInfo, PoolApplied, Preempted, ServiceInfo
 from fleetserve.controller.home import secure_home
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import (
@@ -400,6 +400,79 @@ class Client:
                 return last
             time.sleep(0.3)
         return last
+
+    # -- pools and jobs (docs/pools.md) -----------------------------------------------------
+
+    def apply_pool(
+        self,
+        name: str,
+        path: str | Path | None = None,
+        workers: int | None = None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
+    ) -> PoolApplied:
+        text = None
+        if path is not None:
+            try:
+                text = Path(path).read_text()
+            except OSError as e:
+                raise InvalidSpec(f"{path}: cannot be read: {e.strerror}") from None
+        body = {
+            "yaml": text,
+            "workers": workers,
+            "base_dir": str(Path.cwd()),
+            "envs": dict(envs) if envs else None,
+            "secrets": dict(secrets) if secrets else None,
+        }
+        resp = self._call("PUT", f"/pools/{name}", json=body)
+        return PoolApplied.model_validate(resp.json())
+
+    def pools(self, name: str | None = None) -> list[ServiceInfo]:
+        if name is not None:
+            return [ServiceInfo.model_validate(self._call("GET", f"/pools/{name}").json())]
+        return [ServiceInfo.model_validate(p) for p in self._call("GET", "/pools").json()]
+
+    def down_pool(self, name: str, purge: bool = False, cancel_jobs: bool = False) -> ServiceInfo:
+        params = {"purge": purge, "cancel_jobs": cancel_jobs}
+        resp = self._call("DELETE", f"/pools/{name}", params=params)
+        return ServiceInfo.model_validate(resp.json())
+
+    def launch_jobs(
+        self,
+        pool: str,
+        path: str | Path,
+        num_jobs: int = 1,
+        envs: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> list[JobInfo]:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise InvalidSpec(f"{path}: cannot be read: {e.strerror}") from None
+        body = {"yaml": text, "num_jobs": num_jobs, "name": name, "envs": dict(envs or {})}
+        resp = self._call("POST", f"/pools/{pool}/jobs", json=body)
+        return [JobInfo.model_validate(j) for j in resp.json()]
+
+    def jobs(self, pool: str | None = None, limit: int = 1000) -> list[JobInfo]:
+        params: dict[str, Any] = {"limit": limit}
+        if pool is not None:
+            params["pool"] = pool
+        return [JobInfo.model_validate(j) for j in self._call("GET", "/jobs", params=params).json()]
+
+    def job(self, job_id: int) -> JobInfo:
+        return JobInfo.model_validate(self._call("GET", f"/jobs/{job_id}").json())
+
+    def cancel_jobs(
+        self, job_ids: list[int] | None = None, pool: str | None = None
+    ) -> list[JobInfo]:
+        resp = self._call("POST", "/jobs/cancel", json={"job_ids": job_ids, "pool": pool})
+        return [JobInfo.model_validate(j) for j in resp.json()]
+
+    def job_logs(self, job_id: int, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        params: dict[str, Any] = {"follow": follow}
+        if tail is not None:
+            params["tail"] = tail
+        return self._stream(f"/jobs/{job_id}/logs", params)
 
     def zones(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/zones").json()

@@ -21,12 +21,17 @@ from sqlalchemy.exc import OperationalError
 from fleetserve._version import __version__
 from fleetserve.api.auth import ApiGuard, allowed_host_names
 from fleetserve.api.models import (
+    ApplyPool,
+    CancelJobs,
     ChaosCapacity,
     ChaosPreempt,
     CreateService,
     ErrorResponse,
     EventInfo,
     Health,
+    JobInfo,
+    LaunchJobs,
+    PoolApplied,
     Preempted,
     ReplicaInfo,
     ServiceInfo,
@@ -35,7 +40,7 @@ from fleetserve.api.models import (
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.home import ensure_token
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound
-from fleetserve.core.types import ReplicaRecord, ServiceRecord
+from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
 from fleetserve.lb.wake import wake_token
 from fleetserve.spec.compat import compat_warnings
@@ -111,6 +116,25 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
             for r in replicas
         ],
         spot_placer=ctl.placer_of(svc.name) if spec.uses_spot else None,
+    )
+
+
+def job_info(j: JobRecord) -> JobInfo:
+    return JobInfo(
+        job_id=j.job_id,
+        pool=j.pool,
+        name=j.name,
+        batch=j.batch,
+        rank=j.rank,
+        num_jobs=j.num_jobs,
+        status=j.status.value,
+        worker_id=j.worker_id,
+        attempts=j.attempts,
+        exit_code=j.exit_code,
+        reason=j.reason,
+        created_at=j.created_at,
+        started_at=j.started_at,
+        ended_at=j.ended_at,
     )
 
 
@@ -325,6 +349,74 @@ def create_app(
     ) -> StreamingResponse:
         lines = ctl.replica_logs(name, replica_id, follow, tail)
         return StreamingResponse(lines, media_type="text/plain")
+
+    # -- pools and jobs (docs/pools.md) ----------------------------------------------------
+
+    def pool_view(name: str) -> ServiceInfo:
+        return service_info(ctl, ctl.pool(name))
+
+    @app.put(f"{PREFIX}/pools/{{name}}", response_model=PoolApplied, responses=_ERRORS)
+    async def apply_pool(name: ServiceName, body: ApplyPool) -> PoolApplied:
+        if body.yaml is not None:
+            await parsed_off_loop(body.yaml)
+        svc, action = ctl.apply_pool(
+            name, body.yaml, body.workers, body.base_dir, body.envs, body.secrets
+        )
+        return PoolApplied(pool=service_info(ctl, svc), action=action)
+
+    @app.get(f"{PREFIX}/pools", response_model=list[ServiceInfo])
+    async def list_pools() -> list[ServiceInfo]:
+        return [
+            service_info(ctl, s)
+            for s in ctl.store.list_services()
+            if ctl.spec_of(s).service.pool is not None
+        ]
+
+    @app.get(f"{PREFIX}/pools/{{name}}", response_model=ServiceInfo, responses=_ERRORS)
+    async def get_pool(name: ServiceName) -> ServiceInfo:
+        return pool_view(name)
+
+    @app.delete(f"{PREFIX}/pools/{{name}}", response_model=ServiceInfo, responses=_ERRORS)
+    async def delete_pool(
+        name: ServiceName, purge: bool = False, cancel_jobs: bool = False
+    ) -> ServiceInfo:
+        return service_info(ctl, await ctl.delete_pool(name, purge, cancel_jobs))
+
+    @app.post(
+        f"{PREFIX}/pools/{{name}}/jobs",
+        response_model=list[JobInfo],
+        status_code=201,
+        responses=_ERRORS,
+    )
+    async def launch_jobs(name: ServiceName, body: LaunchJobs) -> list[JobInfo]:
+        jobs = ctl.launch_jobs(name, body.yaml, body.num_jobs, body.envs, body.name)
+        return [job_info(j) for j in jobs]
+
+    @app.get(f"{PREFIX}/jobs", response_model=list[JobInfo])
+    async def list_jobs(
+        pool: str | None = Query(None, max_length=64),
+        limit: int = Query(1000, ge=1, le=10_000),
+    ) -> list[JobInfo]:
+        return [job_info(j) for j in ctl.store.list_jobs(pool=pool, limit=limit)]
+
+    @app.get(f"{PREFIX}/jobs/{{job_id}}", response_model=JobInfo, responses=_ERRORS)
+    async def get_job(job_id: ReplicaIdParam) -> JobInfo:
+        return job_info(ctl.store.get_job(job_id))
+
+    @app.post(f"{PREFIX}/jobs/cancel", response_model=list[JobInfo], responses=_ERRORS)
+    async def cancel_jobs(body: CancelJobs) -> list[JobInfo]:
+        if (body.job_ids is None) == (body.pool is None):
+            raise InvalidSpec("name job ids, or a pool (all its unfinished jobs), not both")
+        jobs = await ctl.cancel_jobs(body.job_ids, body.pool)
+        return [job_info(j) for j in jobs]
+
+    @app.get(f"{PREFIX}/jobs/{{job_id}}/logs", responses=_ERRORS)
+    async def job_logs(
+        job_id: ReplicaIdParam,
+        follow: bool = False,
+        tail: int | None = Query(None, ge=1, le=10_000),
+    ) -> StreamingResponse:
+        return StreamingResponse(ctl.job_logs(job_id, follow, tail), media_type="text/plain")
 
     @app.get(f"{PREFIX}/logs/{{which}}", responses=_ERRORS)
     async def component_logs(

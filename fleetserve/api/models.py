@@ -149,3 +149,50 @@ class Preempted(BaseModel):
     replica_id: int
     zone: str
     spot: bool
+
+
+class ApplyPool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    yaml: str | None = Field(
+        None, max_length=1024 * 1024, description="The pool YAML (omit to resize with workers)."
+    )
+    workers: int | None = Field(None, ge=0, le=1000, description="A fixed size (pool.workers).")
+    base_dir: str | None = Field(None, max_length=4096)
+    envs: Overrides = None
+    secrets: Overrides = None
+
+
+class LaunchJobs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    yaml: str = Field(max_length=1024 * 1024, description="The job YAML (name, run, envs).")
+    num_jobs: int = Field(1, ge=1, le=10_000, description="Ranks 0..num_jobs-1.")
+    name: str | None = Field(None, max_length=128)
+    envs: Overrides = None
+
+
+class CancelJobs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job_ids: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] | None = Field(None, max_length=10_000)
+    pool: str | None = Field(None, min_length=1, max_length=64)
+
+
+class JobInfo(BaseModel):
+    job_id: int
+    pool: str
+    name: str | None = None
+    batch: int
+    rank: int
+    num_jobs: int
+    status: str
+    worker_id: int | None = None
+    attempts: int = 0
+    exit_code: int | None = None
+    reason: str | None = None
+    created_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+
+
+class PoolApplied(BaseModel):
+    pool: ServiceInfo
+    action: str

@@ -19,6 +19,7 @@ from rich.table import Table
 from fleetserve.api.models import ServiceInfo
 from fleetserve.cli.chaos import chaos_app
 from fleetserve.cli.envs import overrides
+from fleetserve.cli.pools import jobs_app, pool_app
 from fleetserve.cli.render import events_table, replicas_table, services_table, styled
 from fleetserve.client import Client, server_pid, start_server, stop_server
 from fleetserve.controller.admission import has_container_runtime
@@ -37,6 +38,8 @@ app = typer.Typer(
 server_app = typer.Typer(help="Manage the background controller.", no_args_is_help=True)
 app.add_typer(server_app, name="server")
 app.add_typer(chaos_app, name="chaos")
+app.add_typer(pool_app, name="pool")
+app.add_typer(jobs_app, name="jobs")
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 

@@ -41,9 +41,15 @@ def check_deployable(spec: ServiceTask, infra: str = "local", netns_mode: str = 
     errors = compat_errors(spec, has_container_runtime())
     if errors:
         raise InvalidSpec("\n".join(errors))
+    wanted = spec.requested_infra()
+    if spec.service.pool is not None:
+        if (wanted or infra).split("/")[0] != "local":
+            raise InvalidSpec(
+                f"pool: worker pools run on the local infra only for now, not on {wanted or infra}"
+            )
+        return
     if not spec.run:
         raise InvalidSpec("run: a service needs a `run` command that starts the server on $PORT")
-    wanted = spec.requested_infra()
     if spec.service.load_balancer.data_plane == "nginx" and shutil.which("nginx") is None:
         raise InvalidSpec(
             "service.load_balancer.data_plane: nginx is not installed on this machine "

@@ -24,7 +24,7 @@ from fleetserve.controller.spot import zone_marks
 from fleetserve.core.clock import Clock, SystemClock
 from fleetserve.core.errors import Conflict, InvalidSpec, NotFound
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
-from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
+from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra
 from fleetserve.infra.local import LocalInfra, rotate_log
 from fleetserve.infra.zones import Held
@@ -32,6 +32,7 @@ from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
 from fleetserve.store import Store
+from fleetserve.store.db import MAX_JOBS_PER_LAUNCH
 
 log = logging.getLogger("fleetserve.controller")
 LOG_CHECK_SECONDS = 5.0  # how often log sizes are checked against the cap
@@ -250,6 +251,23 @@ class Controller:
         self._run(name).wake.set()
         return svc
 
+    async def delete_pool(
+        self, name: str, purge: bool = False, cancel: bool = False
+    ) -> ServiceRecord:
+        """`pool down`: refused while jobs are queued or running, unless `cancel`."""
+        self.pool(name)
+        active = self.store.list_jobs(pool=name, statuses=(JobStatus.PENDING, JobStatus.RUNNING))
+        if active and not cancel:
+            ids = ", ".join(str(j.job_id) for j in active[:10])
+            more = f" and {len(active) - 10} more" if len(active) > 10 else ""
+            raise Conflict(
+                f"pool {name!r} has {len(active)} unfinished jobs ({ids}{more}): wait for them, "
+                f"cancel them (`fleetserve jobs cancel --all -p {name}`), or add --cancel-jobs"
+            )
+        if active:
+            await self.cancel_jobs(pool=name)
+        return self.delete_service(name, purge)
+
     def delete_service(self, name: str, purge: bool = False) -> ServiceRecord:
         svc = self.store.service(name)
         svc = self.store.update_service(
@@ -358,6 +376,117 @@ class Controller:
         placer = str(saved.get("placer", ""))
         return {"placer": placer, "state": state, "summary": zone_marks(placer, state or {})}
 
+    # -- pools and jobs (docs/pools.md) -----------------------------------------------------
+
+    def pool(self, name: str) -> ServiceRecord:
+        svc = self.store.get_service(name)
+        if svc is None or self.spec_of(svc).service.pool is None:
+            raise NotFound(f"no pool called {name!r}")
+        return svc
+
+    def apply_pool(
+        self,
+        name: str,
+        yaml_text: str | None,
+        workers: int | None = None,
+        base_dir: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
+    ) -> tuple[ServiceRecord, str]:
+        """Create a pool, or update one in place: a new size (`workers`), or a new YAML whose
+        workers roll over as they finish their jobs. Returns the pool and what was done."""
+        existing = self.store.get_service(name)
+        if yaml_text is None:
+            if existing is None:
+                raise NotFound(f"no pool called {name!r}: give a pool YAML to create it")
+            yaml_text = self.store.version(name, existing.active_version).yaml_text
+        data_spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
+        if data_spec.service.pool is None:
+            raise InvalidSpec("not a pool YAML: it needs a top-level `pool:` section")
+        if workers is not None:
+            if not 0 <= workers <= 1000:
+                raise InvalidSpec(f"--workers {workers}: within 0..1000")
+            yaml_text = _with_workers(yaml_text, workers)
+        if existing is None:
+            return self.create_service(yaml_text, name, base_dir, envs=envs, secrets=secrets), (
+                "created"
+            )
+        if self.spec_of(existing).service.pool is None:
+            raise Conflict(f"{name!r} is a service, not a pool")
+        svc = self.update_service(name, yaml_text, base_dir, envs=envs, secrets=secrets)
+        return svc, "updated"
+
+    def launch_jobs(
+        self,
+        pool: str,
+        yaml_text: str,
+        num_jobs: int = 1,
+        envs: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> list[JobRecord]:
+        from fleetserve.controller.executor import new_launch_token
+        from fleetserve.spec.jobs import parse_job
+
+        self.pool(pool)
+        if not 1 <= num_jobs <= MAX_JOBS_PER_LAUNCH:
+            raise InvalidSpec(f"--num-jobs {num_jobs}: within 1..{MAX_JOBS_PER_LAUNCH}")
+        job = parse_job(yaml_text, envs)
+        tokens = [new_launch_token(self.home_id) for _ in range(num_jobs)]
+        jobs = self.store.add_jobs(
+            pool, name or job.name, job.run, job.envs, num_jobs, 1.0, tokens, self.clock.now()
+        )
+        for note in job.notes:
+            self.store.add_event(pool, self.clock.now(), "jobs", f"job YAML: {note}")
+        self._run(pool).wake.set()
+        return jobs
+
+    async def cancel_jobs(
+        self, ids: list[int] | None = None, pool: str | None = None
+    ) -> list[JobRecord]:
+        """Cancel jobs by id, or every unfinished job of a pool. A job is CANCELLED first (a
+        finish racing with it loses), then its processes are stopped. Returns the jobs
+        cancelled (those already finished are left as they are)."""
+        if ids is None and pool is None:
+            raise InvalidSpec("name job ids, or a pool with --all")
+        if ids is not None:
+            jobs = [self.store.get_job(i) for i in ids]
+        else:
+            self.pool(pool or "")
+            active = (JobStatus.PENDING, JobStatus.RUNNING)
+            jobs = self.store.list_jobs(pool=pool, statuses=active)
+        done = []
+        for job in jobs:
+            if job.status.is_terminal:
+                continue
+            now = self.clock.now()
+            new = self.store.update_job(
+                job,
+                now,
+                expect=job.status,
+                status=JobStatus.CANCELLED,
+                reason="cancelled by user",
+                ended_at=now,
+            )
+            if new is None:
+                continue  # it ended meanwhile
+            done.append(new)
+            if job.status is JobStatus.RUNNING and isinstance(self.infra, LocalInfra):
+                await asyncio.to_thread(self.infra.jobs.stop, job.launch_token)
+            rec = self.reconcilers.get(job.pool)
+            if rec is not None:
+                rec.wake.set()
+        return done
+
+    def job_logs(self, job_id: int, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
+        from fleetserve.infra.jobs import job_log
+        from fleetserve.infra.local import read_lines
+
+        job = self.store.get_job(job_id)
+        path = job_log(self.settings.home, job.pool, job.job_id)
+        if job.status is JobStatus.PENDING and not path.exists() and not follow:
+            raise Conflict(f"job {job_id} has not started yet (PENDING)")
+        return read_lines(path, follow, tail)
+
     def wake(self, name: str) -> None:
         """The load balancer holds a request and no replica is ready: scale up from zero now."""
         self.store.service(name)
@@ -379,7 +508,7 @@ class Controller:
         return ServiceTask.model_validate_json(raw)
 
     def status_of(self, svc: ServiceRecord, replicas: list[ReplicaRecord]) -> ServiceStatus:
-        lb_running = svc.lb_pid is not None
+        lb_running = svc.lb_pid is not None or self.spec_of(svc).service.pool is not None
         return derive_service_status(
             (r.status for r in replicas),
             shutting_down=svc.phase is ServicePhase.SHUTTING_DOWN,
@@ -410,3 +539,18 @@ class Controller:
             raise InvalidSpec("a service name is needed for its load-balancer log")
         self.store.service(name)
         return self.settings.logs_dir / name / "load-balancer.log"
+
+
+def _with_workers(yaml_text: str, workers: int) -> str:
+    """The pool YAML with `pool.workers` set (`pool apply --workers N`): the fixed form."""
+    from fleetserve.spec.yaml_bounded import read_yaml
+
+    data = read_yaml(yaml_text, "pool YAML")
+    import yaml as _yaml
+
+    pool = {"workers": workers}
+    if isinstance(data, dict) and isinstance(data.get("pool"), dict):
+        data["pool"] = pool
+    elif isinstance(data, dict) and isinstance(data.get("service"), dict):
+        data["service"]["pool"] = pool
+    return str(_yaml.safe_dump(data, sort_keys=False))

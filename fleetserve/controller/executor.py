@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from fleetserve.controller.pools import WORKER_RUN
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError, TerminalError, TransientError
 from fleetserve.core.status import ReplicaStatus
@@ -56,7 +57,7 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         replica_id=rec.replica_id,
         version=rec.version,
         launch_token=rec.launch_token,
-        run=spec.run or "",
+        run=WORKER_RUN if spec.service.pool is not None else spec.run or "",
         setup=spec.setup,
         envs=envs,
         workdir=Path(spec.workdir) if isinstance(spec.workdir, str) and spec.workdir else None,

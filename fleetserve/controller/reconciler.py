@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 from fleetserve.controller.executor import Executor, new_launch_token
 from fleetserve.controller.lb_manager import LbManager, upstream_payload
+from fleetserve.controller.pools import PoolRunner
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.scaling import Scaler
 from fleetserve.controller.settings import Settings
@@ -30,7 +31,7 @@ from fleetserve.core.types import (
     ServiceRecord,
 )
 from fleetserve.infra.base import Infra, InstanceKind
-from fleetserve.infra.local import free_port, port_free
+from fleetserve.infra.local import LocalInfra, free_port, port_free
 from fleetserve.infra.zones import NoCapacity
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.wake import wake_token
@@ -134,6 +135,7 @@ class ServiceReconciler:
         self.executor.inflight_of = self.scaler.inflight_of
         self.executor.on_no_capacity = self._no_capacity
         self.spot: SpotPlacement | None = None  # a spot service's placer, made on first use
+        self.pool: PoolRunner | None = None  # a worker pool's jobs (docs/pools.md)
 
     def spec(self, version: int) -> ServiceTask:
         if version not in self._specs:
@@ -171,6 +173,23 @@ class ServiceReconciler:
     async def stop(self) -> None:
         await self.executor.cancel_all()
         self.prober.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    def _pool_runner(self, spec: ServiceTask) -> PoolRunner | None:
+        """A worker pool's job runner (pools run on the local infra)."""
+        if spec.service.pool is None or not isinstance(self.infra, LocalInfra):
+            return None
+        if self.pool is None:
+            self.pool = PoolRunner(
+                self.name,
+                self.store,
+                self.clock,
+                self.infra.jobs,
+                self.settings.home,
+                self.wake.set,
+            )
+        return self.pool
 
     def key(self, replica_id: int) -> ReplicaKey:
         return ReplicaKey(self.name, replica_id)
@@ -214,13 +233,15 @@ class ServiceReconciler:
         if svc.phase is ServicePhase.SHUTTING_DOWN:
             return await self._shutdown(svc)
         spec = self.spec(svc.active_version)
-        svc = await self._ensure_lb(svc, spec)
+        pool = self._pool_runner(spec)
+        if pool is None:
+            svc = await self._ensure_lb(svc, spec)  # a pool has no endpoint
         replicas = self.store.list_replicas(self.name)
         observations = await self._observe(replicas, spec)
         probe = spec.service.readiness_probe
         if svc.lb_pid is not None:
             self.scaler.observe(await self.lb.load(svc))
-        target = self.scaler.target(spec)
+        target = self.scaler.target(spec) if pool is None else pool.target(spec, replicas)
         lo, _hi = spec.service.replica_bounds()
         split = self._spot_split(spec, svc.active_version, target, replicas)
         if split is not None:
@@ -245,12 +266,16 @@ class ServiceReconciler:
                 canary_percent=svc.traffic_percent,
             ),
             spot=split,
+            ready_when_alive=pool is not None,
+            protected=pool.busy() if pool is not None else frozenset(),
         )
         plan = plan_fleet(replicas, observations, settings, self.clock.now())
         by_id = {r.replica_id: r for r in replicas}
         self._apply(plan.actions, by_id, svc, spec)
         svc = self._advance_rollout(svc, plan.rollout_complete, plan.switch_traffic)
-        if plan.failure_reason != svc.failure_reason and svc.lb_pid is not None:
+        if pool is not None:
+            await pool.dispatch(self.spec, self.store.list_replicas(self.name))
+        if plan.failure_reason != svc.failure_reason and (svc.lb_pid is not None or pool):
             svc = self.store.update_service(
                 self.name, self.clock.now(), failure_reason=plan.failure_reason
             )

@@ -111,3 +111,39 @@ class Endpoint:
     url: str
     version: VersionId
     weight: float = 1.0  # instance_aware_least_load: the replica's target QPS
+
+
+class JobStatus(enum.StrEnum):
+    PENDING = "PENDING"  # queued: waiting for a free worker
+    RUNNING = "RUNNING"  # started on a worker
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"  # exited non-zero, or lost its worker too often
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: int
+    pool: str
+    batch: int
+    rank: int
+    num_jobs: int
+    status: JobStatus
+    run: str
+    envs_json: str = "{}"
+    slots: float = 1.0
+    name: str | None = None
+    worker_id: int | None = None
+    launch_token: str = ""
+    handle: str | None = None
+    attempts: int = 0
+    exit_code: int | None = None
+    reason: str | None = None
+    created_at: float = 0.0
+    started_at: float | None = None
+    ended_at: float | None = None
+    updated_at: float = 0.0

@@ -30,6 +30,7 @@ import psutil
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.git import clone
+from fleetserve.infra.jobs import LocalJobs
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 
@@ -249,6 +250,7 @@ class LocalInfra:
         self.home = home
         self.zones = ZoneBook(zones or [ZoneConfig("local")])
         self._preempted: dict[int, str] = {}  # pid -> why (preempted replicas poll LOST)
+        self.jobs = LocalJobs(home, home_id, TOKEN_ENV, HOME_ID_ENV, umask, grace_seconds)
         self.networks = ReplicaNetworks(home_id, replica_net, replica_netns)  # fixed-port fleets
         self.home_id = home_id
         self.legacy_home = legacy_home  # processes of a home from before home ids

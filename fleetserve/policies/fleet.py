@@ -52,6 +52,10 @@ class FleetSettings:
     # A spot fleet: how many spot and on-demand replicas it wants (`spot_split`); None: every
     # replica on demand.
     spot: FallbackTargets | None = None
+    # A pool's workers: READY once alive after setup (no readiness probe), and the busy ones
+    # (running a job) are never retired by a scale-down.
+    ready_when_alive: bool = False
+    protected: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,14 @@ def _lifecycle(
             ReplicaStatus.FAILED,
             f"replica process {inst.detail}",
             exit_code=inst.exit_code,
+        )
+    if s.ready_when_alive and r.status is ReplicaStatus.STARTING and inst is not None:
+        return SetStatus(
+            r.replica_id,
+            ReplicaStatus.READY,
+            None,
+            {"first_ready_at": now},
+            "setup done: takes jobs",
         )
     probe = obs.probe
     if probe is None:
@@ -245,6 +257,8 @@ def plan_fleet(
             actions.append(CreateReplicas(min(c.count, room), c.spot))
             room -= min(c.count, room)
     for r in rs.retire:
+        if r.replica_id in settings.protected:
+            continue  # a busy worker: it goes (or rolls to the new version) once its job ends
         if r.version != settings.version:
             why = f"replaced by version {settings.version}"
         elif settings.spot is not None and not r.spot:

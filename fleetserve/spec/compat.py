@@ -97,8 +97,6 @@ def compat_errors(spec: ServiceTask, has_container_runtime: bool) -> list[str]:
     lines: list[str] = []
     if spec.num_nodes != 1:
         lines.append(f"num_nodes: multi-node replicas are not supported (got {spec.num_nodes})")
-    if spec.service.pool is not None or spec.pool is not None:
-        lines.append("pool: worker pools are not supported yet; serve a `run` command as a service")
     image = _container_image(spec)
     if image is not None:
         where, ref = image

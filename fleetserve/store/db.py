@@ -23,6 +23,8 @@ from fleetserve.core.errors import Conflict, NotFound, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import (
     EventRecord,
+    JobRecord,
+    JobStatus,
     ReplicaRecord,
     ServicePhase,
     ServiceRecord,
@@ -65,6 +67,16 @@ def check_sqlite_file(path: Path) -> None:
 
 
 _REPLICA_COLUMNS = {c.name for c in t.replicas.columns} - {"service", "replica_id"}
+_JOB_COLUMNS = {c.name for c in t.jobs.columns} - {"job_id", "pool"}
+MAX_JOBS_PER_LAUNCH = 10_000
+
+
+def _job(row: Row[Any]) -> JobRecord:
+    m = dict(row._mapping)
+    m["status"] = JobStatus(m["status"])
+    return JobRecord(**m)
+
+
 _SERVICE_COLUMNS = {c.name for c in t.services.columns} - {"name"}
 
 
@@ -492,3 +504,111 @@ class Store:
                         service=service, policy=policy, state_json=payload, updated_at=now
                     )
                 )
+
+    # -- jobs (worker pools) ----------------------------------------------------------------
+
+    def add_jobs(
+        self,
+        pool: str,
+        name: str | None,
+        run: str,
+        envs: dict[str, str],
+        num_jobs: int,
+        slots: float,
+        tokens: list[str],
+        now: float,
+    ) -> list[JobRecord]:
+        """Queue `num_jobs` jobs (ranks 0..num_jobs-1) in one transaction: all or none."""
+        if not 1 <= num_jobs <= MAX_JOBS_PER_LAUNCH or len(tokens) != num_jobs:
+            raise ValueError(f"num_jobs must be within 1..{MAX_JOBS_PER_LAUNCH}")
+        envs_json = json.dumps(envs, sort_keys=True)
+        ids: list[int] = []
+        with self.engine.begin() as conn:
+            if (
+                conn.execute(select(t.services.c.name).where(t.services.c.name == pool)).first()
+                is None
+            ):
+                raise NotFound(f"no pool called {pool!r}")
+            for rank in range(num_jobs):
+                result = conn.execute(
+                    insert(t.jobs).values(
+                        pool=pool,
+                        name=name,
+                        batch=ids[0] if ids else 0,
+                        rank=rank,
+                        num_jobs=num_jobs,
+                        status=JobStatus.PENDING.value,
+                        run=run,
+                        envs_json=envs_json,
+                        slots=slots,
+                        launch_token=tokens[rank],
+                        attempts=0,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+                pk = result.inserted_primary_key
+                assert pk is not None
+                job_id = int(pk[0])
+                ids.append(job_id)
+            conn.execute(update(t.jobs).where(t.jobs.c.job_id.in_(ids)).values(batch=ids[0]))
+            what = f"{num_jobs} jobs queued" if num_jobs > 1 else "job queued"
+            span = f"{ids[0]}-{ids[-1]}" if num_jobs > 1 else str(ids[0])
+            self._event(conn, pool, now, "jobs", f"{what} (ids {span})")
+        return self.list_jobs(pool=pool, ids=ids)
+
+    def list_jobs(
+        self,
+        pool: str | None = None,
+        ids: list[int] | None = None,
+        statuses: tuple[JobStatus, ...] | None = None,
+        limit: int | None = None,
+    ) -> list[JobRecord]:
+        q = select(t.jobs)
+        if pool is not None:
+            q = q.where(t.jobs.c.pool == pool)
+        if ids is not None:
+            q = q.where(t.jobs.c.job_id.in_(ids))
+        if statuses is not None:
+            q = q.where(t.jobs.c.status.in_([s.value for s in statuses]))
+        q = q.order_by(t.jobs.c.job_id)
+        if limit is not None:
+            q = q.order_by(None).order_by(t.jobs.c.job_id.desc()).limit(limit)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        jobs = [_job(r) for r in rows]
+        return sorted(jobs, key=lambda j: j.job_id)
+
+    def get_job(self, job_id: int) -> JobRecord:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(t.jobs).where(t.jobs.c.job_id == job_id)).first()
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        return _job(row)
+
+    def update_job(
+        self, job: JobRecord, now: float, expect: JobStatus | None = None, **changes: Any
+    ) -> JobRecord | None:
+        """Write `changes`; with `expect`, only if the job is still in that status (a cancel
+        and a finish racing: the first one wins). Returns the new record, or None."""
+        unknown = set(changes) - _JOB_COLUMNS
+        if unknown:
+            raise ValueError(f"not job columns: {sorted(unknown)}")
+        status = changes.get("status")
+        if isinstance(status, JobStatus):
+            changes["status"] = status.value
+        q = update(t.jobs).where(t.jobs.c.job_id == job.job_id)
+        if expect is not None:
+            q = q.where(t.jobs.c.status == expect.value)
+        with self.engine.begin() as conn:
+            done = conn.execute(q.values(updated_at=now, **changes))
+            if done.rowcount == 0:
+                return None
+            if status is not None and JobStatus(changes["status"]) is not job.status:
+                text_ = changes.get("reason") or f"job {job.job_id} {changes['status']}"
+                self._event(
+                    conn, job.pool, now, "job", f"job {job.job_id} (rank {job.rank}): {text_}"
+                )
+        fields = {k: v for k, v in changes.items() if k != "status"}
+        new_status = JobStatus(changes["status"]) if "status" in changes else job.status
+        return dataclasses.replace(job, status=new_status, updated_at=now, **fields)

@@ -117,6 +117,34 @@ policy_state = Table(
     Column("updated_at", Float, nullable=False),
 )
 
+# Migration 0005: jobs submitted to worker pools. Not tied to the pool's row: a job's record
+# outlives the pool (its history), and job ids are never reused.
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("job_id", Integer, primary_key=True, autoincrement=True),
+    Column("pool", String(64), nullable=False),
+    Column("name", String(128)),
+    Column("batch", Integer, nullable=False),  # the first job id of its `jobs launch`
+    Column("rank", Integer, nullable=False),  # SKYPILOT_JOB_RANK
+    Column("num_jobs", Integer, nullable=False),  # SKYPILOT_NUM_JOBS
+    Column("status", String(16), nullable=False),
+    Column("run", Text, nullable=False),
+    Column("envs_json", Text, nullable=False),
+    Column("slots", Float, nullable=False),  # the share of a worker it needs (packing)
+    Column("worker_id", Integer),
+    Column("launch_token", String(64), nullable=False),
+    Column("handle", Text),
+    Column("attempts", Integer, nullable=False),  # starts so far (a lost worker requeues it)
+    Column("exit_code", Integer),
+    Column("reason", Text),
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float),
+    Column("ended_at", Float),
+    Column("updated_at", Float, nullable=False),
+    Index("ix_jobs_pool_status", "pool", "status"),
+)
+
 # Migration 0003: facts about the store itself ("home_id", "home_path").
 meta = Table(
     "meta",

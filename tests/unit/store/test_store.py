@@ -30,7 +30,7 @@ def test_schema_is_created_by_alembic_in_wal_mode(store: Store) -> None:
     } <= tables
     with store.engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0004"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
 
 
 def test_reopening_keeps_data(tmp_path: Path) -> None:

@@ -1,0 +1,263 @@
+"""`fleetserve pool ...` and `fleetserve jobs ...`: worker pools and the batch jobs run on them
+(SkyPilot's `sky jobs pool` and `sky jobs launch -p`; docs/pools.md)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fleetserve.api.models import JobInfo, ServiceInfo
+from fleetserve.cli.envs import overrides
+from fleetserve.cli.render import ago, styled
+from fleetserve.client import Client
+from fleetserve.core.errors import FleetserveError, InvalidSpec
+
+pool_app = typer.Typer(help="Worker pools: warm workers that run batch jobs.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Batch jobs on a worker pool.", no_args_is_help=True)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+PoolName = Annotated[str, typer.Option("-p", "--pool", help="The pool's name.")]
+Envs = Annotated[
+    list[str] | None,
+    typer.Option("--env", help="KEY=VALUE over the YAML's envs (repeatable); KEY alone: yours"),
+]
+
+
+def _fail(e: FleetserveError) -> typer.Exit:
+    err.print(f"[red]Error:[/] {e.message}")
+    return typer.Exit(e.exit_code)
+
+
+def pools_table(pools: list[ServiceInfo]) -> Table:
+    t = Table(title="Pools", title_justify="left")
+    for col in ("NAME", "VERSION", "UPTIME", "STATUS", "WORKERS", "TARGET"):
+        t.add_column(col)
+    for p in pools:
+        ready = sum(r.status == "READY" for r in p.replicas)
+        t.add_row(
+            p.name,
+            str(p.active_version),
+            ago(p.created_at).removesuffix(" ago"),
+            styled(p.status),
+            f"{ready}/{len([r for r in p.replicas if 'FAIL' not in r.status])}",
+            str(p.target_replicas),
+        )
+    return t
+
+
+def workers_table(pools: list[ServiceInfo], jobs: list[JobInfo]) -> Table:
+    busy = {(j.pool, j.worker_id): j.job_id for j in jobs if j.status == "RUNNING"}
+    t = Table(title="Pool Workers", title_justify="left")
+    for col in ("POOL_NAME", "ID", "VERSION", "LAUNCHED", "STATUS", "USED_BY", "REASON"):
+        t.add_column(col)
+    for p in pools:
+        for r in p.replicas:
+            job = busy.get((p.name, r.replica_id))
+            t.add_row(
+                p.name,
+                str(r.replica_id),
+                str(r.version),
+                ago(r.launched_at),
+                styled(r.status),
+                f"job {job}" if job else "-",
+                r.reason or "",
+            )
+    return t
+
+
+def _job_status(status: str) -> str:
+    color = {"SUCCEEDED": "green", "RUNNING": "cyan", "PENDING": "dim", "CANCELLED": "yellow"}
+    return f"[{color.get(status, 'red')}]{status}[/]"
+
+
+def jobs_table(jobs: list[JobInfo]) -> Table:
+    t = Table(title="Jobs", title_justify="left")
+    for col in (
+        "ID",
+        "POOL",
+        "NAME",
+        "RANK",
+        "STATUS",
+        "WORKER",
+        "SUBMITTED",
+        "DURATION",
+        "REASON",
+    ):
+        t.add_column(col)
+    now = time.time()
+    for j in jobs:
+        took = "-" if j.started_at is None else f"{(j.ended_at or now) - j.started_at:.1f}s"
+        t.add_row(
+            str(j.job_id),
+            j.pool,
+            j.name or "-",
+            f"{j.rank}/{j.num_jobs}",
+            _job_status(j.status),
+            str(j.worker_id) if j.worker_id else "-",
+            ago(j.created_at),
+            took,
+            j.reason or "",
+        )
+    return t
+
+
+@pool_app.command("apply")
+def apply(
+    file: Annotated[Path | None, typer.Argument(help="Pool YAML (top-level pool:).")] = None,
+    pool: PoolName = "",
+    workers: Annotated[
+        int | None, typer.Option("--workers", help="A fixed number of workers.")
+    ] = None,
+    env: Envs = None,
+    secret: Annotated[list[str] | None, typer.Option("--secret", help="KEY=VALUE")] = None,
+) -> None:
+    """Create a pool, or update it in place: resize it (--workers) or roll its workers to a new
+    YAML (busy workers finish their jobs first)."""
+    try:
+        if not pool:
+            raise InvalidSpec("name the pool with -p NAME")
+        if file is None and workers is None:
+            raise InvalidSpec("give a pool YAML, --workers N, or both")
+        envs, secrets = overrides(env, None, secret, os.environ)
+        done = Client().apply_pool(pool, file, workers, envs, secrets)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    p = done.pool
+    out.print(f"Pool [bold]{p.name}[/] {done.action}: {p.target_replicas} worker(s) wanted.")
+    out.print(f"Submit jobs with `fleetserve jobs launch -p {p.name} [--num-jobs N] job.yaml`.")
+
+
+@pool_app.command("status")
+def pool_status(name: Annotated[str | None, typer.Argument(help="One pool.")] = None) -> None:
+    """Pools and their workers (which job each runs)."""
+    try:
+        client = Client()
+        pools = client.pools(name)
+        jobs = client.jobs(name) if name else client.jobs()
+    except FleetserveError as e:
+        raise _fail(e) from None
+    if not pools:
+        out.print("No pools. Create one with `fleetserve pool apply -p NAME pool.yaml`.")
+        return
+    out.print(pools_table(pools))
+    for p in pools:
+        if p.failure_reason:
+            out.print(f"[red]{p.name}:[/] {p.failure_reason}")
+    out.print(workers_table(pools, jobs))
+
+
+@pool_app.command("down")
+def pool_down(
+    name: Annotated[str, typer.Argument(help="Pool.")],
+    purge: Annotated[bool, typer.Option("--purge", help="Even if a teardown failed.")] = False,
+    cancel_jobs: Annotated[
+        bool, typer.Option("--cancel-jobs", help="Cancel its unfinished jobs first.")
+    ] = False,
+) -> None:
+    """Stop a pool's workers and remove it (refused while jobs are unfinished)."""
+    try:
+        client = Client()
+        client.down_pool(name, purge, cancel_jobs)
+        left = client.wait_gone(name)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    if left is not None:
+        raise _fail(FleetserveError(f"pool {name} is not gone: {left.failure_reason}"))
+    out.print(f"Pool {name} is down.")
+
+
+@jobs_app.command("launch")
+def launch(
+    file: Annotated[Path, typer.Argument(help="Job YAML (name, run, envs).")],
+    pool: PoolName = "",
+    num_jobs: Annotated[
+        int, typer.Option("--num-jobs", help="Ranks 0..N-1 (SKYPILOT_JOB_RANK).")
+    ] = 1,
+    name: Annotated[str | None, typer.Option("-n", "--name", help="Job name.")] = None,
+    env: Envs = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for every job to end.")] = False,
+) -> None:
+    """Queue jobs on a pool; each runs on a free worker, in order."""
+    try:
+        if not pool:
+            raise InvalidSpec("name the pool with -p NAME")
+        envs, _ = overrides(env, None, None, os.environ)
+        client = Client()
+        jobs = client.launch_jobs(pool, file, num_jobs, envs, name)
+        ids = [j.job_id for j in jobs]
+        span = f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+        out.print(f"Queued {len(ids)} job(s) on pool {pool}: ids {span}.")
+        if not wait:
+            out.print(f"Follow them with `fleetserve jobs queue -p {pool}`.")
+            return
+        while True:
+            now = [client.job(i) for i in ids] if len(ids) <= 20 else _batch(client, pool, ids)
+            if all(j.status in ("SUCCEEDED", "FAILED", "CANCELLED") for j in now):
+                break
+            time.sleep(0.5)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    failed = [j for j in now if j.status != "SUCCEEDED"]
+    out.print(f"{len(now) - len(failed)} succeeded, {len(failed)} did not.")
+    if failed:
+        raise typer.Exit(1)
+
+
+def _batch(client: Client, pool: str, ids: list[int]) -> list[JobInfo]:
+    wanted = set(ids)
+    return [j for j in client.jobs(pool, limit=10_000) if j.job_id in wanted]
+
+
+@jobs_app.command("queue")
+def queue(
+    pool: Annotated[str | None, typer.Option("-p", "--pool", help="One pool.")] = None,
+    limit: Annotated[int, typer.Option(help="The newest N jobs.")] = 100,
+) -> None:
+    """Jobs, newest last: status, worker, duration, reason."""
+    try:
+        jobs = Client().jobs(pool, limit)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    if not jobs:
+        out.print("No jobs.")
+        return
+    out.print(jobs_table(jobs))
+
+
+@jobs_app.command("logs")
+def logs(
+    job_id: Annotated[int, typer.Argument(help="Job id.")],
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep streaming.")] = False,
+) -> None:
+    """A job's output."""
+    try:
+        for line in Client().job_logs(job_id, follow):
+            print(line)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    except KeyboardInterrupt:
+        return
+
+
+@jobs_app.command("cancel")
+def cancel(
+    job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.")] = None,
+    all_jobs: Annotated[bool, typer.Option("--all", help="Every unfinished job of -p.")] = False,
+    pool: Annotated[str | None, typer.Option("-p", "--pool", help="With --all.")] = None,
+) -> None:
+    """Cancel jobs: queued ones never start, running ones are stopped."""
+    try:
+        if all_jobs == bool(job_ids) or (all_jobs and not pool):
+            raise InvalidSpec("name job ids, or --all -p POOL")
+        done = Client().cancel_jobs(job_ids or None, pool if all_jobs else None)
+    except FleetserveError as e:
+        raise _fail(e) from None
+    ids = ", ".join(str(j.job_id) for j in done)
+    out.print(f"Cancelled {len(done)} job(s)" + (f": {ids}" if done else "."))

@@ -1,0 +1,254 @@
+"""`PoolRunner`: the job side of a worker pool's reconciler (docs/pools.md).
+
+Each round it polls the running jobs, asks the pure planner (fleetserve.policies.jobs) what
+to finish, requeue and start, and applies that: starts job processes on the workers, writes
+the jobs' rows, and watches each running job so that its end wakes the reconciler at once (a
+free worker gets the next job within milliseconds, not at the next round). It also says how
+many workers the queue wants and which workers are busy (never scaled down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from fleetserve.core.clock import Clock
+from fleetserve.core.errors import FleetserveError
+from fleetserve.core.status import ReplicaStatus
+from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord
+from fleetserve.infra.base import InstanceKind
+from fleetserve.infra.jobs import JobRequest, LocalJobs
+from fleetserve.policies.jobs import (
+    DEFAULT_DOWNSCALE_DELAY,
+    DEFAULT_UPSCALE_DELAY,
+    FinishJob,
+    JobExit,
+    PoolScale,
+    RequeueJob,
+    StartJob,
+    WorkerView,
+    busy_workers,
+    plan_dispatch,
+    pool_target,
+)
+from fleetserve.spec.models import Pool, ServiceTask
+from fleetserve.store import Store
+
+log = logging.getLogger("fleetserve.controller")
+STATE_KEY = "pool_autoscaler"
+WORKER_RUN = "exec sleep infinity"  # a worker's `run`: it stays up; jobs bring their own
+ACTIVE = (JobStatus.PENDING, JobStatus.RUNNING)
+
+
+def job_envs(spec: ServiceTask, job: JobRecord, home: Path) -> dict[str, str]:
+    """A job's environment: the pool's envs and secrets, the job's own, its rank."""
+    envs = {k: "" if v is None else str(v) for k, v in {**spec.envs, **spec.secrets}.items()}
+    envs.update(json.loads(job.envs_json))
+    rank = {
+        "SKYPILOT_JOB_RANK": str(job.rank),
+        "SKYPILOT_NUM_JOBS": str(job.num_jobs),
+        "SKYPILOT_JOB_ID": str(job.job_id),
+        "FLEETSERVE_JOB_RANK": str(job.rank),
+        "FLEETSERVE_NUM_JOBS": str(job.num_jobs),
+        "FLEETSERVE_JOB_ID": str(job.job_id),
+        "FLEETSERVE_POOL": job.pool,
+        "FLEETSERVE_HOME": str(home),
+    }
+    envs.update(rank)
+    if job.worker_id is not None:
+        envs["FLEETSERVE_WORKER_ID"] = str(job.worker_id)
+    return envs
+
+
+def pool_bounds(pool: Pool) -> tuple[int, int]:
+    if pool.workers is not None:
+        return pool.workers, pool.workers
+    lo = pool.min_workers or 0
+    return lo, pool.max_workers if pool.max_workers is not None else lo
+
+
+class PoolRunner:
+    def __init__(
+        self,
+        pool: str,
+        store: Store,
+        clock: Clock,
+        jobs: LocalJobs,
+        home: Path,
+        wake: Callable[[], None],
+    ) -> None:
+        self.pool = pool
+        self.store = store
+        self.clock = clock
+        self.jobs = jobs
+        self.home = home
+        self.wake = wake
+        self.watchers: dict[int, asyncio.Task[None]] = {}
+
+    # -- workers wanted ------------------------------------------------------------------
+
+    def target(self, spec: ServiceTask, workers: list[ReplicaRecord]) -> int:
+        pool = spec.service.pool
+        assert pool is not None
+        lo, hi = pool_bounds(pool)
+        active = self.store.list_jobs(pool=self.pool, statuses=ACTIVE)
+        queued = sum(j.status is JobStatus.PENDING for j in active)
+        running = sum(j.slots for j in active if j.status is JobStatus.RUNNING)
+        raw = self.store.get_policy_state(self.pool, STATE_KEY)
+        state = PoolScale.from_json(raw) if raw else PoolScale(lo)
+        now = self.clock.now()
+        new = pool_target(
+            lo,
+            hi,
+            pool.queue_length_threshold or 1,
+            (
+                pool.upscale_delay_seconds
+                if pool.upscale_delay_seconds is not None
+                else DEFAULT_UPSCALE_DELAY
+            ),
+            (
+                pool.downscale_delay_seconds
+                if pool.downscale_delay_seconds is not None
+                else DEFAULT_DOWNSCALE_DELAY
+            ),
+            state,
+            queued,
+            running,
+            1.0,
+            now,
+        )
+        if new.to_json() != state.to_json() or raw is None:
+            self.store.put_policy_state(self.pool, STATE_KEY, new.to_json(), now)
+        if new.target != state.target:
+            message = f"pool autoscaler: workers {state.target} -> {new.target} ({new.reason})"
+            self.store.add_event(self.pool, now, "autoscaler", message)
+            log.info("pool %s: %s", self.pool, message)
+        return new.target
+
+    def busy(self) -> frozenset[int]:
+        return frozenset(busy_workers(self.store.list_jobs(pool=self.pool, statuses=ACTIVE)))
+
+    # -- one round -------------------------------------------------------------------------
+
+    async def dispatch(
+        self, spec_of: Callable[[int], ServiceTask], workers: list[ReplicaRecord]
+    ) -> None:
+        jobs = self.store.list_jobs(pool=self.pool, statuses=ACTIVE)
+        if not jobs:
+            return
+        exits: dict[int, JobExit] = {}
+        for job in jobs:
+            if job.status is JobStatus.RUNNING and job.handle:
+                state = self.jobs.poll(job.handle)
+                if state.kind is InstanceKind.EXITED and state.exit_code is not None:
+                    exits[job.job_id] = JobExit(state.exit_code)
+                elif state.kind is InstanceKind.LOST:
+                    exits[job.job_id] = JobExit(-9, lost=True)
+                elif job.job_id not in self.watchers:
+                    self._watch(job)  # adopted after a restart: its end wakes us too
+        views = [
+            WorkerView(
+                w.replica_id,
+                ready=w.status is ReplicaStatus.READY,
+                alive=w.status in (ReplicaStatus.READY, ReplicaStatus.NOT_READY)
+                or (w.status is ReplicaStatus.STARTING),
+            )
+            for w in workers
+        ]
+        by_id = {j.job_id: j for j in jobs}
+        by_worker = {w.replica_id: w for w in workers}
+        now = self.clock.now()
+        for action in plan_dispatch(views, jobs, exits):
+            job = by_id[action.job_id]
+            if isinstance(action, FinishJob):
+                self.store.update_job(
+                    job,
+                    now,
+                    expect=JobStatus.RUNNING,
+                    status=action.status,
+                    exit_code=action.exit_code,
+                    reason=action.reason,
+                    ended_at=now,
+                )
+            elif isinstance(action, RequeueJob):
+                self.store.update_job(
+                    job,
+                    now,
+                    expect=JobStatus.RUNNING,
+                    status=JobStatus.PENDING,
+                    reason=action.reason,
+                    worker_id=None,
+                    handle=None,
+                    started_at=None,
+                )
+                self.wake()
+            elif isinstance(action, StartJob):
+                worker = by_worker[action.worker_id]
+                self._start(job, worker, spec_of(worker.version), now)
+
+    def _start(self, job: JobRecord, worker: ReplicaRecord, spec: ServiceTask, now: float) -> None:
+        placed = dataclasses.replace(job, worker_id=worker.replica_id)
+        if not worker.handle:
+            return
+        worker_dir = Path(json.loads(worker.handle).get("dir", ""))
+        try:
+            handle = self.jobs.start(
+                JobRequest(
+                    pool=self.pool,
+                    job_id=job.job_id,
+                    token=job.launch_token,
+                    worker_token=worker.launch_token,
+                    worker_dir=worker_dir,
+                    run=job.run,
+                    envs=job_envs(spec, placed, self.home),
+                )
+            )
+        except (OSError, FleetserveError) as e:
+            message = e.message if isinstance(e, FleetserveError) else str(e)
+            self.store.update_job(
+                job,
+                now,
+                expect=JobStatus.PENDING,
+                status=JobStatus.FAILED,
+                reason=f"could not start on worker {worker.replica_id}: {message}",
+                ended_at=now,
+            )
+            return
+        started = self.store.update_job(
+            job,
+            now,
+            expect=JobStatus.PENDING,
+            status=JobStatus.RUNNING,
+            worker_id=worker.replica_id,
+            handle=handle,
+            attempts=job.attempts + 1,
+            started_at=now,
+            reason=f"running on worker {worker.replica_id}",
+        )
+        if started is None:  # cancelled meanwhile: stop what was started
+            self.jobs.stop(job.launch_token)
+            return
+        self._watch(started)
+
+    def _watch(self, job: JobRecord) -> None:
+        handle = job.handle
+        if not handle:
+            return
+
+        async def watch() -> None:
+            with contextlib.suppress(Exception):
+                await self.jobs.wait(handle)
+            self.watchers.pop(job.job_id, None)
+            self.wake()
+
+        self.watchers[job.job_id] = asyncio.create_task(watch(), name=f"job-{job.job_id}")
+
+    def close(self) -> None:
+        for task in self.watchers.values():
+            task.cancel()
+        self.watchers.clear()

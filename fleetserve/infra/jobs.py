@@ -1,0 +1,214 @@
+"""Jobs on a pool's workers (local infra): each job is a process group started in its
+worker's working folder, with its own log and a recorded exit code.
+
+A job's processes carry the worker's launch token (stopping or preempting the worker stops its
+jobs too, and the orphan sweep treats them as the worker's) and a job token of their own (a
+cancel stops that job only). A small bash wrapper records the exit code, so a restarted
+controller that adopts a running job (not its child any more) still learns how it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from fleetserve.core.errors import TerminalError
+from fleetserve.infra.base import InstanceKind, InstanceState
+
+JOB_TOKEN_ENV = "FLEETSERVE_JOB_TOKEN"
+_EXIT_CODE = "exit_code"
+_JOB_ENTRY = """\
+# Written by fleetserve: runs one job in its worker's working folder.
+cd {workdir} || exit 1
+bash {dir}/run.sh
+rc=$?
+echo $rc > {dir}/{exit_code}
+exit $rc
+"""
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    pool: str
+    job_id: int
+    token: str  # the job's own
+    worker_token: str  # its worker's launch token
+    worker_dir: Path  # the worker's folder (its workdir is where the job runs)
+    run: str
+    envs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    pid: int
+    create_time: float
+    dir: str
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobHandle:
+        d = json.loads(text)
+        return cls(int(d["pid"]), float(d["create_time"]), str(d["dir"]))
+
+
+def job_dir(home: Path, pool: str, job_id: int) -> Path:
+    return home / "replicas" / pool / "jobs" / str(job_id)
+
+
+def job_log(home: Path, pool: str, job_id: int) -> Path:
+    return home / "logs" / pool / f"job-{job_id}.log"
+
+
+class LocalJobs:
+    """Starts, polls, waits for and stops job processes (the local infra's part of pools)."""
+
+    def __init__(
+        self,
+        home: Path,
+        home_id: str,
+        token_env: str,
+        home_id_env: str,
+        umask: int | None = None,
+        grace_seconds: float = 10.0,
+    ) -> None:
+        self.home = home
+        self.home_id = home_id
+        self.token_env = token_env
+        self.home_id_env = home_id_env
+        self.umask = umask
+        self.grace_seconds = grace_seconds
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def _write(self, req: JobRequest) -> Path:
+        d = job_dir(self.home, req.pool, req.job_id)
+        if d.exists():
+            shutil.rmtree(d)  # a requeued job starts afresh
+        d.mkdir(parents=True, mode=0o700)
+        (d / "run.sh").write_text(req.run)
+        workdir = req.worker_dir / "workdir"
+        if not workdir.is_dir():
+            raise TerminalError(f"the worker's folder {workdir} is gone")
+        (d / "entry.sh").write_text(
+            _JOB_ENTRY.format(
+                workdir=shlex.quote(str(workdir)),
+                dir=shlex.quote(str(d)),
+                exit_code=_EXIT_CODE,
+            )
+        )
+        return d
+
+    def start(self, req: JobRequest) -> str:
+        """Start the job; returns its handle (JSON text)."""
+        d = self._write(req)
+        log = job_log(self.home, req.pool, req.job_id)
+        log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        env = dict(os.environ)
+        env.update(req.envs)
+        env[self.token_env] = req.worker_token
+        env[JOB_TOKEN_ENV] = req.token
+        if self.home_id:
+            env[self.home_id_env] = self.home_id
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        try:
+            proc = subprocess.Popen(
+                ["bash", str(d / "entry.sh")],
+                cwd=d,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                umask=-1 if self.umask is None else self.umask,
+            )
+        finally:
+            os.close(fd)
+        self._children[proc.pid] = proc
+        try:
+            created = psutil.Process(proc.pid).create_time()
+        except psutil.NoSuchProcess:
+            created = 0.0
+        return JobHandle(proc.pid, created, str(d)).to_json()
+
+    def poll(self, handle: str) -> InstanceState:
+        h = JobHandle.from_json(handle)
+        child = self._children.get(h.pid)
+        code: int | None = None
+        if child is not None:
+            code = child.poll()
+            if code is None:
+                return InstanceState(InstanceKind.RUNNING)
+            self._children.pop(h.pid, None)
+        else:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(h.pid)
+                if abs(p.create_time() - h.create_time) < 0.01 and p.status() != "zombie":
+                    return InstanceState(InstanceKind.RUNNING)
+        with contextlib.suppress(OSError, ValueError):
+            code = int((Path(h.dir) / _EXIT_CODE).read_text().strip())
+        if code is None:
+            return InstanceState(InstanceKind.LOST, detail="the job's process vanished")
+        return InstanceState(InstanceKind.EXITED, exit_code=code, detail=f"exit code {code}")
+
+    async def wait(self, handle: str, poll_interval: float = 0.5) -> None:
+        """Return once the job's process has ended: at once through a pidfd where the kernel
+        has them (no polling), else by polling."""
+        h = JobHandle.from_json(handle)
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(h.pid)
+        except (OSError, AttributeError):
+            fd = None
+        if fd is not None:
+            ended = asyncio.Event()
+            loop.add_reader(fd, ended.set)
+            try:
+                if self.poll(handle).kind is InstanceKind.RUNNING:
+                    await ended.wait()
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+            child = self._children.get(h.pid)
+            if child is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=1)  # reap it: its exit code, no zombie
+            return
+        while self.poll(handle).kind is InstanceKind.RUNNING:
+            await asyncio.sleep(poll_interval)
+
+    def stop(self, token: str) -> list[int]:
+        """Stop every process of the job (SIGTERM, then SIGKILL after the grace); returns the
+        pids that survived."""
+        procs = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                env = p.environ()
+                if env.get(JOB_TOKEN_ENV) == token and (
+                    not self.home_id or env.get(self.home_id_env) == self.home_id
+                ):
+                    procs.append(p)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _gone, alive = psutil.wait_procs(procs, timeout=self.grace_seconds)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _gone, alive = psutil.wait_procs(alive, timeout=5)
+        for pid in list(self._children):
+            if self._children[pid].poll() is not None:
+                self._children.pop(pid, None)
+        return [p.pid for p in alive]
+
+    def forget(self, pool: str, job_id: int) -> None:
+        shutil.rmtree(job_dir(self.home, pool, job_id), ignore_errors=True)
