@@ -39,6 +39,7 @@ from fleetserve.api.models import (
 )
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.home import ensure_token
+from fleetserve.controller.pools import pool_bounds
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound
 from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
@@ -78,6 +79,10 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
     replicas = ctl.store.list_replicas(svc.name)
     spec = ctl.spec_of(svc)
     lo, hi = spec.service.replica_bounds()
+    target = ctl.target_of(svc.name, lo)
+    if spec.service.pool is not None:  # a pool's workers
+        lo, hi = pool_bounds(spec.service.pool)
+        target = ctl.pool_target_of(svc.name, lo)
     return ServiceInfo(
         name=svc.name,
         status=ctl.status_of(svc, replicas).value,
@@ -95,7 +100,7 @@ def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
         load_balancing_policy=spec.service.load_balancing_policy,
         min_replicas=lo,
         max_replicas=hi,
-        target_replicas=ctl.target_of(svc.name, lo),
+        target_replicas=target,
         replicas=[
             ReplicaInfo(
                 replica_id=r.replica_id,

@@ -90,7 +90,7 @@ def jobs_table(jobs: list[JobInfo]) -> Table:
         "DURATION",
         "REASON",
     ):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col != "REASON", min_width=9 if col == "STATUS" else None)
     now = time.time()
     for j in jobs:
         took = "-" if j.started_at is None else f"{(j.ended_at or now) - j.started_at:.1f}s"

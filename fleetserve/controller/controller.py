@@ -15,6 +15,7 @@ from fleetserve.controller import updates
 from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
 from fleetserve.controller.executor import uses_own_network
 from fleetserve.controller.lb_manager import LbManager
+from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
 from fleetserve.controller.scaling import STATE_KEY
@@ -455,18 +456,24 @@ class Controller:
             active = (JobStatus.PENDING, JobStatus.RUNNING)
             jobs = self.store.list_jobs(pool=pool, statuses=active)
         done = []
-        for job in jobs:
-            if job.status.is_terminal:
-                continue
-            now = self.clock.now()
-            new = self.store.update_job(
-                job,
-                now,
-                expect=job.status,
-                status=JobStatus.CANCELLED,
-                reason="cancelled by user",
-                ended_at=now,
-            )
+        # Queued ones first, so that none of them starts on a worker a cancel frees.
+        for job in sorted(jobs, key=lambda j: j.status is not JobStatus.PENDING):
+            new = None
+            for _ in range(3):  # it may start (or end) between the read and the write
+                if job.status.is_terminal:
+                    break
+                now = self.clock.now()
+                new = self.store.update_job(
+                    job,
+                    now,
+                    expect=job.status,
+                    status=JobStatus.CANCELLED,
+                    reason="cancelled by user",
+                    ended_at=now,
+                )
+                if new is not None:
+                    break
+                job = self.store.get_job(job.job_id)
             if new is None:
                 continue  # it ended meanwhile
             done.append(new)
@@ -495,6 +502,10 @@ class Controller:
     def target_of(self, name: str, default: int) -> int:
         state = self.store.get_policy_state(name, STATE_KEY)
         return int(state["target"]) if state else default
+
+    def pool_target_of(self, name: str, default: int) -> int:
+        state = self.store.get_policy_state(name, POOL_STATE_KEY)
+        return int(state["target"]) if state and isinstance(state.get("target"), int) else default
 
     def load_report(self, name: str) -> dict[str, object] | None:
         self.store.service(name)

@@ -1,0 +1,202 @@
+"""Worker pools through the real CLI, controller and job processes: every rank once, a
+controller killed mid-run loses and repeats nothing, cancel and down rules, a lost worker's
+job requeued, and autoscaling from zero (docs/pools.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+from fleetserve.api.models import JobInfo
+
+from .conftest import Fleet
+
+POOL = """\
+pool:
+  workers: {workers}
+setup: echo preparing the worker; sleep 0.3
+workdir: {workdir}
+envs:
+  GREETING: hello
+"""
+AUTOSCALED = """\
+pool:
+  min_workers: 0
+  max_workers: 3
+  upscale_delay_seconds: 0
+  downscale_delay_seconds: 2
+workdir: {workdir}
+"""
+JOB = """\
+name: ranks
+run: |
+  echo "rank $SKYPILOT_JOB_RANK of $SKYPILOT_NUM_JOBS on worker $FLEETSERVE_WORKER_ID: $GREETING"
+  sleep {seconds}
+  echo "$SKYPILOT_JOB_RANK $SKYPILOT_NUM_JOBS" >> {out}
+"""
+
+
+def write(fleet: Fleet, name: str, text: str) -> Path:
+    path = fleet.home.parent / name
+    path.write_text(text)
+    return path
+
+
+def apply(fleet: Fleet, workers: int = 3, name: str = "batch") -> None:
+    pool = write(fleet, f"{name}.yaml", POOL.format(workers=workers, workdir=fleet.workdir))
+    fleet.cli("pool", "apply", "-p", name, str(pool))
+    client = fleet.client()
+    fleet.wait_for(
+        f"{workers} READY workers",
+        lambda: sum(r.status == "READY" for r in client.pools(name)[0].replicas) == workers,
+        timeout=60,
+    )
+
+
+def job_file(fleet: Fleet, seconds: float, out: Path) -> Path:
+    return write(fleet, "job.yaml", JOB.format(seconds=seconds, out=out))
+
+
+def ranks(out: Path) -> list[str]:
+    return sorted(out.read_text().split("\n")[:-1], key=lambda line: int(line.split()[0]))
+
+
+def jobs_done(fleet: Fleet, pool: str, count: int) -> list[JobInfo]:
+    jobs = fleet.client().jobs(pool)
+    return (
+        jobs
+        if len(jobs) >= count and all(j.status != "PENDING" and j.status != "RUNNING" for j in jobs)
+        else []
+    )
+
+
+def test_a_pool_of_three_runs_thirty_jobs_each_rank_once(fleet: Fleet) -> None:
+    apply(fleet)
+    out = fleet.home.parent / "ranks.txt"
+    proc = fleet.cli(
+        "jobs",
+        "launch",
+        "-p",
+        "batch",
+        "--num-jobs",
+        "30",
+        "--wait",
+        str(job_file(fleet, 1, out)),
+        timeout=120,
+    )
+    assert "30 succeeded, 0 did not" in proc.stdout
+    assert ranks(out) == [f"{i} 30" for i in range(30)]  # every rank, once
+    jobs = fleet.client().jobs("batch")
+    assert [j.rank for j in jobs] == list(range(30)) and {j.attempts for j in jobs} == {1}
+    assert {j.worker_id for j in jobs} == {1, 2, 3}  # all three workers took jobs
+    log = fleet.cli("jobs", "logs", str(jobs[4].job_id)).stdout
+    assert f"rank 4 of 30 on worker {jobs[4].worker_id}: hello" in log
+    queue = fleet.cli("jobs", "queue", "-p", "batch").stdout
+    assert "SUCCEEDED" in queue and "PENDING" not in queue
+
+
+def test_a_controller_killed_mid_run_loses_no_job_and_repeats_none(fleet: Fleet) -> None:
+    apply(fleet)
+    out = fleet.home.parent / "ranks.txt"
+    fleet.cli("jobs", "launch", "-p", "batch", "--num-jobs", "12", str(job_file(fleet, 1.5, out)))
+    client = fleet.client()
+    fleet.wait_for(
+        "a job finished", lambda: any(j.status == "SUCCEEDED" for j in client.jobs("batch"))
+    )
+    os.kill(fleet.controller_pid(), signal.SIGKILL)
+    time.sleep(1.5)  # jobs keep running and finishing while no controller is there
+    fleet.cli("server", "start")
+    fleet.wait_for("all 12 jobs ended", lambda: jobs_done(fleet, "batch", 12), timeout=60)
+    jobs = client.jobs("batch")
+    assert [j.status for j in jobs] == ["SUCCEEDED"] * 12
+    assert {j.attempts for j in jobs} == {1}  # none started twice
+    assert ranks(out) == [f"{i} 12" for i in range(12)]
+
+
+def test_cancel_stops_a_running_job_and_down_waits_for_unfinished_jobs(fleet: Fleet) -> None:
+    apply(fleet, workers=1)
+    marker = "fleetserve-test-long-job"
+    long_job = write(fleet, "long.yaml", f"run: exec -a {marker} sleep 60\n")
+    fleet.cli("jobs", "launch", "-p", "batch", "--num-jobs", "3", str(long_job))
+    client = fleet.client()
+    fleet.wait_for("job 1 running", lambda: client.jobs("batch")[0].status == "RUNNING")
+    first = client.jobs("batch")[0]
+
+    def running_marker() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            if p.info["cmdline"] and p.info["cmdline"][0] == marker:
+                found.append(p)
+        return found
+
+    assert len(running_marker()) == 1
+    fleet.cli("jobs", "cancel", str(first.job_id))
+    fleet.wait_for("the next job running", lambda: client.jobs("batch")[1].status == "RUNNING")
+    assert client.job(first.job_id).status == "CANCELLED"
+    assert len(running_marker()) == 1  # the cancelled one's process is gone, the next runs
+    refused = fleet.cli("pool", "down", "batch", check=False)
+    assert refused.returncode == 4 and "2 unfinished jobs" in refused.stderr
+    fleet.cli("pool", "down", "batch", "--cancel-jobs")
+    assert [j.status for j in client.jobs("batch")] == ["CANCELLED"] * 3
+    fleet.wait_for("no job process left", lambda: not running_marker(), timeout=20)
+
+
+def test_a_job_whose_worker_is_lost_is_requeued_and_succeeds(fleet: Fleet) -> None:
+    apply(fleet, workers=2)
+    out = fleet.home.parent / "ranks.txt"
+    fleet.cli("jobs", "launch", "-p", "batch", str(job_file(fleet, 4, out)))
+    client = fleet.client()
+    fleet.wait_for("the job running", lambda: client.jobs("batch")[0].status == "RUNNING")
+    worker = client.jobs("batch")[0].worker_id
+    fleet.cli("chaos", "preempt", "batch", "--replica", str(worker))
+    fleet.wait_for("the job ended", lambda: jobs_done(fleet, "batch", 1), timeout=60)
+    job = client.jobs("batch")[0]
+    assert job.status == "SUCCEEDED" and job.attempts == 2 and job.worker_id != worker
+    assert ranks(out) == ["0 1"]  # the lost run never got to write
+    events = [e.message for e in client.events("batch", limit=200)]
+    assert any(f"worker {worker} was lost; requeued" in m for m in events)
+
+
+def test_an_autoscaled_pool_grows_from_zero_with_the_queue_and_shrinks_back(fleet: Fleet) -> None:
+    pool = write(fleet, "auto.yaml", AUTOSCALED.format(workdir=fleet.workdir))
+    fleet.cli("pool", "apply", "-p", "auto", str(pool))
+    client = fleet.client()
+    time.sleep(2)
+    assert client.pools("auto")[0].replicas == []  # nothing queued: no worker
+    out = fleet.home.parent / "ranks.txt"
+    fleet.cli("jobs", "launch", "-p", "auto", "--num-jobs", "6", str(job_file(fleet, 2, out)))
+    fleet.wait_for("3 workers", lambda: len(client.pools("auto")[0].replicas) == 3, timeout=30)
+    fleet.wait_for("all 6 jobs ended", lambda: jobs_done(fleet, "auto", 6), timeout=90)
+    assert [j.status for j in client.jobs("auto")] == ["SUCCEEDED"] * 6
+    fleet.wait_for(
+        "back to zero workers",
+        lambda: not [r for r in client.pools("auto")[0].replicas if r.status == "READY"],
+        timeout=30,
+    )
+    events = [e.message for e in client.events("auto", limit=300)]
+    assert any("workers 0 -> 3" in m for m in events), events
+
+
+def test_bad_pool_and_job_input_is_refused_with_a_line(fleet: Fleet) -> None:
+    apply(fleet, workers=1)
+    service = write(fleet, "svc.yaml", "service: {readiness_probe: /}\nrun: echo\n")
+    no_run = write(fleet, "norun.yaml", "name: x\nenvs: {A: 1}\n")
+    good = write(fleet, "ok.yaml", "run: echo hi\n")
+    for args, code, words in (
+        (("pool", "apply", "-p", "x", str(service)), 2, "not a pool YAML"),
+        (("pool", "apply", str(service)), 2, "-p NAME"),
+        (("jobs", "launch", "-p", "batch", str(no_run)), 2, "run"),
+        (("jobs", "launch", "-p", "batch", "--num-jobs", "0", str(good)), 2, "num"),
+        (("jobs", "launch", "-p", "nope", str(good)), 3, "nope"),
+        (("jobs", "launch", "-p", "batch", str(service)), 2, "no service section"),
+        (("jobs", "cancel"), 2, "--all"),
+        (("jobs", "logs", "999"), 3, "999"),
+        (("pool", "down", "nope"), 3, "nope"),
+    ):
+        proc = fleet.cli(*args, check=False)
+        assert proc.returncode == code, (args, proc.returncode, proc.stderr)
+        assert words in proc.stderr, (args, proc.stderr)
