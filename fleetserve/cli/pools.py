@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -261,3 +262,89 @@ def cancel(
         raise _fail(e) from None
     ids = ", ".join(str(j.job_id) for j in done)
     out.print(f"Cancelled {len(done)} job(s)" + (f": {ids}" if done else "."))
+
+
+MAX_SIM_JOBS = 200_000
+
+
+@pool_app.command("simulate")
+def simulate(
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            help="Jobs arrive as Poisson arrivals following this request trace (maf1 or a CSV)."
+        ),
+    ] = None,
+    jobs_per_request: Annotated[float, typer.Option(help="With --trace: jobs per request.")] = 2e-5,
+    duration: Annotated[float, typer.Option(help="With --trace: seconds of it.")] = 86400.0,
+    burst_jobs: Annotated[int, typer.Option(help="Without --trace: jobs per burst.")] = 60,
+    bursts: Annotated[int, typer.Option(help="Without --trace: bursts.")] = 2,
+    burst_gap: Annotated[float, typer.Option(help="Seconds between bursts.")] = 3600.0,
+    job_seconds: Annotated[float, typer.Option(help="Each job's run time.")] = 60.0,
+    min_workers: Annotated[int, typer.Option()] = 0,
+    max_workers: Annotated[int, typer.Option()] = 10,
+    threshold: Annotated[int, typer.Option(help="queue_length_threshold")] = 1,
+    upscale_delay: Annotated[float, typer.Option()] = 60.0,
+    downscale_delay: Annotated[float, typer.Option()] = 300.0,
+    cold_start: Annotated[
+        float, typer.Option(help="Seconds from launch to a READY worker.")
+    ] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Compare fleetserve's pool autoscaler with SkyServe's queue-length one on a job-arrival
+    trace: the jobs' wait, the makespan, worker-hours."""
+    import json as _json
+
+    from fleetserve.sim.pools import (
+        POOL_POLICIES,
+        burst_arrivals,
+        format_pool_table,
+        simulate_pool,
+        trace_arrivals,
+    )
+    from fleetserve.sim.simulator import load_trace
+
+    try:
+        numbers = (jobs_per_request, duration, burst_gap, job_seconds, upscale_delay)
+        if not all(math.isfinite(v) and v >= 0 for v in (*numbers, downscale_delay, cold_start)):
+            raise ValueError("times and rates must be finite numbers >= 0")
+        if not 0 <= min_workers <= max_workers <= 1000 or max_workers < 1:
+            raise ValueError("--min-workers <= --max-workers, within 0..1000 (max >= 1)")
+        if job_seconds <= 0 or threshold < 1:
+            raise ValueError("--job-seconds > 0 and --threshold >= 1")
+        if trace is not None:
+            tr = load_trace(trace, duration=duration)
+            expected = sum(tr.qps) * tr.step * jobs_per_request
+            if expected > MAX_SIM_JOBS:
+                raise ValueError(
+                    f"about {expected:.0f} jobs: at most {MAX_SIM_JOBS} (lower --jobs-per-request)"
+                )
+            arrivals = trace_arrivals(tr, jobs_per_request)
+        else:
+            if not 1 <= burst_jobs * bursts <= MAX_SIM_JOBS:
+                raise ValueError(f"--burst-jobs x --bursts within 1..{MAX_SIM_JOBS}")
+            arrivals = burst_arrivals(burst_jobs, bursts, burst_gap)
+        if not 1 <= len(arrivals) <= MAX_SIM_JOBS:
+            raise ValueError(
+                f"{len(arrivals)} jobs: within 1..{MAX_SIM_JOBS} (lower --jobs-per-request)"
+            )
+        runs = [
+            simulate_pool(
+                arrivals,
+                p,
+                job_seconds,
+                min_workers,
+                max_workers,
+                threshold,
+                upscale_delay,
+                downscale_delay,
+                cold_start,
+            )
+            for p in POOL_POLICIES
+        ]
+    except ValueError as e:
+        raise _fail(InvalidSpec(str(e))) from None
+    if as_json:
+        print(_json.dumps([r.as_dict() for r in runs], indent=1))
+        return
+    print(format_pool_table(runs))

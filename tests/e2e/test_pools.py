@@ -200,3 +200,36 @@ def test_bad_pool_and_job_input_is_refused_with_a_line(fleet: Fleet) -> None:
         proc = fleet.cli(*args, check=False)
         assert proc.returncode == code, (args, proc.returncode, proc.stderr)
         assert words in proc.stderr, (args, proc.stderr)
+
+
+def test_apply_resizes_in_place_and_rolls_workers_without_killing_a_running_job(
+    fleet: Fleet,
+) -> None:
+    apply(fleet, workers=2)
+    out = fleet.home.parent / "ranks.txt"
+    fleet.cli("jobs", "launch", "-p", "batch", str(job_file(fleet, 6, out)))
+    client = fleet.client()
+    fleet.wait_for("the job running", lambda: client.jobs("batch")[0].status == "RUNNING")
+    busy = client.jobs("batch")[0].worker_id
+    # A new version (other envs): the idle worker rolls at once, the busy one after its job.
+    v2 = write(
+        fleet, "v2.yaml", POOL.format(workers=2, workdir=fleet.workdir).replace("hello", "v2")
+    )
+    assert "updated" in fleet.cli("pool", "apply", "-p", "batch", str(v2)).stdout
+    fleet.wait_for("the job ended", lambda: jobs_done(fleet, "batch", 1), timeout=60)
+    job = client.jobs("batch")[0]
+    assert job.status == "SUCCEEDED" and job.attempts == 1 and job.worker_id == busy
+    fleet.wait_for(
+        "2 READY workers of version 2",
+        lambda: (
+            [r.version for r in client.pools("batch")[0].replicas if r.status == "READY"] == [2, 2]
+        ),
+        timeout=60,
+    )
+    fleet.cli("pool", "apply", "-p", "batch", "--workers", "1")
+    fleet.wait_for(
+        "1 worker",
+        lambda: len([r for r in client.pools("batch")[0].replicas if r.status == "READY"]) == 1,
+        timeout=60,
+    )
+    assert client.pools("batch")[0].target_replicas == 1
