@@ -251,13 +251,16 @@ def logs(
 def cancel(
     job_ids: Annotated[list[int] | None, typer.Argument(help="Job ids.")] = None,
     all_jobs: Annotated[bool, typer.Option("--all", help="Every unfinished job of -p.")] = False,
-    pool: Annotated[str | None, typer.Option("-p", "--pool", help="With --all.")] = None,
+    pool: Annotated[
+        str | None, typer.Option("-p", "--pool", help="Every unfinished job of this pool.")
+    ] = None,
 ) -> None:
-    """Cancel jobs: queued ones never start, running ones are stopped."""
+    """Cancel jobs: queued ones never start, running ones are stopped. `-p POOL` (with or
+    without --all, as SkyPilot's `sky jobs cancel -p`) cancels all of a pool's."""
     try:
-        if all_jobs == bool(job_ids) or (all_jobs and not pool):
-            raise InvalidSpec("name job ids, or --all -p POOL")
-        done = Client().cancel_jobs(job_ids or None, pool if all_jobs else None)
+        if bool(job_ids) == bool(pool) or (all_jobs and not pool):
+            raise InvalidSpec("name job ids, or -p POOL [--all] (every unfinished job of it)")
+        done = Client().cancel_jobs(job_ids or None, pool)
     except FleetserveError as e:
         raise _fail(e) from None
     ids = ", ".join(str(j.job_id) for j in done)

@@ -221,6 +221,7 @@ class Controller:
         traffic_percent: int | None = None,
         envs: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
+        force_in_place: bool = False,
     ) -> ServiceRecord:
         svc = self.store.service(name)
         current = self.spec_of(svc)
@@ -238,6 +239,7 @@ class Controller:
             netns_mode=self.settings.replica_netns,
             envs=envs,
             secrets=secrets,
+            force_in_place=force_in_place,
         )
         self._run(name).wake.set()
         return svc
@@ -397,10 +399,12 @@ class Controller:
         """Create a pool, or update one in place: a new size (`workers`), or a new YAML whose
         workers roll over as they finish their jobs. Returns the pool and what was done."""
         existing = self.store.get_service(name)
+        resized_from = None
         if yaml_text is None:
             if existing is None:
                 raise NotFound(f"no pool called {name!r}: give a pool YAML to create it")
             yaml_text = self.store.version(name, existing.active_version).yaml_text
+            resized_from = existing.active_version
         data_spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
         if data_spec.service.pool is None:
             raise InvalidSpec("not a pool YAML: it needs a top-level `pool:` section")
@@ -414,8 +418,11 @@ class Controller:
             )
         if self.spec_of(existing).service.pool is None:
             raise Conflict(f"{name!r} is a service, not a pool")
-        svc = self.update_service(name, yaml_text, base_dir, envs=envs, secrets=secrets)
-        return svc, "updated"
+        resize_only = resized_from is not None
+        svc = self.update_service(
+            name, yaml_text, base_dir, envs=envs, secrets=secrets, force_in_place=resize_only
+        )
+        return svc, "resized in place" if resize_only else "updated"
 
     def launch_jobs(
         self,

@@ -49,8 +49,11 @@ def apply_update(
     envs: Mapping[str, str] | None = None,
     secrets: Mapping[str, str] | None = None,
     netns_mode: str = "auto",
+    force_in_place: bool = False,
 ) -> tuple[ServiceRecord, bool]:
-    """Store the new version and start its rollout; returns (service, moved in place)."""
+    """Store the new version and start its rollout; returns (service, moved in place).
+    `force_in_place`: the replicas move as they are (`pool apply --workers N`: only the size
+    changed, whatever the workdir)."""
     if svc.phase is ServicePhase.SHUTTING_DOWN:
         raise Conflict(f"service {svc.name!r} is shutting down")
     if mode not in UPDATE_MODES:
@@ -73,7 +76,7 @@ def apply_update(
         spec.service.tls and current.service.tls and spec.service.tls != current.service.tls
     ):
         raise InvalidSpec("service.tls cannot be changed by an update (take the service down)")
-    in_place = traffic_percent is None and reusable(current, spec)
+    in_place = traffic_percent is None and (force_in_place or reusable(current, spec))
     version = store.add_version(svc.name, yaml_text, spec.model_dump_json(), now)
     if in_place:
         for r in store.list_replicas(svc.name):

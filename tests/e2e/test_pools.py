@@ -193,7 +193,7 @@ def test_bad_pool_and_job_input_is_refused_with_a_line(fleet: Fleet) -> None:
         (("jobs", "launch", "-p", "batch", "--num-jobs", "0", str(good)), 2, "num"),
         (("jobs", "launch", "-p", "nope", str(good)), 3, "nope"),
         (("jobs", "launch", "-p", "batch", str(service)), 2, "no service section"),
-        (("jobs", "cancel"), 2, "--all"),
+        (("jobs", "cancel"), 2, "-p POOL"),
         (("jobs", "logs", "999"), 3, "999"),
         (("pool", "down", "nope"), 3, "nope"),
     ):
@@ -226,10 +226,14 @@ def test_apply_resizes_in_place_and_rolls_workers_without_killing_a_running_job(
         ),
         timeout=60,
     )
-    fleet.cli("pool", "apply", "-p", "batch", "--workers", "1")
+    before = {r.replica_id for r in client.pools("batch")[0].replicas if r.status == "READY"}
+    resized = fleet.cli("pool", "apply", "-p", "batch", "--workers", "1").stdout
+    assert "resized in place" in resized
     fleet.wait_for(
         "1 worker",
         lambda: len([r for r in client.pools("batch")[0].replicas if r.status == "READY"]) == 1,
         timeout=60,
     )
+    left = [r for r in client.pools("batch")[0].replicas if r.status == "READY"]
+    assert left[0].replica_id in before and left[0].version == 3  # kept, moved in place
     assert client.pools("batch")[0].target_replicas == 1
