@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetserve.core.errors import InvalidSpec, TerminalError
+from fleetserve.core.errors import InvalidSpec, NotFound, TerminalError
 
 # List prices per hour of one AWS p3.2xlarge (us-east-1, read 2026-12): on-demand $3.06, spot
 # near 30% of that. The local infra bills nothing; these only rank zones and price reports.
@@ -188,7 +188,7 @@ class ZoneBook:
         for z in self.zones:
             if z.name == zone:
                 return z
-        raise TerminalError(f"zone {zone!r} is not one of this infra's ({', '.join(self.names)})")
+        raise NotFound(f"zone {zone!r} is not one of this infra's ({', '.join(self.names)})")
 
     @property
     def names(self) -> list[str]:
