@@ -33,8 +33,8 @@ run: python3 server.py
 """
 # A slice of AWS3 (fleetserve/sim/traces/spot) where its first three zones (us-east-1a, -1c,
 # -1d, mapped onto zone-a, -b, -c) lose spot capacity 8 times in 40 steps of 300 s, all three
-# at once for a while: 12,000 s of trace, 40 s at --speed 300.
-SLICE = ("--start", "2730000", "--duration", "12000", "--speed", "300")
+# at once for a while: 12,000 s of trace, 20 s at --speed 600.
+SLICE = ("--start", "2730000", "--duration", "12000", "--speed", "600")
 
 
 def alive(svc: ServiceInfo) -> list[ReplicaInfo]:

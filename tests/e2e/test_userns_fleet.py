@@ -255,10 +255,16 @@ def test_two_fixed_port_services_started_at_once_one_broken_in_user_namespaces(
         with fleet.client() as c:
             return [r.status for r in c.service("good").replicas] == ["READY", "READY"]
 
+    def bad_failed() -> bool:
+        # `up` returns at the first failure; the crash-loop stop and the last teardowns follow.
+        with fleet.client() as c:
+            svc = c.service("bad")
+            return bool(svc.failure_reason) and all(r.status == "FAILED" for r in svc.replicas)
+
     fleet.wait_for("both good replicas READY", good_ready, timeout=30)
+    fleet.wait_for("every bad replica FAILED and launches stopped", bad_failed, timeout=30)
     with fleet.client() as c:
         endpoint = c.service("good").endpoint
-        assert all(r.status == "FAILED" for r in c.service("bad").replicas)
     assert endpoint is not None
     assert set(Counter(get(f"{endpoint}/x")["replica"] for _ in range(12))) == {"1", "2"}
     fleet.cli("down", "--all", "--purge")
