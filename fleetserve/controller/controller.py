@@ -433,15 +433,23 @@ class Controller:
         name: str | None = None,
     ) -> list[JobRecord]:
         from fleetserve.controller.executor import new_launch_token
-        from fleetserve.spec.jobs import parse_job
+        from fleetserve.policies.jobs import job_slots
+        from fleetserve.spec.jobs import amount, parse_job
 
-        self.pool(pool)
+        svc = self.pool(pool)
         if not 1 <= num_jobs <= MAX_JOBS_PER_LAUNCH:
             raise InvalidSpec(f"--num-jobs {num_jobs}: within 1..{MAX_JOBS_PER_LAUNCH}")
         job = parse_job(yaml_text, envs)
+        worker = self.spec_of(svc).resources.candidates()[0]
+        try:
+            slots = job_slots(
+                amount(worker.cpus), amount(worker.accelerators), job.cpus, job.accelerators
+            )
+        except ValueError as e:
+            raise InvalidSpec(f"job YAML: resources: {e}") from None
         tokens = [new_launch_token(self.home_id) for _ in range(num_jobs)]
         jobs = self.store.add_jobs(
-            pool, name or job.name, job.run, job.envs, num_jobs, 1.0, tokens, self.clock.now()
+            pool, name or job.name, job.run, job.envs, num_jobs, slots, tokens, self.clock.now()
         )
         for note in job.notes:
             self.store.add_event(pool, self.clock.now(), "jobs", f"job YAML: {note}")

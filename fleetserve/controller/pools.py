@@ -98,6 +98,7 @@ class PoolRunner:
         lo, hi = pool_bounds(pool)
         active = self.store.list_jobs(pool=self.pool, statuses=ACTIVE)
         queued = sum(j.status is JobStatus.PENDING for j in active)
+        queued_slots = sum(j.slots for j in active if j.status is JobStatus.PENDING)
         running = sum(j.slots for j in active if j.status is JobStatus.RUNNING)
         raw = self.store.get_policy_state(self.pool, STATE_KEY)
         state = PoolScale.from_json(raw) if raw else PoolScale(lo)
@@ -121,6 +122,7 @@ class PoolRunner:
             running,
             1.0,
             now,
+            queued_slots,
         )
         if new.to_json() != state.to_json() or raw is None:
             self.store.put_policy_state(self.pool, STATE_KEY, new.to_json(), now)

@@ -137,6 +137,30 @@ def _exit_reason(code: int) -> str:
     return f"exited with code {code}"
 
 
+def job_slots(
+    worker_cpus: float | None,
+    worker_accelerators: float | None,
+    job_cpus: float | None,
+    job_accelerators: float | None,
+) -> float:
+    """The share of one worker a job takes (packing): the largest of its CPUs and accelerators
+    over the worker's; 1 (the whole worker) when the job or the pool names neither. Raises
+    ValueError when the job asks for more than a worker has."""
+    shares = []
+    for want, have, what in (
+        (job_cpus, worker_cpus, "CPUs"),
+        (job_accelerators, worker_accelerators, "accelerators"),
+    ):
+        if want is None:
+            continue
+        if have is None:
+            return 1.0  # the pool does not say what a worker has: one job per worker
+        if want > have + 1e-9:
+            raise ValueError(f"the job asks for {want:g} {what}, a worker has {have:g}")
+        shares.append(want / have)
+    return max(shares) if shares else 1.0
+
+
 def busy_workers(jobs: Iterable[JobRecord]) -> set[int]:
     """Workers running a job: never stopped by a scale-down."""
     return {j.worker_id for j in jobs if j.status is JobStatus.RUNNING and j.worker_id}
@@ -181,6 +205,7 @@ def pool_target(
     running_slots: float,
     slots_per_worker: float,
     now: float,
+    queued_slots: float | None = None,
 ) -> PoolScale:
     """Workers a pool wants. Fixed pools (lo == hi) keep their size. An autoscaled pool:
 
@@ -196,7 +221,8 @@ def pool_target(
         return PoolScale(lo, reason="fixed size")
     per = max(slots_per_worker, 1e-9)
     busy = math.ceil(running_slots / per - 1e-9)
-    needed = min(hi, max(lo, math.ceil((running_slots + queued) / per - 1e-9)))
+    waiting = queued if queued_slots is None else queued_slots  # packed jobs need less
+    needed = min(hi, max(lo, math.ceil((running_slots + waiting) / per - 1e-9)))
     long_queue = queued >= max(1, threshold) or (current == 0 and queued > 0)
     if long_queue and needed > current:
         since = state.queue_long_since if state.queue_long_since is not None else now

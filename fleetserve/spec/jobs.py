@@ -18,11 +18,11 @@ _IGNORED = {
     "setup": "the pool's workers ran the pool's setup",
     "workdir": "a job runs in its worker's working folder (the pool's workdir)",
     "file_mounts": "the pool's workers have the pool's file mounts",
-    "resources": "a job takes one worker (the pool's resources)",
     "num_nodes": "a job runs on one worker",
     "config": "no effect on a pool's job",
 }
-_KNOWN = {"name", "run", "envs", "secrets", *_IGNORED}
+_KNOWN = {"name", "run", "envs", "secrets", "resources", *_IGNORED}
+_AMOUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*\+?\s*$")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,32 @@ class JobSpec:
     name: str | None = None
     envs: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # What the job asks of a worker (`resources: {cpus, accelerators}`): packing.
+    cpus: float | None = None
+    accelerators: float | None = None
+
+
+def amount(value: Any) -> float | None:
+    """A count from `cpus: 2`, `"2+"`, or an accelerator spec (`A100:2`, `{H100: 1}`)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, dict):
+        counts = [amount(v) if v is not None else 1.0 for v in value.values()]
+        known = [c for c in counts if c is not None]
+        return min(known) if known else None
+    if isinstance(value, list):
+        return amount(value[0]) if value else None
+    text = str(value)
+    if ":" in text:
+        return amount(text.rsplit(":", 1)[1])
+    m = _AMOUNT.match(text)
+    if m:
+        return float(m.group(1))
+    return 1.0 if text.strip() else None  # an accelerator name alone: one of it
 
 
 def _env_block(data: Mapping[str, Any], key: str, source: str) -> dict[str, str]:
@@ -66,6 +92,8 @@ def parse_job(
     if unknown:
         raise InvalidSpec(f"{source}: unknown field {unknown[0]!r} (a job has name, run, envs)")
     run = data.get("run")
+    if run is not None and not isinstance(run, str):
+        raise InvalidSpec(f"{source}: run: must be a string of commands (got {run!r}; quote it)")
     if not isinstance(run, str) or not run.strip():
         raise InvalidSpec(f"{source}: run: a job needs a `run` command")
     if len(run) > MAX_RUN_CHARS:
@@ -79,4 +107,28 @@ def parse_job(
             raise InvalidSpec(f"--env {k}: not a variable name")
         merged[k] = v
     notes = [f"{k}: ignored ({why})" for k, why in _IGNORED.items() if data.get(k) is not None]
-    return JobSpec(run=run, name=name, envs=merged, notes=notes)
+    res = data.get("resources")
+    if res is not None and not isinstance(res, dict):
+        raise InvalidSpec(f"{source}: resources must be a mapping (cpus, accelerators)")
+    res = res or {}
+    cpus = _amount_of(res.get("cpus"), "resources.cpus", source)
+    if res.get("accelerators") is not None:
+        accelerators = _amount_of(res.get("accelerators"), "resources.accelerators", source)
+    else:
+        accelerators = None
+    others = sorted(k for k in res if k not in ("cpus", "accelerators"))
+    if others:
+        notes.append(f"resources.{others[0]}: ignored (jobs are packed by cpus and accelerators)")
+    return JobSpec(
+        run=run, name=name, envs=merged, notes=notes, cpus=cpus, accelerators=accelerators
+    )
+
+
+def _amount_of(value: Any, field_name: str, source: str) -> float | None:
+    try:
+        n = amount(value)
+    except (ValueError, TypeError):
+        n = None
+    if value is not None and (n is None or not 0 < n <= 1e6):
+        raise InvalidSpec(f"{source}: {field_name}: {value!r} is not a positive amount")
+    return n

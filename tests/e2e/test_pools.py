@@ -237,3 +237,49 @@ def test_apply_resizes_in_place_and_rolls_workers_without_killing_a_running_job(
     left = [r for r in client.pools("batch")[0].replicas if r.status == "READY"]
     assert left[0].replica_id in before and left[0].version == 3  # kept, moved in place
     assert client.pools("batch")[0].target_replicas == 1
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "skypilot_pools"
+
+
+def test_skypilots_batch_job_runs_unchanged_and_small_jobs_pack_on_a_worker(
+    fleet: Fleet,
+) -> None:
+    pool = write(
+        fleet,
+        "cpu4.yaml",
+        f"pool:\n  workers: 1\nresources:\n  cpus: 4\nworkdir: {fleet.workdir}\n",
+    )
+    fleet.cli("pool", "apply", "-p", "cpu4", str(pool))
+    # SkyPilot's own example (tests/fixtures/skypilot_pools), unchanged: one job per worker.
+    proc = fleet.cli(
+        "jobs",
+        "launch",
+        "-p",
+        "cpu4",
+        "--num-jobs",
+        "3",
+        "--wait",
+        str(FIXTURES / "batch-job.yaml"),
+        timeout=120,
+    )
+    assert "3 succeeded" in proc.stdout
+    client = fleet.client()
+    jobs = client.jobs("cpu4")
+    assert [j.name for j in jobs] == ["batch-workload"] * 3
+    log = fleet.cli("jobs", "logs", str(jobs[2].job_id)).stdout
+    assert "Job rank: 2 out of 3" in log and "Processing prompts from 200 to 300" in log
+    # Four 1-CPU jobs on one 4-CPU worker run at once (SkyPilot runs one job per worker).
+    small = write(fleet, "small.yaml", "resources: {cpus: 1}\nrun: sleep 3\n")
+    fleet.cli("jobs", "launch", "-p", "cpu4", "--num-jobs", "4", "--wait", str(small), timeout=120)
+    packed = client.jobs("cpu4")[3:]
+    starts = [j.started_at or 0 for j in packed]
+    assert {j.worker_id for j in packed} == {jobs[0].worker_id}
+    assert max(starts) - min(starts) < 2.5  # all four started before the first ended
+    too_big = write(fleet, "big.yaml", "resources: {cpus: 8}\nrun: echo big\n")
+    refused = fleet.cli("jobs", "launch", "-p", "cpu4", str(too_big), check=False)
+    assert refused.returncode == 2 and "asks for 8 CPUs, a worker has 4" in refused.stderr
+    # SkyPilot's pool example is valid, and refused here with one line (an s3 bucket mount).
+    assert fleet.cli("validate", str(FIXTURES / "pool.yaml")).returncode == 0
+    s3 = fleet.cli("pool", "apply", "-p", "s3", str(FIXTURES / "pool.yaml"), check=False)
+    assert s3.returncode == 2 and "file_mounts./my-data" in s3.stderr

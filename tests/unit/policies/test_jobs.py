@@ -127,3 +127,19 @@ def test_down_to_the_busy_workers_after_the_idle_delay_never_below_min() -> None
 def test_stored_scale_state_that_is_junk_reads_as_a_fresh_one(raw: dict[str, object]) -> None:
     s = PoolScale.from_json(raw)
     assert s.target == 0 and s.idle_since is None and s.queue_long_since is None
+
+
+def test_job_slots_pack_by_the_largest_share_and_refuse_what_does_not_fit() -> None:
+    from fleetserve.policies.jobs import job_slots
+
+    assert job_slots(4, None, 1, None) == 0.25  # four 1-CPU jobs on a 4-CPU worker
+    assert job_slots(8, 2, 2, 1) == 0.5  # the accelerators are the tighter share
+    assert job_slots(None, None, 1, None) == 1.0  # the pool does not say: a worker each
+    assert job_slots(4, 1, None, None) == 1.0  # the job does not say: a worker each
+    with pytest.raises(ValueError, match="asks for 8 CPUs, a worker has 4"):
+        job_slots(4, None, 8, None)
+
+
+def test_packed_jobs_need_fewer_workers() -> None:
+    s = pool_target(0, 10, 1, 0.0, 60.0, PoolScale(0), 8, 0.0, 1.0, 0.0, queued_slots=2.0)
+    assert s.target == 2  # eight quarter-worker jobs: two workers

@@ -16,8 +16,8 @@ def test_a_job_yaml_with_envs_and_overrides() -> None:
 
 
 def test_what_the_pool_already_did_is_noted_not_refused() -> None:
-    job = parse_job("run: x\nsetup: pip install y\nresources: {cpus: 2}\nworkdir: .\n")
-    assert [n.split(":")[0] for n in job.notes] == ["setup", "workdir", "resources"]
+    job = parse_job("run: x\nsetup: pip install y\nfile_mounts: {/a: b}\nworkdir: .\n")
+    assert [n.split(":")[0] for n in job.notes] == ["setup", "workdir", "file_mounts"]
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,19 @@ def test_bad_job_yamls_name_what_is_wrong(text: str, words: str) -> None:
 def test_a_bad_env_override_is_refused() -> None:
     with pytest.raises(InvalidSpec, match="--env 1X"):
         parse_job("run: x\n", {"1X": "y"})
+
+
+def test_a_jobs_resources_are_read_for_packing() -> None:
+    job = parse_job("run: x\nresources: {cpus: 2+, accelerators: 'A100:1', memory: 8}\n")
+    assert (job.cpus, job.accelerators) == (2.0, 1.0)
+    assert job.notes == ["resources.memory: ignored (jobs are packed by cpus and accelerators)"]
+    assert parse_job("run: x\nresources: {accelerators: {H100: 1, H200: 1}}\n").accelerators == 1
+    with pytest.raises(InvalidSpec, match=r"resources\.cpus"):
+        parse_job("run: x\nresources: {cpus: -2}\n")
+    with pytest.raises(InvalidSpec, match="resources must be a mapping"):
+        parse_job("run: x\nresources: 2\n")
+
+
+def test_a_run_that_is_not_text_says_so() -> None:
+    with pytest.raises(InvalidSpec, match="must be a string of commands"):
+        parse_job("run: true\n")
