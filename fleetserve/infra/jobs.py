@@ -62,6 +62,29 @@ class JobHandle:
         return cls(int(d["pid"]), float(d["create_time"]), str(d["dir"]))
 
 
+def spawn_session(
+    argv: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    out_fd: int,
+    umask: int | None,
+    pass_fds: tuple[int, ...] = (),
+) -> subprocess.Popen[bytes]:
+    """A process in a session (process group) of its own, output to `out_fd`, no stdin: a
+    replica or a job, stopped later as a group and by its tokens."""
+    return subprocess.Popen(
+        argv,
+        pass_fds=pass_fds,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=out_fd,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        umask=-1 if umask is None else umask,
+    )
+
+
 def job_dir(home: Path, pool: str, job_id: int) -> Path:
     return home / "replicas" / pool / "jobs" / str(job_id)
 
@@ -121,16 +144,7 @@ class LocalJobs:
             env[self.home_id_env] = self.home_id
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         try:
-            proc = subprocess.Popen(
-                ["bash", str(d / "entry.sh")],
-                cwd=d,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=fd,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                umask=-1 if self.umask is None else self.umask,
-            )
+            proc = spawn_session(["bash", str(d / "entry.sh")], d, env, fd, self.umask)
         finally:
             os.close(fd)
         self._children[proc.pid] = proc

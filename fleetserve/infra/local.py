@@ -30,7 +30,7 @@ import psutil
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.git import clone
-from fleetserve.infra.jobs import LocalJobs
+from fleetserve.infra.jobs import LocalJobs, spawn_session
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 
@@ -444,17 +444,8 @@ class LocalInfra:
                     *(sys.executable, "-m", "fleetserve.infra.userns"),
                     *("--listen-fd", str(relay.fileno()), "--port", str(port), "--", *entry),
                 ]
-            proc = subprocess.Popen(
-                entry,
-                pass_fds=() if relay is None else (relay.fileno(),),
-                cwd=rdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                umask=-1 if self.umask is None else self.umask,
-            )
+            fds = () if relay is None else (relay.fileno(),)
+            proc = spawn_session(entry, rdir, env, out, self.umask, fds)
         except BaseException:
             if netns:
                 await asyncio.to_thread(self.networks.remove, request.launch_token)
