@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import cast
 
 import httpx
 
@@ -27,6 +28,7 @@ from fleetserve.core.errors import Conflict, InvalidSpec, NotFound
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra
+from fleetserve.infra.jobs import JobRunner
 from fleetserve.infra.local import LocalInfra, rotate_log
 from fleetserve.infra.zones import Held
 from fleetserve.spec.exposure import exposure_warning, override_host
@@ -492,22 +494,25 @@ class Controller:
             if new is None:
                 continue  # it ended meanwhile
             done.append(new)
-            if job.status is JobStatus.RUNNING and isinstance(self.infra, LocalInfra):
-                await asyncio.to_thread(self.infra.jobs.stop, job.launch_token)
+            if job.status is JobStatus.RUNNING:
+                runner = self.service_infra(job.pool) if self.store.get_service(job.pool) else None
+                if runner is not None and hasattr(runner, "stop_job"):
+                    await cast(JobRunner, runner).stop_job(job.handle, job.launch_token)
             rec = self.reconcilers.get(job.pool)
             if rec is not None:
                 rec.wake.set()
         return done
 
     def job_logs(self, job_id: int, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
-        from fleetserve.infra.jobs import job_log
-        from fleetserve.infra.local import read_lines
-
         job = self.store.get_job(job_id)
-        path = job_log(self.settings.home, job.pool, job.job_id)
-        if job.status is JobStatus.PENDING and not path.exists() and not follow:
+        if job.status is JobStatus.PENDING and not follow:
             raise Conflict(f"job {job_id} has not started yet (PENDING)")
-        return read_lines(path, follow, tail)
+        runner: Infra = self.infra
+        if self.store.get_service(job.pool) is not None:
+            runner = self.service_infra(job.pool)
+        if not hasattr(runner, "job_logs"):
+            raise Conflict(f"the {runner.name} infra keeps no job logs")
+        return cast(JobRunner, runner).job_logs(job.pool, job.job_id, job.handle, follow, tail)
 
     def wake(self, name: str) -> None:
         """The load balancer holds a request and no replica is ready: scale up from zero now."""

@@ -22,7 +22,7 @@ from fleetserve.core.errors import FleetserveError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord
 from fleetserve.infra.base import InstanceKind
-from fleetserve.infra.jobs import JobRequest, LocalJobs
+from fleetserve.infra.jobs import JobRequest, JobRunner
 from fleetserve.policies.jobs import (
     DEFAULT_DOWNSCALE_DELAY,
     DEFAULT_UPSCALE_DELAY,
@@ -78,7 +78,7 @@ class PoolRunner:
         pool: str,
         store: Store,
         clock: Clock,
-        jobs: LocalJobs,
+        jobs: JobRunner,
         home: Path,
         wake: Callable[[], None],
     ) -> None:
@@ -146,7 +146,7 @@ class PoolRunner:
         exits: dict[int, JobExit] = {}
         for job in jobs:
             if job.status is JobStatus.RUNNING and job.handle:
-                state = self.jobs.poll(job.handle)
+                state = await self.jobs.poll_job(job.handle)
                 if state.kind is InstanceKind.EXITED and state.exit_code is not None:
                     exits[job.job_id] = JobExit(state.exit_code)
                 elif state.kind is InstanceKind.LOST:
@@ -191,21 +191,22 @@ class PoolRunner:
                 self.wake()
             elif isinstance(action, StartJob):
                 worker = by_worker[action.worker_id]
-                self._start(job, worker, spec_of(worker.version), now)
+                await self._start(job, worker, spec_of(worker.version), now)
 
-    def _start(self, job: JobRecord, worker: ReplicaRecord, spec: ServiceTask, now: float) -> None:
+    async def _start(
+        self, job: JobRecord, worker: ReplicaRecord, spec: ServiceTask, now: float
+    ) -> None:
         placed = dataclasses.replace(job, worker_id=worker.replica_id)
         if not worker.handle:
             return
-        worker_dir = Path(json.loads(worker.handle).get("dir", ""))
         try:
-            handle = self.jobs.start(
+            handle = await self.jobs.start_job(
                 JobRequest(
                     pool=self.pool,
                     job_id=job.job_id,
                     token=job.launch_token,
                     worker_token=worker.launch_token,
-                    worker_dir=worker_dir,
+                    worker_handle=worker.handle,
                     run=job.run,
                     envs=job_envs(spec, placed, self.home),
                 )
@@ -233,7 +234,7 @@ class PoolRunner:
             reason=f"running on worker {worker.replica_id}",
         )
         if started is None:  # cancelled meanwhile: stop what was started
-            self.jobs.stop(job.launch_token)
+            await self.jobs.stop_job(handle, job.launch_token)
             return
         self._watch(started)
 
@@ -244,7 +245,7 @@ class PoolRunner:
 
         async def watch() -> None:
             with contextlib.suppress(Exception):
-                await self.jobs.wait(handle)
+                await self.jobs.wait_job(handle)
             self.watchers.pop(job.job_id, None)
             self.wake()
 

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import shutil
 from collections.abc import Mapping
+from typing import cast
 
 from fleetserve.controller.executor import Executor, new_launch_token
 from fleetserve.controller.lb_manager import LbManager, upstream_payload
@@ -31,7 +32,8 @@ from fleetserve.core.types import (
     ServiceRecord,
 )
 from fleetserve.infra.base import Infra, InstanceKind
-from fleetserve.infra.local import LocalInfra, free_port, port_free
+from fleetserve.infra.jobs import JobRunner
+from fleetserve.infra.local import free_port, port_free
 from fleetserve.infra.zones import NoCapacity
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.wake import wake_token
@@ -178,14 +180,14 @@ class ServiceReconciler:
 
     def _pool_runner(self, spec: ServiceTask) -> PoolRunner | None:
         """A worker pool's job runner (pools run on the local infra)."""
-        if spec.service.pool is None or not isinstance(self.infra, LocalInfra):
+        if spec.service.pool is None or not hasattr(self.infra, "start_job"):
             return None
         if self.pool is None:
             self.pool = PoolRunner(
                 self.name,
                 self.store,
                 self.clock,
-                self.infra.jobs,
+                cast(JobRunner, self.infra),
                 self.settings.home,
                 self.wake.set,
             )

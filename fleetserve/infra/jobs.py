@@ -16,8 +16,10 @@ import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -42,9 +44,32 @@ class JobRequest:
     job_id: int
     token: str  # the job's own
     worker_token: str  # its worker's launch token
-    worker_dir: Path  # the worker's folder (its workdir is where the job runs)
+    worker_handle: str  # its worker's handle (the infra's JSON text)
     run: str
     envs: dict[str, str] = field(default_factory=dict)
+
+
+class JobRunner(Protocol):
+    """What an infra offers pools: jobs on a worker (local: a process in the worker's folder;
+    ray: a process the worker's actor starts on its node)."""
+
+    async def start_job(self, req: JobRequest) -> str:
+        """Start the job on its worker; returns the job's handle (JSON text)."""
+        ...
+
+    async def poll_job(self, handle: str) -> InstanceState: ...
+
+    async def wait_job(self, handle: str) -> None:
+        """Return once the job's process has ended (or its worker is gone)."""
+        ...
+
+    async def stop_job(self, handle: str | None, token: str) -> None:
+        """Stop the job's processes (SIGTERM, then SIGKILL after the grace)."""
+        ...
+
+    def job_logs(
+        self, pool: str, job_id: int, handle: str | None, follow: bool, tail: int | None
+    ) -> AsyncIterator[str]: ...
 
 
 @dataclass(frozen=True)
@@ -119,7 +144,7 @@ class LocalJobs:
             shutil.rmtree(d)  # a requeued job starts afresh
         d.mkdir(parents=True, mode=0o700)
         (d / "run.sh").write_text(req.run)
-        workdir = req.worker_dir / "workdir"
+        workdir = Path(json.loads(req.worker_handle).get("dir", "")) / "workdir"
         if not workdir.is_dir():
             raise TerminalError(f"the worker's folder {workdir} is gone")
         (d / "entry.sh").write_text(

@@ -30,7 +30,7 @@ import psutil
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.git import clone
-from fleetserve.infra.jobs import LocalJobs, spawn_session
+from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log, spawn_session
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 
@@ -574,6 +574,25 @@ class LocalInfra:
                 return alive
             procs = {}
         return [p for p in processes_where(match)]
+
+    # -- jobs on pool workers (fleetserve.infra.jobs) ---------------------------------------
+
+    async def start_job(self, req: JobRequest) -> str:
+        return await asyncio.to_thread(self.jobs.start, req)
+
+    async def poll_job(self, handle: str) -> InstanceState:
+        return self.jobs.poll(handle)
+
+    async def wait_job(self, handle: str) -> None:
+        await self.jobs.wait(handle)
+
+    async def stop_job(self, handle: str | None, token: str) -> None:
+        await asyncio.to_thread(self.jobs.stop, token)
+
+    def job_logs(
+        self, pool: str, job_id: int, handle: str | None, follow: bool, tail: int | None
+    ) -> AsyncIterator[str]:
+        return read_lines(job_log(self.home, pool, job_id), follow, tail)
 
     def forget_service(self, service: str) -> None:
         shutil.rmtree(self.home / "replicas" / service, ignore_errors=True)

@@ -34,6 +34,7 @@ from typing import Any
 
 from fleetserve.core.errors import TerminalError, TransientError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
+from fleetserve.infra.jobs import JobRequest
 
 NAMESPACE = "fleetserve"
 ACTOR_PREFIX = "fs-"
@@ -46,6 +47,7 @@ class ReplicaProcess:
         self.root = Path(root)
         self.proc: subprocess.Popen[bytes] | None = None
         self.dir: Path | None = None
+        self.jobs: dict[int, subprocess.Popen[bytes]] = {}  # a pool worker's jobs
 
     def start(self, req: dict[str, Any]) -> dict[str, Any]:
         import ray
@@ -113,6 +115,8 @@ class ReplicaProcess:
         return ["RUNNING" if done else "SETUP", None, done]
 
     def stop(self, grace: float) -> None:
+        for job_id in list(self.jobs):
+            self.stop_job(job_id, grace)  # a worker's jobs end with it
         if self.proc is None or self.proc.poll() is not None:
             return
         import psutil
@@ -128,6 +132,72 @@ class ReplicaProcess:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         self.proc.wait(5)
+
+    # -- jobs of a pool worker: processes of their own session on this node ---------------
+
+    def start_job(self, job: dict[str, Any]) -> int:
+        assert self.dir is not None
+        jdir = self.dir / "jobs" / str(job["job_id"])
+        shutil.rmtree(jdir, ignore_errors=True)
+        jdir.mkdir(parents=True, mode=0o700)
+        (jdir / "run.sh").write_text(job["run"])
+        d = shlex.quote(str(jdir))
+        script = (
+            f"cd {shlex.quote(str(self.dir / 'workdir'))} || exit 1; bash {d}/run.sh; "
+            f"rc=$?; echo $rc > {d}/exit_code; exit $rc"
+        )
+        env = dict(os.environ)
+        env.update(job["envs"])
+        env["FLEETSERVE_JOB_TOKEN"] = job["token"]
+        fd = os.open(jdir / "job.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            proc = subprocess.Popen(
+                ["bash", "-c", script],
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            os.close(fd)
+        self.jobs[int(job["job_id"])] = proc
+        return proc.pid
+
+    def job_state(self, job_id: int) -> list[Any]:
+        """["RUNNING" | "EXITED" | "LOST", exit code]."""
+        proc = self.jobs.get(int(job_id))
+        if proc is not None:
+            code = proc.poll()
+            if code is None:
+                return ["RUNNING", None]
+        assert self.dir is not None
+        with contextlib.suppress(OSError, ValueError):
+            return ["EXITED", int((self.dir / "jobs" / str(job_id) / "exit_code").read_text())]
+        return ["LOST", None] if proc is None else ["EXITED", proc.returncode]
+
+    def stop_job(self, job_id: int, grace: float) -> None:
+        proc = self.jobs.get(int(job_id))
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+    def read_job_log(self, job_id: int, offset: int, limit: int = 1 << 20) -> list[Any]:
+        assert self.dir is not None
+        path = self.dir / "jobs" / str(job_id) / "job.log"
+        if not path.exists():
+            return [b"", offset]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(limit)
+        return [data, offset + len(data)]
 
     def read_log(self, offset: int, limit: int = 1 << 20) -> list[Any]:
         assert self.dir is not None
@@ -323,6 +393,85 @@ class RayInfra:
                 InstanceKind.EXITED, exit_code=code, detail=f"exited with code {code}"
             )
         return InstanceState(InstanceKind.RUNNING)
+
+    # -- jobs on pool workers (fleetserve.infra.jobs.JobRunner) -----------------------------
+
+    async def _worker(self, handle: str) -> tuple[Any, Any]:
+        ray = await self._ray()
+        try:
+            return ray, ray.get_actor(json.loads(handle)["actor"], namespace=NAMESPACE)
+        except ValueError:
+            raise TerminalError("the worker's actor is gone") from None
+
+    async def start_job(self, req: JobRequest) -> str:
+        ray, actor = await self._worker(req.worker_handle)
+        job = {"job_id": req.job_id, "run": req.run, "envs": req.envs, "token": req.token}
+        pid = await self._call(ray, actor.start_job.remote(job))
+        name = json.loads(req.worker_handle)["actor"]
+        return json.dumps({"actor": name, "job_id": req.job_id, "pid": pid}, sort_keys=True)
+
+    async def poll_job(self, handle: str) -> InstanceState:
+        try:
+            ray, actor = await self._worker(handle)
+        except TerminalError:
+            return InstanceState(InstanceKind.LOST, detail="its worker's actor is gone")
+        try:
+            kind, code = await self._call(ray, actor.job_state.remote(json.loads(handle)["job_id"]))
+        except ray.exceptions.GetTimeoutError:
+            return InstanceState(InstanceKind.RUNNING, detail="no answer yet")
+        except ray.exceptions.RayActorError:
+            return InstanceState(InstanceKind.LOST, detail="its worker's node died")
+        if kind == "EXITED":
+            return InstanceState(InstanceKind.EXITED, exit_code=code, detail=f"exit code {code}")
+        if kind == "LOST":
+            return InstanceState(InstanceKind.LOST, detail="its process is unknown to the worker")
+        return InstanceState(InstanceKind.RUNNING)
+
+    async def wait_job(self, handle: str) -> None:
+        while (await self.poll_job(handle)).kind is InstanceKind.RUNNING:
+            await asyncio.sleep(0.2)
+
+    async def stop_job(self, handle: str | None, token: str) -> None:
+        if not handle:
+            return
+        with contextlib.suppress(TerminalError):
+            ray, actor = await self._worker(handle)
+            job_id = json.loads(handle)["job_id"]
+            with contextlib.suppress(Exception):
+                limit = self.grace_seconds + 10
+                await self._call(ray, actor.stop_job.remote(job_id, self.grace_seconds), limit)
+
+    async def job_logs(
+        self, pool: str, job_id: int, handle: str | None, follow: bool, tail: int | None
+    ) -> AsyncIterator[str]:
+        if not handle:
+            return
+        try:
+            ray, actor = await self._worker(handle)
+        except TerminalError:
+            return
+        offset, pending = 0, ""
+        last: collections.deque[str] = collections.deque(maxlen=tail or None)
+        while True:
+            try:
+                data, offset = await self._call(ray, actor.read_job_log.remote(job_id, offset))
+            except Exception:
+                break
+            lines = (pending + data.decode(errors="replace")).split("\n")
+            pending = lines.pop()
+            for line in lines:
+                if tail and not follow:
+                    last.append(line + "\n")
+                else:
+                    yield line + "\n"
+            if not data:
+                if not follow:
+                    break
+                await asyncio.sleep(0.5)
+        for line in last:
+            yield line
+        if pending:
+            yield pending
 
     async def terminate(self, handle: str | None, launch_token: str) -> None:
         ray = await self._ray()

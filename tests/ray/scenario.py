@@ -131,6 +131,26 @@ def main(work: Path) -> None:
     )
     found["spot_placer"] = spot["spot_placer"]
     cli("down", "spotray", "--purge")
+    # A worker pool on the cluster: jobs run on the workers' nodes, each rank once.
+    (work / "pool.yaml").write_text(
+        "pool:\n  workers: 2\nresources: {infra: ray, cpus: 0.25}\nsetup: echo ready\n"
+    )
+    (work / "job.yaml").write_text(
+        f'run: echo "rank $SKYPILOT_JOB_RANK on $(hostname)" | tee -a {work}/ranks.txt; sleep 1\n'
+    )
+    cli("pool", "apply", "-p", "raypool", str(work / "pool.yaml"))
+    started = time.monotonic()
+    cli("jobs", "launch", "-p", "raypool", "--num-jobs", "6", "--wait", str(work / "job.yaml"))
+    found["pool_jobs_seconds"] = round(time.monotonic() - started, 1)
+    jobs = api("/jobs?pool=raypool")
+    found["pool_job_statuses"] = sorted({j["status"] for j in jobs})  # type: ignore[attr-defined]
+    found["pool_workers_used"] = len({j["worker_id"] for j in jobs})  # type: ignore[attr-defined]
+    found["pool_ranks"] = sorted(
+        int(line.split()[1]) for line in (work / "ranks.txt").read_text().splitlines()
+    )
+    first = jobs[0]["job_id"]  # type: ignore[index]
+    found["pool_job_log"] = cli("jobs", "logs", str(first))
+    cli("pool", "down", "raypool", "--purge")
     started = time.monotonic()
     cli("up", str(work / "pinned.yaml"), "-n", "pinned")
     found["pinned_up_seconds"] = round(time.monotonic() - started, 1)

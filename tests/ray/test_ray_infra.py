@@ -65,6 +65,10 @@ def test_ray_replicas_zones_node_loss_and_adoption(tmp_path: Path) -> None:
     # Spot: one replica in each spot zone (a, c), on a node of that zone; never on b.
     assert found["spot_replicas"] == [["a", True, "a"], ["c", True, "c"]]
     assert found["spot_placer"]["placer"] == "dynamic_fallback"
+    # A pool on Ray: 6 jobs on 2 workers, every rank once, logs read from the worker's node.
+    assert found["pool_job_statuses"] == ["SUCCEEDED"]
+    assert found["pool_ranks"] == list(range(6)) and found["pool_workers_used"] == 2
+    assert "rank 0 on" in found["pool_job_log"]
     assert found["pinned_answer"]["replica"] == "1"
     assert found["pinned_node_is_b"] is True  # placed in the zone it asked for
     assert "replica 1 serving on" in found["pinned_log"]

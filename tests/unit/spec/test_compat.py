@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from fleetserve.controller.admission import check_deployable
-from fleetserve.core.errors import InvalidSpec
 from fleetserve.spec import parse_spec
 from fleetserve.spec.compat import compat_errors, compat_warnings
 
@@ -82,12 +81,11 @@ def test_what_cannot_run_here_is_refused_with_the_fix(
     assert words in errors[0]
 
 
-def test_a_pool_runs_on_the_local_infra_and_is_refused_on_ray() -> None:
+def test_a_pool_runs_on_the_local_and_ray_infras() -> None:
     spec = parse_spec("service:\n  pool: {workers: 2}\n")
     assert compat_errors(spec, has_container_runtime=False) == []
     check_deployable(spec, "local")
-    with pytest.raises(InvalidSpec, match="pool: worker pools run on the local infra only"):
-        check_deployable(spec, "ray")
+    check_deployable(spec, "ray")
 
 
 def test_a_field_the_ray_infra_acts_on_is_not_called_ignored_there() -> None:
