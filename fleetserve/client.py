@@ -43,6 +43,15 @@ from fleetserve.infra.local import open_private
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 
 
+def _read_text(path: str | Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InvalidSpec(f"{path}: cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise InvalidSpec(f"{path}: not UTF-8 text (byte {e.start}); a YAML is text") from None
+
+
 def _raise_for(resp: httpx.Response, hint: str = "") -> None:
     if resp.is_success:
         return
@@ -413,10 +422,7 @@ class Client:
     ) -> PoolApplied:
         text = None
         if path is not None:
-            try:
-                text = Path(path).read_text()
-            except OSError as e:
-                raise InvalidSpec(f"{path}: cannot be read: {e.strerror}") from None
+            text = _read_text(path)
         body = {
             "yaml": text,
             "workers": workers,
@@ -445,10 +451,7 @@ class Client:
         envs: Mapping[str, str] | None = None,
         name: str | None = None,
     ) -> list[JobInfo]:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise InvalidSpec(f"{path}: cannot be read: {e.strerror}") from None
+        text = _read_text(path)
         body = {"yaml": text, "num_jobs": num_jobs, "name": name, "envs": dict(envs or {})}
         resp = self._call("POST", f"/pools/{pool}/jobs", json=body)
         return [JobInfo.model_validate(j) for j in resp.json()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
 MAX_OVERRIDES = 256  # --env / --secret values in one request, each kind
 MAX_OVERRIDE_NAME = 256  # characters of a variable's name
@@ -156,7 +156,9 @@ class ApplyPool(BaseModel):
     yaml: str | None = Field(
         None, max_length=1024 * 1024, description="The pool YAML (omit to resize with workers)."
     )
-    workers: int | None = Field(None, ge=0, le=1000, description="A fixed size (pool.workers).")
+    workers: StrictInt | None = Field(
+        None, ge=0, le=1000, description="A fixed size (pool.workers)."
+    )
     base_dir: str | None = Field(None, max_length=4096)
     envs: Overrides = None
     secrets: Overrides = None
@@ -165,14 +167,16 @@ class ApplyPool(BaseModel):
 class LaunchJobs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     yaml: str = Field(max_length=1024 * 1024, description="The job YAML (name, run, envs).")
-    num_jobs: int = Field(1, ge=1, le=10_000, description="Ranks 0..num_jobs-1.")
+    num_jobs: StrictInt = Field(1, ge=1, le=10_000, description="Ranks 0..num_jobs-1.")
     name: str | None = Field(None, max_length=128)
     envs: Overrides = None
 
 
 class CancelJobs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    job_ids: list[Annotated[int, Field(ge=1, le=2**31 - 1)]] | None = Field(None, max_length=10_000)
+    job_ids: list[Annotated[StrictInt, Field(ge=1, le=2**31 - 1)]] | None = Field(
+        None, max_length=10_000
+    )
     pool: str | None = Field(None, min_length=1, max_length=64)
 
 

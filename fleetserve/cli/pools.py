@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Annotated
@@ -29,6 +30,20 @@ Envs = Annotated[
     list[str] | None,
     typer.Option("--env", help="KEY=VALUE over the YAML's envs (repeatable); KEY alone: yours"),
 ]
+
+
+_POOL_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def _pool_name(name: str) -> str:
+    if not name:
+        raise InvalidSpec("name the pool with -p NAME")
+    if not _POOL_NAME.fullmatch(name):
+        raise InvalidSpec(
+            f"pool name {name[:80]!r}: use 1-63 lowercase letters, digits and '-', starting with "
+            "a letter and not ending with '-'"
+        )
+    return name
 
 
 def _fail(e: FleetserveError) -> typer.Exit:
@@ -122,8 +137,7 @@ def apply(
     """Create a pool, or update it in place: resize it (--workers) or roll its workers to a new
     YAML (busy workers finish their jobs first)."""
     try:
-        if not pool:
-            raise InvalidSpec("name the pool with -p NAME")
+        _pool_name(pool)
         if file is None and workers is None:
             raise InvalidSpec("give a pool YAML, --workers N, or both")
         envs, secrets = overrides(env, None, secret, os.environ)
@@ -187,8 +201,7 @@ def launch(
 ) -> None:
     """Queue jobs on a pool; each runs on a free worker, in order."""
     try:
-        if not pool:
-            raise InvalidSpec("name the pool with -p NAME")
+        _pool_name(pool)
         envs, _ = overrides(env, None, None, os.environ)
         client = Client()
         jobs = client.launch_jobs(pool, file, num_jobs, envs, name)

@@ -164,8 +164,16 @@ class Controller:
         envs: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
         host: str | None = None,
+        pool: bool = False,
     ) -> ServiceRecord:
         spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
+        if (spec.service.pool is not None) != pool:
+            raise InvalidSpec(
+                "this is a pool YAML (top-level pool:): create it with `fleetserve pool apply "
+                "-p NAME FILE`"
+                if spec.service.pool is not None
+                else "not a pool YAML: it needs a top-level `pool:` section"
+            )
         if infra is not None and infra.split("/")[0] not in FLEETSERVE_INFRAS:
             raise InvalidSpec(
                 f"infra {infra!r} is not available; supported: {', '.join(FLEETSERVE_INFRAS)}"
@@ -227,7 +235,15 @@ class Controller:
     ) -> ServiceRecord:
         svc = self.store.service(name)
         current = self.spec_of(svc)
-        self.check_fixed_port(name, parse_spec(yaml_text, envs=envs, secrets=secrets))
+        new = parse_spec(yaml_text, envs=envs, secrets=secrets)
+        if (new.service.pool is None) != (current.service.pool is None):
+            kind = "a pool" if current.service.pool is not None else "a service"
+            raise Conflict(
+                f"{name!r} is {kind}; an update cannot make it a "
+                f"{'service' if current.service.pool is not None else 'pool'} "
+                "(take it down and create the other kind under another name)"
+            )
+        self.check_fixed_port(name, new)
         svc, _in_place = updates.apply_update(
             self.store,
             svc,
@@ -261,20 +277,26 @@ class Controller:
     ) -> ServiceRecord:
         """`pool down`: refused while jobs are queued or running, unless `cancel`."""
         self.pool(name)
+        if cancel:
+            await self.cancel_jobs(pool=name)
+        return self.delete_service(name, purge)
+
+    def _refuse_with_jobs(self, name: str) -> None:
+        """A pool with queued or running jobs is not taken down (`pool down --cancel-jobs`)."""
         active = self.store.list_jobs(pool=name, statuses=(JobStatus.PENDING, JobStatus.RUNNING))
-        if active and not cancel:
+        if active:
             ids = ", ".join(str(j.job_id) for j in active[:10])
             more = f" and {len(active) - 10} more" if len(active) > 10 else ""
             raise Conflict(
                 f"pool {name!r} has {len(active)} unfinished jobs ({ids}{more}): wait for them, "
-                f"cancel them (`fleetserve jobs cancel --all -p {name}`), or add --cancel-jobs"
+                f"cancel them (`fleetserve jobs cancel -p {name}`), or "
+                f"`fleetserve pool down {name} --cancel-jobs`"
             )
-        if active:
-            await self.cancel_jobs(pool=name)
-        return self.delete_service(name, purge)
 
     def delete_service(self, name: str, purge: bool = False) -> ServiceRecord:
         svc = self.store.service(name)
+        if self.spec_of(svc).service.pool is not None:
+            self._refuse_with_jobs(name)
         svc = self.store.update_service(
             name, self.clock.now(), phase=ServicePhase.SHUTTING_DOWN, purge=purge or svc.purge
         )
@@ -415,9 +437,10 @@ class Controller:
                 raise InvalidSpec(f"--workers {workers}: within 0..1000")
             yaml_text = _with_workers(yaml_text, workers)
         if existing is None:
-            return self.create_service(yaml_text, name, base_dir, envs=envs, secrets=secrets), (
-                "created"
+            svc = self.create_service(
+                yaml_text, name, base_dir, envs=envs, secrets=secrets, pool=True
             )
+            return svc, "created"
         if self.spec_of(existing).service.pool is None:
             raise Conflict(f"{name!r} is a service, not a pool")
         resize_only = resized_from is not None
@@ -439,6 +462,14 @@ class Controller:
         from fleetserve.spec.jobs import amount, parse_job
 
         svc = self.pool(pool)
+        if svc.phase is ServicePhase.SHUTTING_DOWN:
+            raise Conflict(f"pool {pool!r} is shutting down")
+        ready = any(r.status is ReplicaStatus.READY for r in self.store.list_replicas(pool))
+        if svc.failure_reason and not ready:
+            raise Conflict(
+                f"pool {pool!r} cannot start workers ({svc.failure_reason}); fix it with "
+                f"`fleetserve pool apply -p {pool} FILE`"
+            )
         if not 1 <= num_jobs <= MAX_JOBS_PER_LAUNCH:
             raise InvalidSpec(f"--num-jobs {num_jobs}: within 1..{MAX_JOBS_PER_LAUNCH}")
         job = parse_job(yaml_text, envs)
@@ -512,7 +543,39 @@ class Controller:
             runner = self.service_infra(job.pool)
         if not hasattr(runner, "job_logs"):
             raise Conflict(f"the {runner.name} infra keeps no job logs")
-        return cast(JobRunner, runner).job_logs(job.pool, job.job_id, job.handle, follow, tail)
+        lines = cast(JobRunner, runner).job_logs(job.pool, job.job_id, job.handle, follow, tail)
+        return self._until_job_ends(job_id, lines) if follow else lines
+
+    async def _until_job_ends(self, job_id: int, lines: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A followed job log ends once the job has ended and its last lines are read."""
+        queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=1000)
+
+        async def pump() -> None:
+            try:
+                async for line in lines:
+                    await queue.put(line)
+            finally:
+                await queue.put(None)
+
+        task = asyncio.create_task(pump())
+        try:
+            quiet = 0
+            while True:
+                try:
+                    line = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    ended = self.store.get_job(job_id).status.is_terminal
+                    quiet = quiet + 1 if ended else 0
+                    if quiet >= 2:  # ended, and a second with nothing more to read
+                        return
+                    continue
+                if line is None:
+                    return
+                yield line
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     def wake(self, name: str) -> None:
         """The load balancer holds a request and no replica is ready: scale up from zero now."""

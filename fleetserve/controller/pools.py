@@ -22,7 +22,7 @@ from fleetserve.core.errors import FleetserveError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord
 from fleetserve.infra.base import InstanceKind
-from fleetserve.infra.jobs import JobRequest, JobRunner
+from fleetserve.infra.jobs import JobRequest, JobRunner, WorkerBroken
 from fleetserve.policies.jobs import (
     DEFAULT_DOWNSCALE_DELAY,
     DEFAULT_UPSCALE_DELAY,
@@ -43,6 +43,7 @@ log = logging.getLogger("fleetserve.controller")
 STATE_KEY = "pool_autoscaler"
 WORKER_RUN = "exec sleep infinity"  # a worker's `run`: it stays up; jobs bring their own
 ACTIVE = (JobStatus.PENDING, JobStatus.RUNNING)
+QUEUE_HEAD = 512  # queued jobs read per round (more than the free slots of any round)
 
 
 def job_envs(spec: ServiceTask, job: JobRecord, home: Path) -> dict[str, str]:
@@ -89,6 +90,9 @@ class PoolRunner:
         self.home = home
         self.wake = wake
         self.watchers: dict[int, asyncio.Task[None]] = {}
+        self.sweeps: set[asyncio.Task[None]] = set()
+        # A worker that cannot take jobs: the reconciler replaces it.
+        self.on_broken: Callable[[ReplicaRecord, str], None] = lambda _w, _why: None
 
     # -- workers wanted ------------------------------------------------------------------
 
@@ -96,10 +100,7 @@ class PoolRunner:
         pool = spec.service.pool
         assert pool is not None
         lo, hi = pool_bounds(pool)
-        active = self.store.list_jobs(pool=self.pool, statuses=ACTIVE)
-        queued = sum(j.status is JobStatus.PENDING for j in active)
-        queued_slots = sum(j.slots for j in active if j.status is JobStatus.PENDING)
-        running = sum(j.slots for j in active if j.status is JobStatus.RUNNING)
+        queued, queued_slots, running = self.store.job_counts(self.pool)
         raw = self.store.get_policy_state(self.pool, STATE_KEY)
         state = PoolScale.from_json(raw) if raw else PoolScale(lo)
         now = self.clock.now()
@@ -133,14 +134,20 @@ class PoolRunner:
         return new.target
 
     def busy(self) -> frozenset[int]:
-        return frozenset(busy_workers(self.store.list_jobs(pool=self.pool, statuses=ACTIVE)))
+        running = self.store.list_jobs(pool=self.pool, statuses=(JobStatus.RUNNING,))
+        return frozenset(busy_workers(running))
 
     # -- one round -------------------------------------------------------------------------
 
     async def dispatch(
         self, spec_of: Callable[[int], ServiceTask], workers: list[ReplicaRecord]
     ) -> None:
-        jobs = self.store.list_jobs(pool=self.pool, statuses=ACTIVE)
+        # The running jobs, and only the head of the queue: a round costs the same with ten
+        # thousand jobs queued (the planner never looks past the first that does not fit).
+        jobs = self.store.list_jobs(pool=self.pool, statuses=(JobStatus.RUNNING,))
+        jobs += self.store.list_jobs(
+            pool=self.pool, statuses=(JobStatus.PENDING,), first=QUEUE_HEAD
+        )
         if not jobs:
             return
         exits: dict[int, JobExit] = {}
@@ -168,6 +175,7 @@ class PoolRunner:
         for action in plan_dispatch(views, jobs, exits):
             job = by_id[action.job_id]
             if isinstance(action, FinishJob):
+                self._sweep_job(job)
                 self.store.update_job(
                     job,
                     now,
@@ -211,6 +219,10 @@ class PoolRunner:
                     envs=job_envs(spec, placed, self.home),
                 )
             )
+        except WorkerBroken as e:
+            # Not the job's fault: it stays queued, and the worker is replaced.
+            self.on_broken(worker, f"cannot take jobs: {e.message}")
+            return
         except (OSError, FleetserveError) as e:
             message = e.message if isinstance(e, FleetserveError) else str(e)
             self.store.update_job(
@@ -250,6 +262,35 @@ class PoolRunner:
             self.wake()
 
         self.watchers[job.job_id] = asyncio.create_task(watch(), name=f"job-{job.job_id}")
+
+    def _sweep_job(self, job: JobRecord) -> None:
+        """An ended job's leftovers (children it put in the background) are stopped, in the
+        background: the next job's start does not wait for it."""
+        task = asyncio.create_task(self.jobs.stop_job(job.handle, job.launch_token))
+        self.sweeps.add(task)
+        task.add_done_callback(self.sweeps.discard)
+
+    def fail_queue(self, why: str) -> None:
+        """The pool cannot start workers (launches stopped): queued jobs fail with why, rather
+        than wait forever."""
+        now = self.clock.now()
+        for job in self.store.list_jobs(pool=self.pool, statuses=(JobStatus.PENDING,)):
+            self.store.update_job(
+                job,
+                now,
+                expect=JobStatus.PENDING,
+                status=JobStatus.FAILED,
+                reason=f"the pool has no worker and cannot start one: {why}",
+                ended_at=now,
+            )
+
+    def end_all(self, why: str) -> None:
+        """The pool is gone: no job of it stays queued or running."""
+        now = self.clock.now()
+        for job in self.store.list_jobs(pool=self.pool, statuses=ACTIVE):
+            self.store.update_job(
+                job, now, expect=job.status, status=JobStatus.CANCELLED, reason=why, ended_at=now
+            )
 
     def close(self) -> None:
         for task in self.watchers.values():

@@ -191,7 +191,12 @@ class ServiceReconciler:
                 self.settings.home,
                 self.wake.set,
             )
+            self.pool.on_broken = self._worker_broken
         return self.pool
+
+    def _worker_broken(self, worker: ReplicaRecord, why: str) -> None:
+        self.prober.forget(self.key(worker.replica_id))
+        self.executor.terminate(worker, ReplicaStatus.FAILED, why, delete_row=False)
 
     def key(self, replica_id: int) -> ReplicaKey:
         return ReplicaKey(self.name, replica_id)
@@ -276,7 +281,10 @@ class ServiceReconciler:
         self._apply(plan.actions, by_id, svc, spec)
         svc = self._advance_rollout(svc, plan.rollout_complete, plan.switch_traffic)
         if pool is not None:
-            await pool.dispatch(self.spec, self.store.list_replicas(self.name))
+            workers = self.store.list_replicas(self.name)
+            if plan.failure_reason and not any(r.status is ReplicaStatus.READY for r in workers):
+                pool.fail_queue(plan.failure_reason)
+            await pool.dispatch(self.spec, workers)
         if plan.failure_reason != svc.failure_reason and (svc.lb_pid is not None or pool):
             svc = self.store.update_service(
                 self.name, self.clock.now(), failure_reason=plan.failure_reason
@@ -589,6 +597,9 @@ class ServiceReconciler:
             )
             return True
         await self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time)
+        pool = self._pool_runner(self.spec(svc.active_version))
+        if pool is not None:
+            pool.end_all("the pool was taken down")
         self.store.delete_service(self.name)
         self.infra.forget_service(self.name)
         # Its logs go with it (replica and load-balancer logs, rotated halves too).

@@ -38,6 +38,10 @@ exit $rc
 """
 
 
+class WorkerBroken(TerminalError):
+    """The worker cannot take jobs any more (its folder or actor is gone): replace it."""
+
+
 @dataclass(frozen=True)
 class JobRequest:
     pool: str
@@ -146,7 +150,7 @@ class LocalJobs:
         (d / "run.sh").write_text(req.run)
         workdir = Path(json.loads(req.worker_handle).get("dir", "")) / "workdir"
         if not workdir.is_dir():
-            raise TerminalError(f"the worker's folder {workdir} is gone")
+            raise WorkerBroken(f"the worker's folder {workdir} is gone")
         (d / "entry.sh").write_text(
             _JOB_ENTRY.format(
                 workdir=shlex.quote(str(workdir)),

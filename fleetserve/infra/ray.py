@@ -34,7 +34,7 @@ from typing import Any
 
 from fleetserve.core.errors import TerminalError, TransientError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
-from fleetserve.infra.jobs import JobRequest
+from fleetserve.infra.jobs import JobRequest, WorkerBroken
 
 NAMESPACE = "fleetserve"
 ACTOR_PREFIX = "fs-"
@@ -401,7 +401,7 @@ class RayInfra:
         try:
             return ray, ray.get_actor(json.loads(handle)["actor"], namespace=NAMESPACE)
         except ValueError:
-            raise TerminalError("the worker's actor is gone") from None
+            raise WorkerBroken("the worker's actor is gone") from None
 
     async def start_job(self, req: JobRequest) -> str:
         ray, actor = await self._worker(req.worker_handle)
@@ -413,7 +413,7 @@ class RayInfra:
     async def poll_job(self, handle: str) -> InstanceState:
         try:
             ray, actor = await self._worker(handle)
-        except TerminalError:
+        except WorkerBroken:
             return InstanceState(InstanceKind.LOST, detail="its worker's actor is gone")
         try:
             kind, code = await self._call(ray, actor.job_state.remote(json.loads(handle)["job_id"]))

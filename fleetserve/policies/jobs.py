@@ -97,7 +97,8 @@ def plan_dispatch(
             continue
         worker_gone = job.worker_id not in alive
         done = exits.get(job.job_id)
-        if done is not None and not (worker_gone and (done.exit_code < 0 or done.lost)):
+        killed = done is not None and (done.exit_code < 0 or 128 < done.exit_code <= 192)
+        if done is not None and not (worker_gone and (killed or done.lost)):
             ok = done.exit_code == 0 and not done.lost
             actions.append(
                 FinishJob(
@@ -127,6 +128,8 @@ def plan_dispatch(
 
 
 def _exit_reason(code: int) -> str:
+    if 128 < code <= 192:  # bash reports a child killed by signal N as 128 + N
+        return f"{_exit_reason(128 - code)} (exit code {code})"
     if code < 0:
         import signal
 

@@ -14,6 +14,7 @@ from fleetserve.spec.yaml_bounded import read_yaml
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_RUN_CHARS = 256 * 1024
+MAX_ENV_BYTES = 128 * 1024  # one NAME=value, as the kernel allows it
 _IGNORED = {
     "setup": "the pool's workers ran the pool's setup",
     "workdir": "a job runs in its worker's working folder (the pool's workdir)",
@@ -106,6 +107,10 @@ def parse_job(
         if not _ENV_NAME.fullmatch(k):
             raise InvalidSpec(f"--env {k}: not a variable name")
         merged[k] = v
+    for k, v in merged.items():
+        # The kernel refuses to start a process with one `NAME=value` this long (MAX_ARG_STRLEN).
+        if len(k.encode()) + len(v.encode()) + 1 >= MAX_ENV_BYTES:
+            raise InvalidSpec(f"{source}: envs.{k}: a value of at most {MAX_ENV_BYTES - 2} bytes")
     notes = [f"{k}: ignored ({why})" for k, why in _IGNORED.items() if data.get(k) is not None]
     res = data.get("resources")
     if res is not None and not isinstance(res, dict):

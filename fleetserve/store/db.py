@@ -563,7 +563,9 @@ class Store:
         ids: list[int] | None = None,
         statuses: tuple[JobStatus, ...] | None = None,
         limit: int | None = None,
+        first: int | None = None,
     ) -> list[JobRecord]:
+        """Jobs by id; `limit`: the newest ones only, `first`: the oldest ones only."""
         q = select(t.jobs)
         if pool is not None:
             q = q.where(t.jobs.c.pool == pool)
@@ -574,6 +576,8 @@ class Store:
         q = q.order_by(t.jobs.c.job_id)
         if limit is not None:
             q = q.order_by(None).order_by(t.jobs.c.job_id.desc()).limit(limit)
+        elif first is not None:
+            q = q.limit(first)
         with self.engine.connect() as conn:
             rows = conn.execute(q).all()
         jobs = [_job(r) for r in rows]
@@ -604,7 +608,14 @@ class Store:
             done = conn.execute(q.values(updated_at=now, **changes))
             if done.rowcount == 0:
                 return None
-            if status is not None and JobStatus(changes["status"]) is not job.status:
+            pool_exists = conn.execute(
+                select(t.services.c.name).where(t.services.c.name == job.pool)
+            ).first()
+            if (
+                status is not None
+                and JobStatus(changes["status"]) is not job.status
+                and pool_exists is not None  # a job outlives its pool; its events do not
+            ):
                 text_ = changes.get("reason") or f"job {job.job_id} {changes['status']}"
                 self._event(
                     conn, job.pool, now, "job", f"job {job.job_id} (rank {job.rank}): {text_}"
@@ -612,3 +623,20 @@ class Store:
         fields = {k: v for k, v in changes.items() if k != "status"}
         new_status = JobStatus(changes["status"]) if "status" in changes else job.status
         return dataclasses.replace(job, status=new_status, updated_at=now, **fields)
+
+    def job_counts(self, pool: str) -> tuple[int, float, float]:
+        """(queued jobs, their slots, running jobs' slots) of a pool, counted by the database."""
+        from sqlalchemy import func
+
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(t.jobs.c.status, func.count(), func.coalesce(func.sum(t.jobs.c.slots), 0))
+                .where(
+                    t.jobs.c.pool == pool,
+                    t.jobs.c.status.in_([JobStatus.PENDING.value, JobStatus.RUNNING.value]),
+                )
+                .group_by(t.jobs.c.status)
+            ).all()
+        by = {str(r[0]): (int(r[1]), float(r[2])) for r in rows}
+        queued, queued_slots = by.get(JobStatus.PENDING.value, (0, 0.0))
+        return queued, queued_slots, by.get(JobStatus.RUNNING.value, (0, 0.0))[1]

@@ -283,3 +283,75 @@ def test_skypilots_batch_job_runs_unchanged_and_small_jobs_pack_on_a_worker(
     assert fleet.cli("validate", str(FIXTURES / "pool.yaml")).returncode == 0
     s3 = fleet.cli("pool", "apply", "-p", "s3", str(FIXTURES / "pool.yaml"), check=False)
     assert s3.returncode == 2 and "file_mounts./my-data" in s3.stderr
+
+
+def test_service_commands_keep_pool_rules_and_a_broken_pool_fails_its_queue(fleet: Fleet) -> None:
+    apply(fleet, workers=1)
+    pool_yaml = fleet.home.parent / "batch.yaml"
+    up = fleet.cli("up", str(pool_yaml), "-n", "other", check=False)
+    assert up.returncode == 2 and "pool apply" in up.stderr
+    svc = write(fleet, "svc.yaml", "service: {readiness_probe: /health}\nrun: python3 server.py\n")
+    changed = fleet.cli("update", "batch", str(svc), check=False)
+    assert changed.returncode == 4 and "is a pool" in changed.stderr
+    long_job = write(fleet, "long.yaml", "run: sleep 30\n")
+    fleet.cli("jobs", "launch", "-p", "batch", str(long_job))
+    down = fleet.cli("down", "batch", check=False)
+    assert down.returncode == 4 and "unfinished jobs" in down.stderr
+    fleet.cli("pool", "down", "batch", "--cancel-jobs")
+    assert [j.status for j in fleet.client().jobs("batch")] == ["CANCELLED"]
+    # A pool whose setup fails: its queued jobs fail with the reason, new ones are refused.
+    bad = write(fleet, "bad.yaml", "pool: {workers: 1}\nsetup: sleep 2; exit 7\n")
+    fleet.cli("pool", "apply", "-p", "bad", str(bad))
+    fleet.cli("jobs", "launch", "-p", "bad", "--num-jobs", "2", str(long_job))
+    fleet.wait_for("the queue failed", lambda: jobs_done(fleet, "bad", 2), timeout=60)
+    jobs = fleet.client().jobs("bad")
+    assert {j.status for j in jobs} == {"FAILED"}
+    assert "setup failed with exit code 7" in (jobs[0].reason or "")
+    refused = fleet.cli("jobs", "launch", "-p", "bad", str(long_job), check=False)
+    assert refused.returncode == 4 and "cannot start workers" in refused.stderr
+
+
+def test_a_job_cannot_break_its_worker_for_the_next_ones(fleet: Fleet) -> None:
+    apply(fleet, workers=1)
+    marker = "fleetserve-test-leftover"
+    leftover = write(fleet, "bg.yaml", f"run: (exec -a {marker} sleep 300 &) ; echo started\n")
+    fleet.cli("jobs", "launch", "-p", "batch", "--wait", str(leftover))
+
+    def leftovers() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and p.info["cmdline"][0] == marker
+        ]
+
+    fleet.wait_for("the ended job's background child stopped", lambda: not leftovers(), 20)
+    # A job that deletes its worker's folder: the worker is replaced, later jobs still run.
+    wipe = write(fleet, "wipe.yaml", 'run: rm -rf "$PWD"\n')
+    fleet.cli("jobs", "launch", "-p", "batch", "--wait", str(wipe))
+    out = fleet.home.parent / "ranks.txt"
+    done = fleet.cli(
+        "jobs",
+        "launch",
+        "-p",
+        "batch",
+        "--num-jobs",
+        "3",
+        "--wait",
+        str(job_file(fleet, 0.2, out)),
+        timeout=120,
+    )
+    assert "3 succeeded" in done.stdout
+    workers = fleet.client().pools("batch")[0].replicas
+    assert any(r.status == "FAILED" and "cannot take jobs" in (r.reason or "") for r in workers)
+    # A followed log ends when its job does.
+    fleet.cli(
+        "jobs",
+        "launch",
+        "-p",
+        "batch",
+        str(write(fleet, "tick.yaml", "run: echo a; sleep 2; echo b\n")),
+    )
+    last = fleet.client().jobs("batch")[-1]
+    started = time.monotonic()
+    followed = fleet.cli("jobs", "logs", str(last.job_id), "-f", timeout=30).stdout
+    assert followed.split() == ["a", "b"] and time.monotonic() - started < 15

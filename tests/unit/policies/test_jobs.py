@@ -143,3 +143,10 @@ def test_job_slots_pack_by_the_largest_share_and_refuse_what_does_not_fit() -> N
 def test_packed_jobs_need_fewer_workers() -> None:
     s = pool_target(0, 10, 1, 0.0, 60.0, PoolScale(0), 8, 0.0, 1.0, 0.0, queued_slots=2.0)
     assert s.target == 2  # eight quarter-worker jobs: two workers
+
+
+def test_bash_signal_codes_count_as_signals() -> None:
+    lost = [w(1, ready=False, alive=False), w(2)]
+    assert isinstance(plan_dispatch(lost, [job(1, R, 1)], {1: JobExit(137)})[0], RequeueJob)
+    own = plan_dispatch([w(1)], [job(1, R, 1)], {1: JobExit(137)})
+    assert own == [FinishJob(1, JobStatus.FAILED, 137, "killed by signal SIGKILL (exit code 137)")]
