@@ -150,6 +150,12 @@ class PoolRunner:
         )
         if not jobs:
             return
+        by_worker = {w.replica_id: w for w in workers}
+        interrupted = [j for j in jobs if j.status is JobStatus.RUNNING and not j.handle]
+        for job in interrupted:
+            await self._recover_start(job, by_worker.get(job.worker_id or 0))
+        if interrupted:
+            return  # the next round plans with what was found (a wake-up is due)
         exits: dict[int, JobExit] = {}
         for job in jobs:
             if job.status is JobStatus.RUNNING and job.handle:
@@ -207,6 +213,21 @@ class PoolRunner:
         placed = dataclasses.replace(job, worker_id=worker.replica_id)
         if not worker.handle:
             return
+        # The row says RUNNING (on this worker, one more attempt) before the process starts: a
+        # controller killed in between finds it on restart (find_job) and never starts it twice.
+        claimed = self.store.update_job(
+            job,
+            now,
+            expect=JobStatus.PENDING,
+            status=JobStatus.RUNNING,
+            worker_id=worker.replica_id,
+            handle=None,
+            attempts=job.attempts + 1,
+            started_at=now,
+            reason=f"running on worker {worker.replica_id}",
+        )
+        if claimed is None:
+            return  # cancelled meanwhile
         try:
             handle = await self.jobs.start_job(
                 JobRequest(
@@ -220,35 +241,62 @@ class PoolRunner:
                 )
             )
         except WorkerBroken as e:
-            # Not the job's fault: it stays queued, and the worker is replaced.
+            # Not the job's fault: it goes back to the queue, and the worker is replaced.
+            self._unclaim(claimed, job, None)
             self.on_broken(worker, f"cannot take jobs: {e.message}")
             return
         except (OSError, FleetserveError) as e:
             message = e.message if isinstance(e, FleetserveError) else str(e)
             self.store.update_job(
-                job,
-                now,
-                expect=JobStatus.PENDING,
+                claimed,
+                self.clock.now(),
+                expect=JobStatus.RUNNING,
                 status=JobStatus.FAILED,
                 reason=f"could not start on worker {worker.replica_id}: {message}",
-                ended_at=now,
+                ended_at=self.clock.now(),
             )
             return
         started = self.store.update_job(
-            job,
-            now,
-            expect=JobStatus.PENDING,
-            status=JobStatus.RUNNING,
-            worker_id=worker.replica_id,
-            handle=handle,
-            attempts=job.attempts + 1,
-            started_at=now,
-            reason=f"running on worker {worker.replica_id}",
+            claimed, self.clock.now(), expect=JobStatus.RUNNING, handle=handle
         )
         if started is None:  # cancelled meanwhile: stop what was started
             await self.jobs.stop_job(handle, job.launch_token)
             return
         self._watch(started)
+
+    def _unclaim(self, claimed: JobRecord, before: JobRecord, reason: str | None) -> None:
+        """Back to the queue, the attempt not counted (it never ran)."""
+        self.store.update_job(
+            claimed,
+            self.clock.now(),
+            expect=JobStatus.RUNNING,
+            status=JobStatus.PENDING,
+            worker_id=None,
+            handle=None,
+            attempts=before.attempts,
+            started_at=None,
+            reason=reason,
+        )
+
+    async def _recover_start(self, job: JobRecord, worker: ReplicaRecord | None) -> None:
+        """A RUNNING row with no handle: a controller died between claiming and starting it.
+        Its process is adopted if it started (or its exit read if it ended); else requeued."""
+        handle = None
+        if worker is not None and worker.handle:
+            handle = await self.jobs.find_job(
+                self.pool, job.job_id, job.launch_token, worker.handle
+            )
+        if handle is None:
+            before = dataclasses.replace(job, attempts=max(0, job.attempts - 1))
+            self._unclaim(job, before, "its start was cut short by a controller restart; requeued")
+            self.wake()
+            return
+        adopted = self.store.update_job(
+            job, self.clock.now(), expect=JobStatus.RUNNING, handle=handle
+        )
+        if adopted is not None:
+            self._watch(adopted)
+            self.wake()
 
     def _watch(self, job: JobRecord) -> None:
         handle = job.handle

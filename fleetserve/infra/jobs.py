@@ -75,6 +75,11 @@ class JobRunner(Protocol):
         self, pool: str, job_id: int, handle: str | None, follow: bool, tail: int | None
     ) -> AsyncIterator[str]: ...
 
+    async def find_job(self, pool: str, job_id: int, token: str, worker_handle: str) -> str | None:
+        """The handle of a job whose start a controller restart cut short: its process if
+        it runs, its recorded end if it ended; None if it never started."""
+        ...
+
 
 @dataclass(frozen=True)
 class JobHandle:
@@ -192,7 +197,7 @@ class LocalJobs:
             if code is None:
                 return InstanceState(InstanceKind.RUNNING)
             self._children.pop(h.pid, None)
-        else:
+        elif h.pid > 0:
             with contextlib.suppress(psutil.Error):
                 p = psutil.Process(h.pid)
                 if abs(p.create_time() - h.create_time) < 0.01 and p.status() != "zombie":
@@ -252,6 +257,23 @@ class LocalJobs:
             if self._children[pid].poll() is not None:
                 self._children.pop(pid, None)
         return [p.pid for p in alive]
+
+    def find(self, pool: str, job_id: int, token: str) -> str | None:
+        d = job_dir(self.home, pool, job_id)
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                env = p.environ()
+                if env.get(JOB_TOKEN_ENV) == token and (
+                    not self.home_id or env.get(self.home_id_env) == self.home_id
+                ):
+                    found.append(p)
+        if found:
+            first = min(found, key=lambda p: p.create_time())  # the wrapper started first
+            return JobHandle(first.pid, first.create_time(), str(d)).to_json()
+        if (d / _EXIT_CODE).exists():
+            return JobHandle(0, 0.0, str(d)).to_json()  # it ended: poll reads the exit code
+        return None
 
     def forget(self, pool: str, job_id: int) -> None:
         shutil.rmtree(job_dir(self.home, pool, job_id), ignore_errors=True)

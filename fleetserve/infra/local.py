@@ -594,6 +594,9 @@ class LocalInfra:
     ) -> AsyncIterator[str]:
         return read_lines(job_log(self.home, pool, job_id), follow, tail)
 
+    async def find_job(self, pool: str, job_id: int, token: str, worker_handle: str) -> str | None:
+        return await asyncio.to_thread(self.jobs.find, pool, job_id, token)
+
     def forget_service(self, service: str) -> None:
         shutil.rmtree(self.home / "replicas" / service, ignore_errors=True)
 

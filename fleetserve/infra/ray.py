@@ -427,6 +427,12 @@ class RayInfra:
             return InstanceState(InstanceKind.LOST, detail="its process is unknown to the worker")
         return InstanceState(InstanceKind.RUNNING)
 
+    async def find_job(self, pool: str, job_id: int, token: str, worker_handle: str) -> str | None:
+        name = json.loads(worker_handle)["actor"]
+        handle = json.dumps({"actor": name, "job_id": job_id}, sort_keys=True)
+        state = await self.poll_job(handle)
+        return None if state.kind is InstanceKind.LOST else handle
+
     async def wait_job(self, handle: str) -> None:
         while (await self.poll_job(handle)).kind is InstanceKind.RUNNING:
             await asyncio.sleep(0.2)

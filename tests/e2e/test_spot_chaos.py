@@ -29,7 +29,27 @@ service:
 resources:
   use_spot: true
 workdir: {workdir}
-run: python3 server.py
+run: python3 oneshot.py
+"""
+# The replica answers each request with one send (headers and body together). A replica that
+# is killed between two sends of one response cuts a response the load balancer has already
+# started to forward: no retry can save that one, and the goal is about those a retry can.
+ONESHOT = """\
+import json, os
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+RID = os.environ["FLEETSERVE_REPLICA_ID"]
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    wbufsize = 1 << 16  # buffered: the whole response leaves in one send, at the flush
+    def do_GET(self):
+        body = json.dumps({"replica": RID}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+ThreadingHTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
 """
 # A slice of AWS3 (fleetserve/sim/traces/spot) where its first three zones (us-east-1a, -1c,
 # -1d, mapped onto zone-a, -b, -c) lose spot capacity 8 times in 40 steps of 300 s, all three
@@ -47,6 +67,7 @@ def ready(svc: ServiceInfo) -> list[ReplicaInfo]:
 
 def start(fleet: Fleet, placer: str = "dynamic_fallback") -> str:
     fleet.env["FLEETSERVE_LOCAL_ZONES"] = ZONES
+    (fleet.workdir / "oneshot.py").write_text(ONESHOT)
     path = fleet.write_service("spotty", SPOT_SERVICE.format(placer=placer, workdir=fleet.workdir))
     return endpoint_of(fleet.cli("up", str(path), timeout=120).stdout)
 

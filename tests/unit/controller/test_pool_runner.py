@@ -1,0 +1,95 @@
+"""`PoolRunner` on a real store with a fake job runner: a start a controller death cut short
+(row RUNNING, no handle) is adopted if its process started, requeued if not; never run twice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fleetserve.controller.pools import PoolRunner
+from fleetserve.core.clock import FakeClock
+from fleetserve.core.status import ReplicaStatus
+from fleetserve.core.types import JobStatus, ReplicaRecord
+from fleetserve.infra.base import InstanceKind, InstanceState
+from fleetserve.infra.jobs import JobRequest
+from fleetserve.spec.loader import parse_spec
+from fleetserve.store import Store
+
+from .fakes import create_service
+
+POOL = "pool: {workers: 1}\n"
+
+
+class FakeJobs:
+    def __init__(self, found: str | None) -> None:
+        self.found = found
+        self.started: list[int] = []
+
+    async def start_job(self, req: JobRequest) -> str:
+        self.started.append(req.job_id)
+        return f"h{req.job_id}"
+
+    async def poll_job(self, handle: str) -> InstanceState:
+        return InstanceState(InstanceKind.RUNNING)
+
+    async def wait_job(self, handle: str) -> None:
+        await asyncio.sleep(3600)
+
+    async def stop_job(self, handle: str | None, token: str) -> None:
+        return None
+
+    async def job_logs(
+        self, pool: str, job_id: int, handle: str | None, follow: bool, tail: int | None
+    ) -> AsyncIterator[str]:
+        yield ""
+
+    async def find_job(self, pool: str, job_id: int, token: str, worker_handle: str) -> str | None:
+        return self.found
+
+
+def setup(store: Store, clock: FakeClock, found: str | None) -> tuple[PoolRunner, FakeJobs]:
+    create_service(store, "p", POOL, clock.now())
+    w = store.allocate_replica("p", 1, "local", "wtok", clock.now())
+    store.update_replica(w, clock.now(), status=ReplicaStatus.READY, handle='{"dir": "/x"}')
+    job = store.add_jobs("p", None, "true", {}, 1, 1.0, ["jtok"], clock.now())[0]
+    # What a controller killed between claiming the job and starting its process left.
+    store.update_job(job, clock.now(), status=JobStatus.RUNNING, worker_id=1, attempts=1)
+    jobs = FakeJobs(found)
+    runner = PoolRunner("p", store, clock, jobs, Path("/tmp"), lambda: None)
+    return runner, jobs
+
+
+def spec_of(_v: int) -> object:
+    return parse_spec(POOL)
+
+
+def workers(store: Store) -> list[ReplicaRecord]:
+    return store.list_replicas("p")
+
+
+async def test_an_interrupted_start_whose_process_ran_is_adopted_not_run_again(
+    store: Store, clock: FakeClock
+) -> None:
+    runner, jobs = setup(store, clock, found="h-found")
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    job = store.list_jobs(pool="p")[0]
+    assert (job.status, job.handle, job.attempts) == (JobStatus.RUNNING, "h-found", 1)
+    assert jobs.started == []  # never started a second time
+    runner.close()
+
+
+async def test_an_interrupted_start_that_never_ran_is_requeued_and_started_once(
+    store: Store, clock: FakeClock
+) -> None:
+    runner, jobs = setup(store, clock, found=None)
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    job = store.list_jobs(pool="p")[0]
+    assert (job.status, job.attempts) == (JobStatus.PENDING, 0)
+    assert "cut short by a controller restart" in (job.reason or "")
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    job = store.list_jobs(pool="p")[0]
+    assert (job.status, job.handle, job.attempts) == (JobStatus.RUNNING, "h1", 1)
+    assert jobs.started == [1]
+    runner.close()
