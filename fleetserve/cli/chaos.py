@@ -127,6 +127,9 @@ def replay(
         local = [str(z["zone"]) for z in client.zones()]
         mapping = dict(zip(st.zones, local, strict=False))
         steps = int(st.seconds // st.step)
+        too_big = max((max(v) for v in st.capacity.values()), default=0)
+        if too_big > 10_000:
+            raise InvalidSpec(f"{trace}: a capacity of {too_big} (a zone holds at most 10000)")
         if steps > MAX_REPLAY_STEPS:
             raise InvalidSpec(
                 f"{steps} steps to replay, at most {MAX_REPLAY_STEPS}: cut it with --duration"
@@ -158,7 +161,9 @@ def _run_replay(
         for i in range(steps):
             t = i * st.step
             cap: dict[str, int | None] = {lz: st.at(tz, t) for tz, lz in mapping.items()}
-            lost = client.chaos_capacity(cap) if cap != last else []
+            # Every step, not only changes: a controller restarted meanwhile starts from the
+            # declared capacities and gets the trace's again at the next step.
+            lost = client.chaos_capacity(cap)
             total += len(lost)
             if cap != last or lost:
                 shown = " ".join(f"{z}={n}" for z, n in cap.items())

@@ -60,6 +60,8 @@ from fleetserve.store import Store
 log = logging.getLogger("fleetserve.controller")
 
 _RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY)
+CAPACITY_BACKOFF = 1.0  # seconds before a launch of a kind that just found no capacity
+CAPACITY_BACKOFF_MAX = 60.0
 
 
 def probe_interval(status: ReplicaStatus, probe: ReadinessProbe, settings: Settings) -> float:
@@ -137,6 +139,9 @@ class ServiceReconciler:
         self.executor.inflight_of = self.scaler.inflight_of
         self.executor.on_no_capacity = self._no_capacity
         self.spot: SpotPlacement | None = None  # a spot service's placer, made on first use
+        self._full_until: dict[bool, float] = {}  # spot/on-demand: no launch before this
+        self._full_streak: dict[bool, int] = {}
+        self._full_at: dict[bool, float] = {}
         self.pool: PoolRunner | None = None  # a worker pool's jobs (docs/pools.md)
 
     def spec(self, version: int) -> ServiceTask:
@@ -244,6 +249,11 @@ class ServiceReconciler:
         if pool is None:
             svc = await self._ensure_lb(svc, spec)  # a pool has no endpoint
         replicas = self.store.list_replicas(self.name)
+        for kind, at in list(self._full_at.items()):
+            if any(r.spot is kind and (r.started_at or 0.0) > at for r in replicas):
+                del self._full_at[kind]  # a launch of that kind went through: no more back-off
+                self._full_streak.pop(kind, None)
+                self._full_until.pop(kind, None)
         observations = await self._observe(replicas, spec)
         probe = spec.service.readiness_probe
         if svc.lb_pid is not None:
@@ -355,6 +365,14 @@ class ServiceReconciler:
         return placement.targets(policy, target, current)
 
     def _no_capacity(self, rec: ReplicaRecord, e: NoCapacity) -> None:
+        if not e.preempted:
+            # No capacity of that kind: its next launch waits, 1 s doubling to a minute, rather
+            # than fail again at once (a launch-fail-create loop, found by an outside tester).
+            streak = self._full_streak.get(rec.spot, 0)
+            self._full_streak[rec.spot] = streak + 1
+            delay = min(CAPACITY_BACKOFF_MAX, CAPACITY_BACKOFF * 2 ** min(streak, 16))
+            self._full_until[rec.spot] = self.clock.now() + delay
+            self._full_at[rec.spot] = self.clock.now()
         if self.spot is None or not rec.spot:
             return
         if e.preempted:
@@ -440,6 +458,8 @@ class ServiceReconciler:
                 self.wake.set()
             elif isinstance(action, StartLaunch):
                 rec = by_id[action.replica_id]
+                if now < self._full_until.get(rec.spot, 0.0):
+                    continue  # that kind found no capacity just now: wait out the back-off
                 zone: str | None = None
                 if rec.spot and self.spot is not None:
                     zone = self.spot.zone_for(placed)

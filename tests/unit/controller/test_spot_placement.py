@@ -155,9 +155,10 @@ async def test_a_full_zone_fails_the_launch_without_a_crash_loop_and_the_placer_
         await run_rounds(clock, [rec], rounds=60)
     svc = store.get_service("good")
     assert svc is not None and svc.failure_reason is None  # no crash loop
-    spot = [r for r in alive(store) if r.spot]
+    spot = [r for r in alive(store) if r.spot and r.status is ReplicaStatus.READY]
     assert spot and {r.zone for r in spot} == {"zone-c"}
-    assert all(r.status is ReplicaStatus.READY for r in alive(store))
+    # The rest is READY, or PENDING while a full zone's back-off runs.
+    assert all(r.status in (ReplicaStatus.READY, ReplicaStatus.PENDING) for r in alive(store))
     assert not any(r.status.is_failed for r in store.list_replicas("good"))
     tried = {q.zone for q in infra.launches if q.spot}
     assert {"zone-a", "zone-b"} & tried  # it did try a full zone, and heard it was full
@@ -182,3 +183,17 @@ async def test_zone_marks_survive_a_controller_restart(
         again = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
         await run_rounds(clock, [again], rounds=1)
         assert again.spot is not None and again.spot.placer.state() == marks
+
+
+async def test_no_capacity_anywhere_backs_off_instead_of_spinning(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    infra, lb = ZonedInfra({z: 0 for z in ZONES}), FakeLb()
+    create_service(store, "good", spot_yaml(replicas=1, extra=0), clock.now())
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=240)  # 60 s of fake time
+    tried = [q for q in infra.launches if q.spot]
+    # 1, 2, 4, 8, 16 s apart (doubling to a minute): a handful, not one per round.
+    assert 3 <= len(tried) <= 8, len(tried)
+    assert any(not r.spot and r.status is ReplicaStatus.READY for r in alive(store))
