@@ -31,9 +31,8 @@ from fleetserve.infra.local import (
     owned_by,
     port_free,
     process_alive,
-    processes_where,
-    stop_processes,
 )
+from fleetserve.infra.procs import processes_where, stop_processes
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.nginx import stop_stale_nginx
 from fleetserve.lb.workers import PARENT_ENV

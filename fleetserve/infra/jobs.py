@@ -16,7 +16,7 @@ import os
 import shlex
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +25,7 @@ import psutil
 
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState
+from fleetserve.infra.procs import find_process, processes_where, spawn_session, stop_processes
 
 JOB_TOKEN_ENV = "FLEETSERVE_JOB_TOKEN"
 _EXIT_CODE = "exit_code"
@@ -94,29 +95,6 @@ class JobHandle:
     def from_json(cls, text: str) -> JobHandle:
         d = json.loads(text)
         return cls(int(d["pid"]), float(d["create_time"]), str(d["dir"]))
-
-
-def spawn_session(
-    argv: list[str],
-    cwd: Path,
-    env: dict[str, str],
-    out_fd: int,
-    umask: int | None,
-    pass_fds: tuple[int, ...] = (),
-) -> subprocess.Popen[bytes]:
-    """A process in a session (process group) of its own, output to `out_fd`, no stdin: a
-    replica or a job, stopped later as a group and by its tokens."""
-    return subprocess.Popen(
-        argv,
-        pass_fds=pass_fds,
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=out_fd,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        umask=-1 if umask is None else umask,
-    )
 
 
 def job_dir(home: Path, pool: str, job_id: int) -> Path:
@@ -197,11 +175,8 @@ class LocalJobs:
             if code is None:
                 return InstanceState(InstanceKind.RUNNING)
             self._children.pop(h.pid, None)
-        elif h.pid > 0:
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(h.pid)
-                if abs(p.create_time() - h.create_time) < 0.01 and p.status() != "zombie":
-                    return InstanceState(InstanceKind.RUNNING)
+        elif h.pid > 0 and find_process(h.pid, h.create_time) is not None:
+            return InstanceState(InstanceKind.RUNNING)
         with contextlib.suppress(OSError, ValueError):
             code = int((Path(h.dir) / _EXIT_CODE).read_text().strip())
         if code is None:
@@ -234,25 +209,16 @@ class LocalJobs:
         while self.poll(handle).kind is InstanceKind.RUNNING:
             await asyncio.sleep(poll_interval)
 
+    def _ours(self, token: str) -> Callable[[dict[str, str]], bool]:
+        return lambda env: (
+            env.get(JOB_TOKEN_ENV) == token
+            and (not self.home_id or env.get(self.home_id_env) == self.home_id)
+        )
+
     def stop(self, token: str) -> list[int]:
         """Stop every process of the job (SIGTERM, then SIGKILL after the grace); returns the
         pids that survived."""
-        procs = []
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                env = p.environ()
-                if env.get(JOB_TOKEN_ENV) == token and (
-                    not self.home_id or env.get(self.home_id_env) == self.home_id
-                ):
-                    procs.append(p)
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _gone, alive = psutil.wait_procs(procs, timeout=self.grace_seconds)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        _gone, alive = psutil.wait_procs(alive, timeout=5)
+        alive = stop_processes(processes_where(self._ours(token)), self.grace_seconds)
         for pid in list(self._children):
             if self._children[pid].poll() is not None:
                 self._children.pop(pid, None)
@@ -260,14 +226,7 @@ class LocalJobs:
 
     def find(self, pool: str, job_id: int, token: str) -> str | None:
         d = job_dir(self.home, pool, job_id)
-        found = []
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                env = p.environ()
-                if env.get(JOB_TOKEN_ENV) == token and (
-                    not self.home_id or env.get(self.home_id_env) == self.home_id
-                ):
-                    found.append(p)
+        found = processes_where(self._ours(token))
         if found:
             first = min(found, key=lambda p: p.create_time())  # the wrapper started first
             return JobHandle(first.pid, first.create_time(), str(d)).to_json()

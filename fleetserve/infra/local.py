@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +29,9 @@ import psutil
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.git import clone
-from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log, spawn_session
+from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
+from fleetserve.infra.procs import find_process, processes_where, spawn_session, stop_processes
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
@@ -131,7 +131,7 @@ def process_alive(
     """Whether that process still runs (and, given `home_id`, was started by that home)."""
     if pid is None or create_time is None:
         return False
-    p = _process(pid, create_time)
+    p = find_process(pid, create_time)
     return p is not None and (home_id is None or owned_by(p, home_id, legacy_home))
 
 
@@ -171,65 +171,9 @@ def listeners_on(port: int) -> list[int | None]:
     return found
 
 
-def _process(pid: int, create_time: float) -> psutil.Process | None:
-    """The process `pid`, if it is still the one that started at `create_time`."""
-    try:
-        p = psutil.Process(pid)
-        if abs(p.create_time() - create_time) > 0.05:
-            return None  # the pid was reused
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return p
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def processes_where(match: Callable[[dict[str, str]], bool]) -> list[psutil.Process]:
-    """Every live process (but this one) whose environment satisfies `match`."""
-    found = []
-    me = os.getpid()
-    for p in psutil.process_iter():
-        if p.pid == me:
-            continue
-        try:
-            if match(p.environ()) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
-
-
 def processes_with_token(token: str) -> list[psutil.Process]:
     """Every live process whose environment carries this launch token."""
     return processes_where(lambda env: env.get(TOKEN_ENV) == token)
-
-
-def _gone(p: psutil.Process) -> bool:
-    try:
-        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    alive = [p for p in procs if not _gone(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = [p for p in alive if not _gone(p)]
-    return alive
-
-
-def stop_processes(procs: list[psutil.Process], grace: float) -> list[psutil.Process]:
-    """SIGTERM, wait up to `grace` seconds, SIGKILL; returns those that survived."""
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGTERM)
-    alive = _wait_gone(procs, grace)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    return _wait_gone(alive, 5)
 
 
 class LocalInfra:
@@ -503,7 +447,7 @@ class LocalInfra:
             if code is None:
                 return InstanceState(InstanceKind.RUNNING)
             self._children.pop(h.pid, None)
-        elif (p := _process(h.pid, h.create_time)) is not None:
+        elif (p := find_process(h.pid, h.create_time)) is not None:
             if not self._ours(p, h.create_time):
                 return InstanceState(
                     InstanceKind.LOST, detail=f"pid {h.pid} belongs to another fleetserve home"
@@ -536,7 +480,7 @@ class LocalInfra:
     def _terminate_sync(self, h: LocalHandle | None, token: str) -> None:
         procs: dict[int, psutil.Process] = {}
         if h is not None:
-            leader = _process(h.pid, h.create_time)
+            leader = find_process(h.pid, h.create_time)
             if leader is not None and self._ours(leader, h.create_time):
                 procs[leader.pid] = leader
         alive = self._stop_all(

@@ -1,0 +1,93 @@
+"""Processes of replicas, jobs and load balancers on this machine: start one in a session of
+its own, find them by what their environment carries, stop them (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+
+def spawn_session(
+    argv: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    out_fd: int,
+    umask: int | None,
+    pass_fds: tuple[int, ...] = (),
+) -> subprocess.Popen[bytes]:
+    """A process in a session (process group) of its own, output to `out_fd`, no stdin: a
+    replica or a job, stopped later as a group and by its tokens."""
+    return subprocess.Popen(
+        argv,
+        pass_fds=pass_fds,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=out_fd,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        umask=-1 if umask is None else umask,
+    )
+
+
+def find_process(pid: int, create_time: float) -> psutil.Process | None:
+    """The process `pid`, if it is still the one that started at `create_time`."""
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - create_time) > 0.05:
+            return None  # the pid was reused
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def processes_where(match: Callable[[dict[str, str]], bool]) -> list[psutil.Process]:
+    """Every live process (but this one) whose environment satisfies `match`."""
+    found = []
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            if match(p.environ()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if not _gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if not _gone(p)]
+    return alive
+
+
+def stop_processes(procs: list[psutil.Process], grace: float) -> list[psutil.Process]:
+    """SIGTERM, wait up to `grace` seconds, SIGKILL; returns those that survived."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    alive = _wait_gone(procs, grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    return _wait_gone(alive, 5)
