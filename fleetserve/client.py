@@ -39,6 +39,7 @@ from fleetserve.core.errors import (
 )
 from fleetserve.core.sockets import listener_uids
 from fleetserve.infra.local import open_private
+from fleetserve.infra.procs import started_as
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 
@@ -72,7 +73,7 @@ def server_pid(settings: Settings) -> int | None:
     try:
         info = json.loads(settings.server_file.read_text())
         p = psutil.Process(int(info["pid"]))
-        if abs(p.create_time() - float(info["create_time"])) < 0.05:
+        if started_as(p, float(info["create_time"])):
             return p.pid
     except (OSError, ValueError, KeyError, psutil.Error):
         return None

@@ -27,6 +27,7 @@ from fleetserve.controller.controller import Controller
 from fleetserve.controller.home import ensure_token, secure_home
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.infra.procs import started
 
 EXIT_REFUSED = 2
 MAX_HEADER_BYTES = 64 * 1024  # request line and headers of one request
@@ -90,7 +91,7 @@ def main() -> None:
     me = psutil.Process()
     info = {
         "pid": me.pid,
-        "create_time": me.create_time(),
+        "create_time": started(me),
         "port": settings.api_port,
         "host": settings.api_host,
         "scheme": settings.api_scheme,

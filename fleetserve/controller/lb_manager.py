@@ -32,7 +32,7 @@ from fleetserve.infra.local import (
     port_free,
     process_alive,
 )
-from fleetserve.infra.procs import processes_where, stop_processes
+from fleetserve.infra.procs import processes_where, started, stop_processes
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.nginx import stop_stale_nginx
 from fleetserve.lb.workers import PARENT_ENV
@@ -137,7 +137,7 @@ class LbManager:
         finally:
             os.close(out)
         self._state.setdefault(svc.name, LbState()).children[proc.pid] = proc
-        create_time = psutil.Process(proc.pid).create_time()
+        create_time = started(psutil.Process(proc.pid))
         for _ in range(100):
             if proc.poll() is not None:
                 raise TerminalError(

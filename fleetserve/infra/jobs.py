@@ -25,7 +25,13 @@ import psutil
 
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState
-from fleetserve.infra.procs import find_process, processes_where, spawn_session, stop_processes
+from fleetserve.infra.procs import (
+    find_process,
+    processes_where,
+    spawn_session,
+    started,
+    stop_processes,
+)
 
 JOB_TOKEN_ENV = "FLEETSERVE_JOB_TOKEN"
 _EXIT_CODE = "exit_code"
@@ -161,7 +167,7 @@ class LocalJobs:
             os.close(fd)
         self._children[proc.pid] = proc
         try:
-            created = psutil.Process(proc.pid).create_time()
+            created = started(psutil.Process(proc.pid))
         except psutil.NoSuchProcess:
             created = 0.0
         return JobHandle(proc.pid, created, str(d)).to_json()
@@ -228,8 +234,8 @@ class LocalJobs:
         d = job_dir(self.home, pool, job_id)
         found = processes_where(self._ours(token))
         if found:
-            first = min(found, key=lambda p: p.create_time())  # the wrapper started first
-            return JobHandle(first.pid, first.create_time(), str(d)).to_json()
+            first = min(found, key=started)  # the wrapper started first
+            return JobHandle(first.pid, started(first), str(d)).to_json()
         if (d / _EXIT_CODE).exists():
             return JobHandle(0, 0.0, str(d)).to_json()  # it ended: poll reads the exit code
         return None

@@ -31,7 +31,13 @@ from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchR
 from fleetserve.infra.git import clone
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
-from fleetserve.infra.procs import find_process, processes_where, spawn_session, stop_processes
+from fleetserve.infra.procs import (
+    find_process,
+    processes_where,
+    spawn_session,
+    started,
+    stop_processes,
+)
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
@@ -400,7 +406,7 @@ class LocalInfra:
                 relay.close()  # the relay holds it now
         self._children[proc.pid] = proc
         try:
-            create_time = psutil.Process(proc.pid).create_time()
+            create_time = started(psutil.Process(proc.pid))
         except psutil.NoSuchProcess:
             create_time = 0.0
         handle = LocalHandle(

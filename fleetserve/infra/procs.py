@@ -37,11 +37,40 @@ def spawn_session(
     )
 
 
+# A recorded start at or above this is from before starts were kept in seconds since boot:
+# psutil's wall-clock create_time (about 1.7e9), which a clock step moves (below).
+_WALL_CLOCK_START = 1e8
+
+
+def started(p: psutil.Process) -> float:
+    """When `p` started, in seconds since boot: with its pid, the identity of a process.
+
+    psutil's create_time() adds the boot time that /proc/stat derives from the wall clock, so
+    a clock step (NTP, a VM resumed from a snapshot) moves it for every process at once, and a
+    process recorded before the step no longer matches itself after it. The kernel's start
+    tick never moves."""
+    try:
+        stat = Path(f"/proc/{p.pid}/stat").read_bytes()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(p.pid) from None
+    # Fields after the command (which may hold spaces and ')'): state is field 3, starttime 22.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def started_as(p: psutil.Process, recorded: float) -> bool:
+    """Whether `p` is the process whose start was recorded as `recorded` (by `started`, or,
+    in a record from an older fleetserve, psutil's wall-clock create_time)."""
+    if recorded >= _WALL_CLOCK_START:
+        return abs(p.create_time() - recorded) < 1.5
+    return abs(started(p) - recorded) < 0.05
+
+
 def find_process(pid: int, create_time: float) -> psutil.Process | None:
-    """The process `pid`, if it is still the one that started at `create_time`."""
+    """The process `pid`, if it is still the one that started at `create_time` (`started`)."""
     try:
         p = psutil.Process(pid)
-        if abs(p.create_time() - create_time) > 0.05:
+        if not started_as(p, create_time):
             return None  # the pid was reused
         if p.status() == psutil.STATUS_ZOMBIE:
             return None

@@ -75,11 +75,15 @@ def start(fleet: Fleet, placer: str = "dynamic_fallback") -> str:
 def test_zones_in_status_and_a_zone_outage_by_hand(fleet: Fleet) -> None:
     start(fleet)
     client = fleet.client()
-    fleet.wait_for("2 spot + 1 on-demand READY", lambda: len(ready(client.service("spotty"))) == 3)
-    svc = client.service("spotty")
-    spot = [r for r in ready(svc) if r.spot]
-    od = [r for r in ready(svc) if not r.spot]
-    assert len(spot) == 2 and len(od) == 1
+
+    def split() -> tuple[list[ReplicaInfo], list[ReplicaInfo]]:
+        up = ready(client.service("spotty"))
+        return [r for r in up if r.spot], [r for r in up if not r.spot]
+
+    # On the way there, a dynamic on-demand fallback stands in for a spot replica that is not
+    # READY yet (1 spot + 2 on-demand), and is drained once the spot one is.
+    fleet.wait_for("2 spot + 1 on-demand READY", lambda: [len(x) for x in split()] == [2, 1])
+    spot, _ = split()
     assert len({r.zone for r in spot}) == 2  # spread: no two spot replicas share a zone
     shown = fleet.cli("status", "spotty").stdout
     assert "ZONE" in shown and "spot placer dynamic_fallback" in shown
