@@ -387,8 +387,13 @@ class Client:
     def service(self, name: str) -> ServiceInfo:
         return ServiceInfo.model_validate(self._call("GET", f"/services/{name}").json())
 
-    def events(self, name: str, limit: int = 50) -> list[EventInfo]:
-        resp = self._call("GET", f"/services/{name}/events", params={"limit": limit})
+    def events(self, name: str, limit: int = 50, after: int | None = None) -> list[EventInfo]:
+        """The newest `limit` events, oldest first; with `after` (an event_id), the first
+        `limit` events after it: poll with the last id seen to follow a service."""
+        params: dict[str, Any] = {"limit": limit}
+        if after is not None:
+            params["after"] = after
+        resp = self._call("GET", f"/services/{name}/events", params=params)
         return [EventInfo.model_validate(e) for e in resp.json()]
 
     def down(self, name: str, purge: bool = False) -> ServiceInfo:
@@ -477,6 +482,11 @@ class Client:
         if tail is not None:
             params["tail"] = tail
         return self._stream(f"/jobs/{job_id}/logs", params)
+
+    def dashboard_link(self) -> str:
+        """A login link to the dashboard with a one-time code (two minutes, one use)."""
+        code = self._call("POST", "/dashboard/login-codes").json()["code"]
+        return f"{self.url}/login#code={code}"
 
     def zones(self) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._call("GET", "/zones").json()

@@ -23,6 +23,16 @@ if ! command -v nginx >/dev/null 2>&1; then
     exit 1
   fi
 fi
+# The dashboard's browser tests drive Debian's Chromium with Playwright (never its download).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing chromium"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null
+  else
+    echo "chromium is needed by the dashboard's browser tests: sudo apt-get install chromium" >&2
+    exit 1
+  fi
+fi
 # Fixed-port replicas get outbound traffic through slirp4netns (tests check that they do).
 if ! command -v slirp4netns >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slirp4netns) >/dev/null

@@ -10,16 +10,20 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi import Path as FastApiPath
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.exc import OperationalError
 
 from fleetserve._version import __version__
 from fleetserve.api.auth import ApiGuard, allowed_host_names
+from fleetserve.api.dashboard import add_dashboard
+from fleetserve.api.etag import ETags
 from fleetserve.api.models import (
     ApplyPool,
     CancelJobs,
@@ -29,15 +33,18 @@ from fleetserve.api.models import (
     ErrorResponse,
     EventInfo,
     Health,
+    HistoryPoint,
     JobInfo,
     LaunchJobs,
     PoolApplied,
     Preempted,
     ReplicaInfo,
+    ServiceHistory,
     ServiceInfo,
     UpdateService,
 )
 from fleetserve.controller.controller import Controller
+from fleetserve.controller.history import SERVICE
 from fleetserve.controller.home import ensure_token
 from fleetserve.controller.pools import pool_bounds
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound
@@ -177,9 +184,12 @@ def create_app(
         svc = ctl.store.get_service(name)
         return wake_token(svc.lb_secret) if svc is not None and svc.lb_secret else None
 
+    api_token = token if token is not None else ensure_token(ctl.settings.token_file)
+    add_dashboard(app, api_token, secure_cookie=ctl.settings.tls_certfile is not None)
+    app.add_middleware(ETags)  # inside the guard: only answers it let through are tagged
     app.add_middleware(
         ApiGuard,
-        token=token if token is not None else ensure_token(ctl.settings.token_file),
+        token=api_token,
         hosts=allowed_host_names(ctl.settings),
         wake_secret=wake_secret,
         max_body=ctl.settings.max_body_bytes,
@@ -242,6 +252,11 @@ def create_app(
     async def health() -> Health:
         return Health(ok=True, version=__version__, pid=os.getpid(), home=str(ctl.settings.home))
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """The controller's Prometheus metrics (docs/metrics.md), behind the API token."""
+        return Response(ctl.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     @app.post(f"{PREFIX}/services", response_model=ServiceInfo, status_code=201, responses=_ERRORS)
     async def create_service(body: CreateService) -> ServiceInfo:
         await parsed_off_loop(body.yaml)
@@ -261,10 +276,21 @@ def create_app(
     @app.get(
         f"{PREFIX}/services/{{name}}/events", response_model=list[EventInfo], responses=_ERRORS
     )
-    async def events(name: ServiceName, limit: int = Query(50, ge=1, le=1000)) -> list[EventInfo]:
+    async def events(
+        name: ServiceName,
+        limit: int = Query(50, ge=1, le=1000),
+        after: int | None = Query(
+            None,
+            ge=0,
+            le=2**63 - 1,
+            description="Only events with an event_id above this, oldest first (up to limit): "
+            "poll with the last id seen to follow a service's events",
+        ),
+    ) -> list[EventInfo]:
         ctl.store.service(name)
         return [
             EventInfo(
+                event_id=e.id,
                 at=e.at,
                 kind=e.kind,
                 message=e.message,
@@ -272,7 +298,7 @@ def create_app(
                 status_from=e.status_from,
                 status_to=e.status_to,
             )
-            for e in ctl.store.list_events(name, limit)
+            for e in ctl.store.list_events(name, limit, after)
         ]
 
     @app.delete(
@@ -344,6 +370,33 @@ def create_app(
     async def load(name: ServiceName) -> dict[str, object]:
         """The load balancer's latest load report (request rates, in-flight per replica)."""
         return {"service": name, "report": ctl.load_report(name)}
+
+    @app.get(
+        f"{PREFIX}/services/{{name}}/history", response_model=ServiceHistory, responses=_ERRORS
+    )
+    async def history(
+        name: ServiceName,
+        after: float | None = Query(None, ge=0, description="only points later than this time"),
+    ) -> ServiceHistory:
+        """The last hour of the service for charts (kept in memory: a restart starts anew)."""
+        ctl.store.service(name)
+        h = ctl.history_of(name)
+        if h is None:
+            return ServiceHistory(
+                service=name, step_seconds=0, horizon_seconds=0, points=[], replicas={}
+            )
+        series = h.since(after)
+
+        def points(key: int) -> list[HistoryPoint]:
+            return [HistoryPoint(**asdict(p)) for p in series.get(key, [])]
+
+        return ServiceHistory(
+            service=name,
+            step_seconds=h.step,
+            horizon_seconds=h.horizon,
+            points=points(SERVICE),
+            replicas={str(k): points(k) for k in sorted(series) if k != SERVICE},
+        )
 
     @app.get(f"{PREFIX}/services/{{name}}/replicas/{{replica_id}}/logs", responses=_ERRORS)
     async def replica_logs(

@@ -1,6 +1,8 @@
 """Who may call the REST API: the token, the Host allow-list and JSON-only writes.
 
-Every route but `/api/v1/health` needs `Authorization: Bearer <token>`. The token is made at
+Every route but `/api/v1/health` needs `Authorization: Bearer <token>`; the dashboard's reads
+may carry its session cookie instead (made by logging in with the token; never good for a
+write). The token is made at
 the controller's first start into a 0600 file in the 0700 home, so only the user who owns the
 home (and root) can read it; the CLI and SDK of that user read it, others pass it in
 FLEETSERVE_API_TOKEN. The Host header must name this controller (a DNS-rebinding page cannot
@@ -12,10 +14,12 @@ See docs/security.md.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import re
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,7 +35,50 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/api/v1/health"})
+# The dashboard's own pages check the session themselves (fleetserve.api.dashboard): "/" sends
+# a visitor without one to the login page; the login call takes the token in its JSON body.
+DASHBOARD_PATHS = frozenset({"/", "/login", "/ui/login", "/ui/logout"})
+STATIC_PREFIX = "/ui/static/"  # the dashboard's code and style: no data in them
+READ_METHODS = frozenset({"GET", "HEAD"})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+SESSION_COOKIE = "fleetserve_session"
+SESSION_SECONDS = 12 * 3600
+
+
+def _session_mac(token: str, expires: int) -> str:
+    key = hashlib.sha256(f"fleetserve-dashboard-session:{token}".encode()).digest()
+    return hmac.new(key, str(expires).encode(), hashlib.sha256).hexdigest()
+
+
+def session_value(token: str, now: float) -> str:
+    """The dashboard's cookie: an expiry and a MAC of it keyed by the API token. It is not
+    the token (a leaked cookie expires, and says nothing of the token), and a new token ends
+    every session."""
+    expires = int(now) + SESSION_SECONDS
+    return f"{expires}.{_session_mac(token, expires)}"
+
+
+def valid_session(value: str | None, token: str, now: float) -> bool:
+    if not value:
+        return False
+    expires, _, mac = value.partition(".")
+    if not expires.isdigit() or len(expires) > 12 or int(expires) < now:
+        return False
+    return hmac.compare_digest(mac.encode(), _session_mac(token, int(expires)).encode())
+
+
+def cookie(headers: Iterable[tuple[bytes, bytes]], name: str = SESSION_COOKIE) -> str | None:
+    """The value of cookie `name` (the last one if a client sent it twice)."""
+    found = None
+    for key, value in headers:
+        if key == b"cookie":
+            for part in value.decode("latin-1").split(";"):
+                k, _, v = part.strip().partition("=")
+                if k == name:
+                    found = v.strip()
+    return found
+
+
 _WAKE = re.compile(r"^/api/v1/services/([^/]+)/wake$")
 
 
@@ -172,8 +219,20 @@ class ApiGuard:
         origin = values.get(b"origin")
         if origin is not None and origin_host(origin) not in self.hosts:
             return 403, "forbidden", f"requests from the origin {origin[:100]!r} are refused"
-        if path not in OPEN_PATHS:
+        if (
+            path not in OPEN_PATHS
+            and path not in DASHBOARD_PATHS
+            and not (path.startswith(STATIC_PREFIX) and method in READ_METHODS)
+        ):
             given = bearer(headers)
+            # The dashboard reads the API with its session cookie; it never writes with it
+            # (no request forged by another site can change anything).
+            if (
+                given is None
+                and method in READ_METHODS
+                and valid_session(cookie(headers), self.token, time.time())
+            ):
+                return None
             if given is None:
                 return 401, "unauthorized", "missing `Authorization: Bearer <token>`"
             if not _same(given, self.token):

@@ -76,6 +76,11 @@ class ReplicaInfo(BaseModel):
 
 
 class EventInfo(BaseModel):
+    event_id: int = Field(
+        0,
+        description="The event's id: increasing within a service; `after` on the events route "
+        "takes it. 0 from a controller older than this field.",
+    )
     at: float
     kind: str
     message: str
@@ -200,3 +205,30 @@ class JobInfo(BaseModel):
 class PoolApplied(BaseModel):
     pool: ServiceInfo
     action: str
+
+
+class HistoryPoint(BaseModel):
+    """One step of a chart (fleetserve.controller.history): traffic figures are null where no
+    load report covered the step."""
+
+    at: float
+    rps: float | None = Field(None, description="requests per second")
+    p50: float | None = Field(None, description="latency median, seconds")
+    p99: float | None = Field(None, description="latency 99th percentile, seconds")
+    inflight: int | None = None
+    errors: float | None = Field(
+        None, description="per second: 5xx answers and failed upstream attempts"
+    )
+    ready: int | None = Field(None, description="READY replicas (the service's series)")
+    target: int | None = Field(None, description="the autoscaler's target (service's series)")
+    version: int | None = Field(None, description="the replica's version (replica series)")
+
+
+class ServiceHistory(BaseModel):
+    service: str
+    step_seconds: float
+    horizon_seconds: float
+    points: list[HistoryPoint] = Field(description="the service as a whole, oldest first")
+    replicas: dict[str, list[HistoryPoint]] = Field(
+        description="per replica id, oldest first; only replicas seen within the horizon"
+    )

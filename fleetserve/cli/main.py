@@ -8,31 +8,53 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from fleetserve.api.models import ServiceInfo
+from fleetserve.api.models import EventInfo, ServiceInfo
 from fleetserve.cli.chaos import chaos_app
+from fleetserve.cli.completion import complete_service
+from fleetserve.cli.dashboard import dashboard
 from fleetserve.cli.envs import overrides
+from fleetserve.cli.output import (
+    OutputFormat,
+    OutputOption,
+    check_interval,
+    emit,
+    quiet_broken_pipe,
+    stream_item,
+    to_data,
+    write,
+)
 from fleetserve.cli.pools import jobs_app, pool_app
-from fleetserve.cli.render import events_table, replicas_table, services_table, styled
+from fleetserve.cli.render import (
+    event_line,
+    events_table,
+    replicas_table,
+    services_table,
+    styled,
+)
 from fleetserve.client import Client, server_pid, start_server, stop_server
 from fleetserve.controller.admission import has_container_runtime
 from fleetserve.controller.settings import Settings, is_loopback
-from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound, TransientError
 from fleetserve.spec.compat import compat_errors, compat_warnings
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import load_spec_file, missing_secrets, require_values
 
+if TYPE_CHECKING:
+    from fleetserve.sim.simulator import Run, Trace
+
 app = typer.Typer(
     help="Serve any model server as a fleet of replicas behind one endpoint.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (docs/output.md)
     pretty_exceptions_enable=False,
 )
 server_app = typer.Typer(help="Manage the background controller.", no_args_is_help=True)
@@ -40,6 +62,7 @@ app.add_typer(server_app, name="server")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(pool_app, name="pool")
 app.add_typer(jobs_app, name="jobs")
+app.command("dashboard")(dashboard)
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
@@ -68,6 +91,8 @@ SecretOption = Annotated[
         "value. Never shown back",
     ),
 ]
+
+ServiceArg = Annotated[str, typer.Argument(help="Service.", autocompletion=complete_service)]
 
 
 def _overrides(
@@ -270,7 +295,9 @@ def _follow_rollout(client: Client, name: str, version: int) -> ServiceInfo:
 
 @app.command()
 def update(
-    name: Annotated[str, typer.Argument(help="Service to update.")],
+    name: Annotated[
+        str, typer.Argument(help="Service to update.", autocompletion=complete_service)
+    ],
     file: Annotated[Path, typer.Argument(help="The new service YAML.")],
     mode: Annotated[str, typer.Option(help="rolling or blue_green")] = "rolling",
     traffic_percent: Annotated[
@@ -311,7 +338,7 @@ def update(
 
 
 @app.command()
-def rollback(name: Annotated[str, typer.Argument(help="Service.")]) -> None:
+def rollback(name: ServiceArg) -> None:
     """Return to the version that served before (abandons a rollout in progress)."""
     try:
         svc = Client().rollback(name)
@@ -321,7 +348,7 @@ def rollback(name: Annotated[str, typer.Argument(help="Service.")]) -> None:
 
 
 @app.command()
-def promote(name: Annotated[str, typer.Argument(help="Service.")]) -> None:
+def promote(name: ServiceArg) -> None:
     """Roll a canary out to the whole fleet."""
     try:
         svc = Client().promote(name)
@@ -332,13 +359,51 @@ def promote(name: Annotated[str, typer.Argument(help="Service.")]) -> None:
 
 @app.command()
 def status(
-    name: Annotated[str | None, typer.Argument(help="One service (default: all).")] = None,
+    name: Annotated[
+        str | None,
+        typer.Argument(help="One service (default: all).", autocompletion=complete_service),
+    ] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Add recent events.")] = False,
     endpoint: Annotated[bool, typer.Option("--endpoint", help="Print the endpoint only.")] = False,
+    output: OutputOption = OutputFormat.table,
+    watch: Annotated[
+        bool, typer.Option("-w", "--watch", help="Refresh the tables in place until Ctrl-C.")
+    ] = False,
+    interval: Annotated[
+        float | None,
+        typer.Option(
+            help="With --watch: seconds between refreshes (0.5..3600; default 2).",
+            callback=check_interval,
+        ),
+    ] = None,
 ) -> None:
-    """Services and their replicas, with failure reasons."""
+    """Services and their replicas, with failure reasons. `-o json` prints the REST API's body
+    (GET /services, or /services/NAME with a NAME)."""
     try:
+        if output is not OutputFormat.table:
+            if watch:
+                raise InvalidSpec(
+                    f"-w/--watch refreshes a table: it takes no -o {output.value} "
+                    f"(run `fleetserve status -o {output.value}` in a loop instead)"
+                )
+            if verbose:
+                raise InvalidSpec(
+                    f"-v adds an events table: with -o {output.value} use "
+                    f"`fleetserve events NAME -o {output.value}`"
+                )
+            if endpoint:
+                raise InvalidSpec(f"--endpoint prints the endpoint alone: no -o {output.value}")
+        if interval is not None and not watch:
+            raise InvalidSpec("--interval goes with -w/--watch")
+        if watch and endpoint:
+            raise InvalidSpec("--endpoint prints the endpoint once: no -w/--watch")
         client = Client()
+        if output is not OutputFormat.table:
+            emit(client.service(name) if name is not None else client.status(), output)
+            return
+        if watch:
+            _watch_status(client, name, verbose, 2.0 if interval is None else interval)
+            return
         services = client.status(name)
         if endpoint:
             if name is None:
@@ -347,27 +412,155 @@ def status(
                 raise FleetserveError(f"service {name} has no endpoint yet ({services[0].status})")
             print(services[0].endpoint)
             return
-        if not services:
-            out.print("No services. Start one with `fleetserve up service.yaml`.")
-            return
-        out.print(services_table(services))
-        for s in services:
-            if s.failure_reason:
-                out.print(f"[red]{s.name}:[/] {s.failure_reason}", highlight=False)
-            if s.spot_placer:
-                placer, summary = s.spot_placer.get("placer"), s.spot_placer.get("summary")
-                out.print(f"{s.name}: spot placer {placer}; {summary}", highlight=False)
-        out.print(replicas_table(services))
-        if verbose:
-            for s in services:
-                out.print(events_table(s.name, client.events(s.name, 30)))
+        for part in _status_view(client, services, verbose):
+            out.print(part, highlight=False)
     except FleetserveError as e:
         raise _fail(e) from None
 
 
+def _status_view(
+    client: Client, services: list[ServiceInfo], verbose: bool
+) -> list[RenderableType]:
+    """What `fleetserve status` shows: the services, their problems, the replicas, and with
+    `verbose` each service's recent events."""
+    if not services:
+        return ["No services. Start one with `fleetserve up service.yaml`."]
+    parts: list[RenderableType] = [services_table(services)]
+    for s in services:
+        if s.failure_reason:
+            parts.append(Text.from_markup(f"[red]{escape(s.name)}:[/] {escape(s.failure_reason)}"))
+        if s.spot_placer:
+            placer, summary = s.spot_placer.get("placer"), s.spot_placer.get("summary")
+            parts.append(Text(f"{s.name}: spot placer {placer}; {summary}"))
+    parts.append(replicas_table(services))
+    if verbose:
+        parts += [events_table(s.name, client.events(s.name, 30)) for s in services]
+    return parts
+
+
+def _watch_status(client: Client, name: str | None, verbose: bool, interval: float) -> None:
+    """Redraw the status every `interval` seconds until Ctrl-C (on a terminal, in place; else
+    one view after another). An unreachable controller is shown and retried."""
+    from rich.live import Live
+
+    command = "fleetserve status" + (f" {name}" if name else "")
+
+    def view() -> Group:
+        head = Text(
+            f"Every {interval:g} s: {command}   {time.strftime('%H:%M:%S')}   (Ctrl-C stops)",
+            style="dim",
+        )
+        try:
+            parts = _status_view(client, client.status(name), verbose)
+        except TransientError as e:
+            parts = [Text(f"{e.message} (retrying)", style="red")]
+        return Group(head, *parts)
+
+    try:
+        if not out.is_terminal:
+            while True:
+                out.print(view(), highlight=False)
+                time.sleep(interval)
+        with Live(view(), console=out, auto_refresh=False, redirect_stderr=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(view(), refresh=True)
+    except KeyboardInterrupt:
+        return
+    except BrokenPipeError:
+        quiet_broken_pipe()
+
+
+@app.command()
+def events(
+    name: ServiceArg,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "-f", "--follow", help="Keep printing new events as they come (Ctrl-C stops)."
+        ),
+    ] = False,
+    limit: Annotated[
+        int, typer.Option("-n", "--limit", min=1, max=1000, help="The newest N events (1..1000).")
+    ] = 50,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """A service's events, oldest first: replica status changes, launches, failures, scaling,
+    updates. `-o json` prints the REST API's body (GET /services/NAME/events); with -f, one JSON
+    object per line (JSON Lines)."""
+    try:
+        client = Client()
+        backlog = client.events(name, limit)
+        if follow:
+            _follow_events(client, name, backlog, output)
+        elif output is not OutputFormat.table:
+            emit(backlog, output)
+        elif not backlog:
+            out.print(f"No events for {name}.", highlight=False)
+        else:
+            out.print(events_table(name, backlog, kinds=True), highlight=False)
+    except KeyboardInterrupt:
+        return
+    except BrokenPipeError:  # `fleetserve events NAME -f -o json | head`
+        quiet_broken_pipe()
+        return
+    except FleetserveError as e:
+        raise _fail(e) from None
+
+
+FOLLOW_POLL = 1.0  # seconds between polls of `fleetserve events -f`
+FOLLOW_BATCH = 1000  # events per poll (the API's most)
+
+
+def _follow_events(
+    client: Client, name: str, backlog: list[EventInfo], output: OutputFormat
+) -> None:
+    """Print `backlog`, then each new event once (polling with the last event_id seen) until
+    Ctrl-C; a deleted service ends it with exit 1."""
+    if any(e.event_id <= 0 for e in backlog):
+        raise FleetserveError(
+            "this controller gives no event ids (it is older than this CLI): -f/--follow needs "
+            "a controller of the same version"
+        )
+
+    def show(e: EventInfo) -> None:
+        if output is OutputFormat.table:
+            out.print(event_line(e), highlight=False, soft_wrap=True)
+        else:
+            write(stream_item(to_data(e), output))
+
+    for e in backlog:
+        show(e)
+    last = backlog[-1].event_id if backlog else 0
+    if output is OutputFormat.table:
+        err.print(f"(following {name}'s events; Ctrl-C stops)", highlight=False)
+    unreachable = False
+    while True:
+        time.sleep(FOLLOW_POLL)
+        while True:
+            try:
+                new = client.events(name, FOLLOW_BATCH, after=last)
+            except NotFound:
+                err.print(f"Service {name} was deleted: no more events.", highlight=False)
+                raise typer.Exit(1) from None
+            except TransientError as down:
+                if not unreachable:
+                    err.print(f"[yellow]warning:[/] {down.message} (retrying)", highlight=False)
+                unreachable = True
+                break
+            unreachable = False
+            for e in new:
+                show(e)
+                last = max(last, e.event_id)
+            if len(new) < FOLLOW_BATCH:
+                break
+
+
 @app.command()
 def logs(
-    name: Annotated[str | None, typer.Argument(help="Service name.")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help="Service name.", autocompletion=complete_service)
+    ] = None,
     replica_id: Annotated[int | None, typer.Argument(help="Replica id.")] = None,
     controller: Annotated[bool, typer.Option("--controller", help="The controller's log.")] = False,
     load_balancer: Annotated[
@@ -400,7 +593,10 @@ def logs(
 
 @app.command()
 def down(
-    names: Annotated[list[str] | None, typer.Argument(help="Services to take down.")] = None,
+    names: Annotated[
+        list[str] | None,
+        typer.Argument(help="Services to take down.", autocompletion=complete_service),
+    ] = None,
     all_: Annotated[bool, typer.Option("--all", "-a", help="Every service.")] = False,
     purge: Annotated[
         bool, typer.Option("--purge", help="Remove rows even if some teardown failed.")
@@ -488,11 +684,17 @@ def simulate(
         int, typer.Option(help="With --spot-trace: runs of a placer with random ties, averaged")
     ] = 5,
     start: Annotated[float, typer.Option(help="With --spot-trace: seconds to skip")] = 0.0,
-    as_json: Annotated[bool, typer.Option("--json", help="With --spot-trace: JSON out")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="The same as -o json")] = False,
+    output: OutputOption = OutputFormat.table,
 ) -> None:
     """Replay a request trace through autoscaling policies on a virtual clock and compare them:
     replicas over time, requests over capacity, replica-hours. With --spot-trace, compare spot
-    placers on a spot-capacity trace instead: cost, availability, preemptions."""
+    placers on a spot-capacity trace instead: cost, availability, preemptions. `-o json|yaml`
+    prints the result as data (docs/output.md)."""
+    try:
+        output = json_alias(as_json, output)
+    except InvalidSpec as e:
+        raise _fail(e) from None
     if spot_trace is not None:
         _simulate_spot(
             spot_trace,
@@ -508,15 +710,15 @@ def simulate(
             cold_start,
             overprovision,
             seeds,
-            as_json,
+            output,
             plot_file,
         )
         return
     cold_start = 60.0 if cold_start is None else cold_start
+    from fleetserve.sim.results import autoscale_simulation
     from fleetserve.sim.simulator import (
         burst_trace,
         load_trace,
-        plot,
         policy_for,
     )
     from fleetserve.sim.simulator import (
@@ -550,6 +752,13 @@ def simulate(
             runs.append(run_sim(tr, pol, name, target_qps, latency, cold_start, step))
     except ValueError as e:
         raise _fail(InvalidSpec(str(e))) from None
+    if output is not OutputFormat.table:
+        _plot_autoscaling(runs, tr, target_qps, plot_file, err)
+        emit(
+            autoscale_simulation(tr, runs, target_qps, cold_start, upscale_delay, downscale_delay),
+            output,
+        )
+        return
     out.print(
         f"{tr.name}: {tr.seconds / 3600:.1f} h, mean {sum(tr.qps) / len(tr.qps):.2f} req/s, "
         f"peak {max(tr.qps):.2f} req/s; capacity {target_qps:g} req/s per replica, "
@@ -581,15 +790,33 @@ def simulate(
             *(str(r.ready[i]) for r in runs),
         )
     out.print(samples)
-    if plot_file is not None:
-        try:
-            check_plot_path(plot_file)
-            plot(runs, tr, target_qps, plot_file)
-        except ValueError as e:
-            raise _fail(InvalidSpec(str(e))) from None
-        except OSError as e:
-            raise _fail(InvalidSpec(f"--plot {plot_file}: {e.strerror or e}")) from None
-        out.print(f"Plot written to {plot_file}")
+    _plot_autoscaling(runs, tr, target_qps, plot_file, out)
+
+
+def _plot_autoscaling(
+    runs: list[Run], tr: Trace, target_qps: float, plot_file: Path | None, to: Console
+) -> None:
+    from fleetserve.sim.simulator import plot
+
+    if plot_file is None:
+        return
+    try:
+        check_plot_path(plot_file)
+        plot(runs, tr, target_qps, plot_file)
+    except ValueError as e:
+        raise _fail(InvalidSpec(str(e))) from None
+    except OSError as e:
+        raise _fail(InvalidSpec(f"--plot {plot_file}: {e.strerror or e}")) from None
+    to.print(f"Plot written to {plot_file}", highlight=False)
+
+
+def json_alias(as_json: bool, output: OutputFormat) -> OutputFormat:
+    """`--json` (kept for scripts) is `-o json`; with another -o it is a contradiction."""
+    if not as_json:
+        return output
+    if output is OutputFormat.yaml:
+        raise InvalidSpec("--json and -o yaml ask for two formats: give one")
+    return OutputFormat.json
 
 
 def check_plot_path(path: Path) -> None:
@@ -615,10 +842,11 @@ def _simulate_spot(
     cold_start: float | None,
     overprovision: int,
     seeds: int,
-    as_json: bool,
+    output: OutputFormat,
     plot_file: Path | None,
 ) -> None:
     from fleetserve.cli.spot import plot_spot, run_spot, show
+    from fleetserve.sim.results import spot_simulation
     from fleetserve.sim.simulator import load_trace
     from fleetserve.sim.spot import ALL_POLICIES, load_spot_trace
 
@@ -660,9 +888,12 @@ def _simulate_spot(
                 raise ValueError(f"--plot {plot_file}: {e.strerror or e}") from None
     except ValueError as e:
         raise _fail(InvalidSpec(str(e))) from None
-    show(out, st, results, as_json)
-    if plot_file is not None and not as_json:
-        out.print(f"Plot written to {plot_file}")
+    if output is not OutputFormat.table:
+        emit(spot_simulation(st, results), output)
+    else:
+        show(out, st, results, False)
+    if plot_file is not None:
+        (out if output is OutputFormat.table else err).print(f"Plot written to {plot_file}")
 
 
 @server_app.command("start")

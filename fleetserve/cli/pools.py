@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetserve.api.models import JobInfo, ServiceInfo
+from fleetserve.cli.completion import complete_pool
 from fleetserve.cli.envs import overrides
+from fleetserve.cli.output import OutputFormat, OutputOption, emit
 from fleetserve.cli.render import ago, styled
 from fleetserve.client import Client
 from fleetserve.core.errors import FleetserveError, InvalidSpec
@@ -25,7 +27,9 @@ jobs_app = typer.Typer(help="Batch jobs on a worker pool.", no_args_is_help=True
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-PoolName = Annotated[str, typer.Option("-p", "--pool", help="The pool's name.")]
+PoolName = Annotated[
+    str, typer.Option("-p", "--pool", help="The pool's name.", autocompletion=complete_pool)
+]
 Envs = Annotated[
     list[str] | None,
     typer.Option("--env", help="KEY=VALUE over the YAML's envs (repeatable); KEY alone: yours"),
@@ -149,12 +153,24 @@ def apply(
     out.print(f"Submit jobs with `fleetserve jobs launch -p {p.name} [--num-jobs N] job.yaml`.")
 
 
+PoolArg = Annotated[str, typer.Argument(help="Pool.", autocompletion=complete_pool)]
+
+
 @pool_app.command("status")
-def pool_status(name: Annotated[str | None, typer.Argument(help="One pool.")] = None) -> None:
-    """Pools and their workers (which job each runs)."""
+def pool_status(
+    name: Annotated[
+        str | None, typer.Argument(help="One pool.", autocompletion=complete_pool)
+    ] = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Pools and their workers (which job each runs). `-o json` prints the REST API's body
+    (GET /pools, or /pools/NAME with a NAME)."""
     try:
         client = Client()
         pools = client.pools(name)
+        if output is not OutputFormat.table:
+            emit(pools[0] if name is not None else pools, output)
+            return
         jobs = client.jobs(name) if name else client.jobs()
     except FleetserveError as e:
         raise _fail(e) from None
@@ -170,7 +186,7 @@ def pool_status(name: Annotated[str | None, typer.Argument(help="One pool.")] = 
 
 @pool_app.command("down")
 def pool_down(
-    name: Annotated[str, typer.Argument(help="Pool.")],
+    name: PoolArg,
     purge: Annotated[bool, typer.Option("--purge", help="Even if a teardown failed.")] = False,
     cancel_jobs: Annotated[
         bool, typer.Option("--cancel-jobs", help="Cancel its unfinished jobs first.")
@@ -233,12 +249,17 @@ def _batch(client: Client, pool: str, ids: list[int]) -> list[JobInfo]:
 def queue(
     pool: Annotated[str | None, typer.Option("-p", "--pool", help="One pool.")] = None,
     limit: Annotated[int, typer.Option(help="The newest N jobs.")] = 100,
+    output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Jobs, newest last: status, worker, duration, reason."""
+    """Jobs, newest last: status, worker, duration, reason. `-o json` prints the REST API's
+    body (GET /jobs)."""
     try:
         jobs = Client().jobs(pool, limit)
     except FleetserveError as e:
         raise _fail(e) from None
+    if output is not OutputFormat.table:
+        emit(jobs, output)
+        return
     if not jobs:
         out.print("No jobs.")
         return
@@ -305,12 +326,12 @@ def simulate(
     cold_start: Annotated[
         float, typer.Option(help="Seconds from launch to a READY worker.")
     ] = 60.0,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="The same as -o json")] = False,
+    output: OutputOption = OutputFormat.table,
 ) -> None:
     """Compare fleetserve's pool autoscaler with SkyServe's queue-length one on a job-arrival
-    trace: the jobs' wait, the makespan, worker-hours."""
-    import json as _json
-
+    trace: the jobs' wait, the makespan, worker-hours. `-o json|yaml` prints the result as data
+    (docs/output.md)."""
     from fleetserve.sim.pools import (
         POOL_POLICIES,
         burst_arrivals,
@@ -318,9 +339,14 @@ def simulate(
         simulate_pool,
         trace_arrivals,
     )
+    from fleetserve.sim.results import pool_simulation
     from fleetserve.sim.simulator import load_trace
 
     try:
+        if as_json and output is OutputFormat.yaml:
+            raise ValueError("--json and -o yaml ask for two formats: give one")
+        if as_json:
+            output = OutputFormat.json
         numbers = (jobs_per_request, duration, burst_gap, job_seconds, upscale_delay)
         if not all(math.isfinite(v) and v >= 0 for v in (*numbers, downscale_delay, cold_start)):
             raise ValueError("times and rates must be finite numbers >= 0")
@@ -360,7 +386,7 @@ def simulate(
         ]
     except ValueError as e:
         raise _fail(InvalidSpec(str(e))) from None
-    if as_json:
-        print(_json.dumps([r.as_dict() for r in runs], indent=1))
+    if output is not OutputFormat.table:
+        emit(pool_simulation(runs, len(arrivals), job_seconds), output)
         return
     print(format_pool_table(runs))

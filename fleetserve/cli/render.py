@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from rich.markup import escape
 from rich.table import Table
 
 from fleetserve.api.models import EventInfo, ServiceInfo
@@ -86,16 +87,42 @@ def replicas_table(services: list[ServiceInfo]) -> Table:
     return t
 
 
-def events_table(name: str, events: list[EventInfo]) -> Table:
+def when(at: float, now: float | None = None) -> str:
+    """An event's local time: HH:MM:SS today, with the date on other days."""
+    day = time.localtime(now if now is not None else time.time())[:3]
+    fmt = "%H:%M:%S" if time.localtime(at)[:3] == day else "%Y-%m-%d %H:%M:%S"
+    return time.strftime(fmt, time.localtime(at))
+
+
+def _change(e: EventInfo) -> str:
+    if not e.status_to:
+        return ""
+    before = f"{styled(e.status_from)} -> " if e.status_from else "-> "
+    return before + styled(e.status_to)
+
+
+def events_table(name: str, events: list[EventInfo], kinds: bool = False) -> Table:
     t = Table(title=f"Recent events of {name}", title_justify="left")
-    for col in ("TIME", "REPLICA", "CHANGE", "MESSAGE"):
+    cols = ("TIME", "KIND", "REPLICA", "CHANGE", "MESSAGE")
+    for col in cols if kinds else (c for c in cols if c != "KIND"):
         t.add_column(col)
     for e in events:
-        change = f"{e.status_from or ''} -> {e.status_to}" if e.status_to else ""
         t.add_row(
-            time.strftime("%H:%M:%S", time.localtime(e.at)),
+            when(e.at),
+            *([e.kind] if kinds else []),
             str(e.replica_id) if e.replica_id is not None else "",
-            change,
-            e.message,
+            _change(e),
+            escape(e.message),
         )
     return t
+
+
+def event_line(e: EventInfo) -> str:
+    """One event as a line (rich markup), for `fleetserve events -f`."""
+    replica = f"replica {e.replica_id}" if e.replica_id is not None else "-"
+    change = _change(e)
+    parts = [when(e.at), f"{e.kind:<10}", f"{replica:<11}"]
+    if change:
+        parts.append(change)
+    parts.append(escape(e.message))
+    return "  ".join(parts)

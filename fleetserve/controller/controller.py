@@ -15,7 +15,9 @@ import httpx
 from fleetserve.controller import updates
 from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
 from fleetserve.controller.executor import uses_own_network
+from fleetserve.controller.history import History
 from fleetserve.controller.lb_manager import LbManager
+from fleetserve.controller.metrics import ControllerMetrics
 from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
@@ -69,6 +71,8 @@ class Controller:
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self.http = httpx.AsyncClient(trust_env=False)
         self.lb = LbManager(settings, self.http, self.home_id, legacy)
+        # GET /metrics (docs/metrics.md): counts the store's replica transitions from now on.
+        self.metrics = ControllerMetrics(self.store)
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._housekeeping: asyncio.Task[None] | None = None
@@ -148,6 +152,7 @@ class Controller:
             self.settings,
             self.clock,
             self.home_id,
+            metrics=self.metrics,
         )
         self.reconcilers[name] = rec
         self._tasks[name] = asyncio.create_task(rec.run(), name=f"reconcile-{name}")
@@ -589,6 +594,11 @@ class Controller:
     def pool_target_of(self, name: str, default: int) -> int:
         state = self.store.get_policy_state(name, POOL_STATE_KEY)
         return int(state["target"]) if state and isinstance(state.get("target"), int) else default
+
+    def history_of(self, name: str) -> History | None:
+        """The service's last hour for the dashboard's charts (None before its first round)."""
+        rec = self.reconcilers.get(name)
+        return None if rec is None else rec.history
 
     def load_report(self, name: str) -> dict[str, object] | None:
         self.store.service(name)

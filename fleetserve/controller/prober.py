@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from fleetserve.controller.metrics import ControllerMetrics, ProbeOutcome
 from fleetserve.controller.settings import is_loopback
 from fleetserve.core.sockets import listener_uids
 from fleetserve.core.types import ReplicaKey
@@ -23,10 +24,17 @@ async def probe_once(
     """One probe: success is exactly HTTP 200 (SkyServe's rule), from a listener of this user
     when the replica is on this machine (another local user who took the replica's port
     first must not pass its probe and get its traffic)."""
+    return (await probe_with_outcome(client, endpoint, probe))[0]
+
+
+async def probe_with_outcome(
+    client: httpx.AsyncClient, endpoint: str, probe: ReadinessProbe
+) -> tuple[ProbeResult, ProbeOutcome]:
+    """`probe_once`, with how it ended for the metrics (a bounded outcome, never the text)."""
     url = endpoint.rstrip("/") + probe.path
     squatter = foreign_listener(endpoint)
     if squatter is not None:
-        return ProbeResult(False, squatter)
+        return ProbeResult(False, squatter), ProbeOutcome.FOREIGN_LISTENER
     try:
         if probe.post_data is None:
             resp = await client.get(url, headers=probe.headers, timeout=probe.timeout_seconds)
@@ -40,12 +48,17 @@ async def probe_once(
     except httpx.TimeoutException:
         return ProbeResult(
             False, f"{probe.method} {probe.path} timed out after {probe.timeout_seconds:g} s"
-        )
+        ), ProbeOutcome.TIMEOUT
     except Exception as e:
-        return ProbeResult(False, f"{probe.method} {probe.path}: {_explain(e, url)}")
+        outcome = (
+            ProbeOutcome.CONNECT_ERROR if isinstance(e, httpx.ConnectError) else ProbeOutcome.ERROR
+        )
+        return ProbeResult(False, f"{probe.method} {probe.path}: {_explain(e, url)}"), outcome
     if resp.status_code == 200:
-        return ProbeResult(True, f"{probe.method} {probe.path} -> 200")
-    return ProbeResult(False, f"{probe.method} {probe.path} -> HTTP {resp.status_code}")
+        return ProbeResult(True, f"{probe.method} {probe.path} -> 200"), ProbeOutcome.OK
+    return ProbeResult(
+        False, f"{probe.method} {probe.path} -> HTTP {resp.status_code}"
+    ), ProbeOutcome.HTTP_STATUS
 
 
 def _explain(e: Exception, url: str) -> str:
@@ -86,6 +99,7 @@ class Prober:
         self.client = client
         self._tasks: dict[ReplicaKey, asyncio.Task[ProbeResult]] = {}
         self._last_start: dict[ReplicaKey, float] = {}
+        self.metrics: ControllerMetrics | None = None  # probe latency and outcomes
 
     def maybe_start(
         self,
@@ -103,10 +117,19 @@ class Prober:
         if now - self._last_start.get(replica_id, float("-inf")) < interval:
             return
         self._last_start[replica_id] = now
-        task = asyncio.create_task(probe_once(self.client, endpoint, probe))
+        task = asyncio.create_task(self._probe(replica_id.service, endpoint, probe))
         if on_done is not None:
             task.add_done_callback(lambda _t: on_done())
         self._tasks[replica_id] = task
+
+    async def _probe(self, service: str, endpoint: str, probe: ReadinessProbe) -> ProbeResult:
+        metrics = self.metrics
+        if metrics is None:
+            return await probe_once(self.client, endpoint, probe)
+        started = metrics.timer()
+        result, outcome = await probe_with_outcome(self.client, endpoint, probe)
+        metrics.service(service).probe(metrics.timer() - started, outcome)
+        return result
 
     def take(self, replica_id: ReplicaKey) -> ProbeResult | None:
         task = self._tasks.get(replica_id)

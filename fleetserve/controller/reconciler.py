@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from typing import cast
 
 from fleetserve.controller.executor import Executor, new_launch_token
+from fleetserve.controller.history import History
 from fleetserve.controller.lb_manager import LbManager, upstream_payload
+from fleetserve.controller.metrics import ControllerMetrics
 from fleetserve.controller.pools import PoolRunner
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.scaling import Scaler
@@ -113,6 +115,7 @@ class ServiceReconciler:
         settings: Settings,
         clock: Clock,
         home_id: str = "",
+        metrics: ControllerMetrics | None = None,
     ) -> None:
         self.name = name
         self.store = store
@@ -122,6 +125,10 @@ class ServiceReconciler:
         self.settings = settings
         self.clock = clock
         self.home_id = home_id
+        # The controller's metrics (GET /metrics); a reconciler alone counts into its own.
+        self.metrics = (metrics or ControllerMetrics()).service(name)
+        if metrics is not None:
+            prober.metrics = metrics  # probe latency and outcomes
         self.wake = asyncio.Event()
         self.executor = Executor(
             name,
@@ -135,6 +142,7 @@ class ServiceReconciler:
         self.finished = asyncio.Event()
         self._specs: dict[int, ServiceTask] = {}
         self.scaler = Scaler(name, store, clock, settings.autoscale_interval)
+        self.history = History(step=settings.history_step)  # the dashboard's charts
         self._lb_checked: tuple[int, int | None] | None = None  # (version, LB pid) compared
         self.executor.inflight_of = self.scaler.inflight_of
         self.executor.on_no_capacity = self._no_capacity
@@ -157,6 +165,7 @@ class ServiceReconciler:
         try:
             await self.recover()
             while True:
+                started = self.metrics.timer()
                 try:
                     done = await self.reconcile_once()
                     failures = 0
@@ -169,7 +178,8 @@ class ServiceReconciler:
                     log.exception("service %s: reconcile failed", self.name)
                     done = False
                 if done:
-                    return
+                    return  # the service is gone, its series with it
+                self.metrics.round(self.metrics.timer() - started, failed=failures > 0)
                 delay = self.settings.reconcile_interval * min(2**failures, 30)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), timeout=delay)
@@ -256,9 +266,16 @@ class ServiceReconciler:
                 self._full_until.pop(kind, None)
         observations = await self._observe(replicas, spec)
         probe = spec.service.readiness_probe
-        if svc.lb_pid is not None:
-            self.scaler.observe(await self.lb.load(svc))
+        report = await self.lb.load(svc) if svc.lb_pid is not None else None
+        self.scaler.observe(report)
         target = self.scaler.target(spec) if pool is None else pool.target(spec, replicas)
+        self.history.observe(
+            self.clock.now(),
+            report,
+            ready=sum(r.status is ReplicaStatus.READY for r in replicas),
+            target=target,
+            versions={r.replica_id: r.version for r in replicas if r.terminated_at is None},
+        )
         lo, _hi = spec.service.replica_bounds()
         split = self._spot_split(spec, svc.active_version, target, replicas)
         if split is not None:
@@ -621,6 +638,7 @@ class ServiceReconciler:
         if pool is not None:
             pool.end_all("the pool was taken down")
         self.store.delete_service(self.name)
+        self.metrics.forget()  # its counters go with it (the scrape-time gauges read the store)
         self.infra.forget_service(self.name)
         # Its logs go with it (replica and load-balancer logs, rotated halves too).
         shutil.rmtree(self.settings.logs_dir / self.name, ignore_errors=True)

@@ -28,6 +28,13 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         raise InvalidSpec(f"{name}={raw!r} is not a number") from None
 
 
+def _bounded(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    value = _float(env, name, default)
+    if not lo <= value <= hi:
+        raise InvalidSpec(f"{name}={value:g} is out of range: {lo:g} to {hi:g}")
+    return value
+
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -66,6 +73,8 @@ class Settings:
     # The local infra's zones (FLEETSERVE_LOCAL_ZONES; fleetserve.infra.zones): one unlimited
     # zone, `local`, by default.
     local_zones: tuple[ZoneConfig, ...] = (ZoneConfig("local"),)
+    # The dashboard's charts: one point per this many seconds, an hour of them per service.
+    history_step: float = 5.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -101,6 +110,7 @@ class Settings:
             max_body_bytes=int(num("FLEETSERVE_MAX_BODY_BYTES", 2 * 1024 * 1024)),
             parse_timeout=num("FLEETSERVE_PARSE_TIMEOUT", 5.0),
             local_zones=tuple(parse_zones(env.get("FLEETSERVE_LOCAL_ZONES"))),
+            history_step=_bounded(env, "FLEETSERVE_HISTORY_STEP", 5.0, 1.0, 60.0),
         )
 
     @property

@@ -18,6 +18,7 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import make_proxy, tls_context, worker_count
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.metrics import load_report
 from fleetserve.lb.replica_set import Upstream
 from fleetserve.lb.workers import Supervisor
 
@@ -98,7 +99,9 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
             proxy.metrics.sync_inflight(proxy.replicas.inflight, set(proxy.replicas.upstreams))
             proxy.metrics.set_queued(proxy.queued)
             answer = {
-                "load": proxy.load.report(dict(proxy.replicas.inflight), proxy.queued),
+                "load": load_report(
+                    proxy.load, proxy.metrics, dict(proxy.replicas.inflight), proxy.queued
+                ),
                 "metrics": generate_latest(proxy.metrics.registry).decode(),
             }
             writer.write(json.dumps(answer).encode() + b"\n")

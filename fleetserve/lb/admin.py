@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fleetserve.lb.metrics import load_report
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import Upstream
 from fleetserve.lb.workers import MergedMetrics, merge_load
@@ -129,7 +130,7 @@ def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Applica
         )
 
     async def load(_request: web.Request) -> web.Response:
-        own = proxy.load.report(dict(replicas.inflight), proxy.queued)
+        own = load_report(proxy.load, proxy.metrics, dict(replicas.inflight), proxy.queued)
         if supervisor is None:
             return web.json_response(own)
         others = [r["load"] for r in await supervisor.reports()]

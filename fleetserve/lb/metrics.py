@@ -108,6 +108,40 @@ class Metrics:
     def set_queued(self, value: int) -> None:
         self.queued.labels(self.service).set(value)
 
+    def totals(self) -> dict[str, dict[str, Any]]:
+        """Per replica ('none': answered by the LB itself), counted since this process
+        started: requests, errors (5xx answers and failed upstream attempts) and the latency
+        histogram (cumulative per bound of LATENCY_BUCKETS, +Inf last). Read off the metrics
+        at report time, not on the request path; the controller turns two reports into rates
+        and quantiles (fleetserve.controller.history)."""
+        out: dict[str, dict[str, Any]] = {}
+        index = {float(b): i for i, b in enumerate(LATENCY_BUCKETS)}
+
+        def slot(replica: str) -> dict[str, Any]:
+            return out.setdefault(
+                replica, {"requests": 0, "errors": 0, "latency": [0] * (len(LATENCY_BUCKETS) + 1)}
+            )
+
+        for family in self.requests.collect():
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    entry = slot(s.labels["replica"])
+                    entry["requests"] += int(s.value)
+                    if s.labels["code"].startswith("5"):
+                        entry["errors"] += int(s.value)
+        for family in self.upstream_errors.collect():
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    slot(s.labels["replica"])["errors"] += int(s.value)
+        for family in self.latency.collect():
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    le = s.labels["le"]
+                    i = len(LATENCY_BUCKETS) if le == "+Inf" else index.get(float(le))
+                    if i is not None:
+                        slot(s.labels["replica"])["latency"][i] = int(s.value)
+        return out
+
 
 @dataclass
 class _Buckets:
@@ -147,6 +181,7 @@ class LoadTracker:
         return {
             "at": self.clock(),
             "window_seconds": self.window,
+            "latency_bounds": list(LATENCY_BUCKETS),
             "requests_per_second": sum(rates.values()),
             "total_requests": self.total,
             "queued": queued,
@@ -158,3 +193,13 @@ class LoadTracker:
                 for rid in sorted(set(inflight) | {int(k) for k in rates if k.isdigit()})
             },
         }
+
+
+def load_report(
+    load: LoadTracker, metrics: Metrics, inflight: dict[int, int], queued: int
+) -> dict[str, object]:
+    """What the controller reads at /-/load: the sliding-window rates that the autoscaler
+    uses, and the counters that the dashboard's charts are made of."""
+    report = load.report(inflight, queued)
+    report["totals"] = metrics.totals()
+    return report

@@ -136,6 +136,7 @@ def merge_load(reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Add up the load reports of several workers (rates, totals, in-flight, queued)."""
     merged: dict[str, Any] = {}
     replicas: dict[str, dict[str, float]] = {}
+    totals: dict[str, dict[str, Any]] = {}  # counters: sums (fleetserve.lb.metrics.totals)
     for r in reports:
         if not merged:
             merged = {k: v for k, v in r.items() if k != "replicas"}
@@ -147,7 +148,16 @@ def merge_load(reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
             slot = replicas.setdefault(rid, {"inflight": 0, "requests_per_second": 0.0})
             slot["inflight"] += v.get("inflight", 0)
             slot["requests_per_second"] += v.get("requests_per_second", 0.0)
+        for key, t in r.get("totals", {}).items():
+            into = totals.setdefault(key, {"requests": 0, "errors": 0, "latency": []})
+            into["requests"] += t.get("requests", 0)
+            into["errors"] += t.get("errors", 0)
+            counts = list(t.get("latency", []))
+            into["latency"] = [
+                a + b for a, b in zip(into["latency"] or [0] * len(counts), counts, strict=False)
+            ]
     merged["replicas"] = replicas
+    merged["totals"] = totals
     return merged
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,10 @@ from fleetserve.core.types import (
 )
 from fleetserve.store import tables as t
 
+log = logging.getLogger("fleetserve.store")
+# Told of each replica status change once it is committed: (status before or None for a new
+# row, the record after). The controller's metrics count transitions here.
+ReplicaListener = Callable[[ReplicaStatus | None, ReplicaRecord], None]
 _MIGRATIONS = Path(__file__).parent / "migrations"
 _KNOWN_REVISIONS = {p.name.split("_", 1)[0] for p in (_MIGRATIONS / "versions").glob("0*.py")}
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -104,6 +109,7 @@ def _service(row: Row[Any]) -> ServiceRecord:
 class Store:
     def __init__(self, url: str) -> None:
         self.url = url
+        self.replica_listeners: list[ReplicaListener] = []
         self.engine: Engine = create_engine(url, future=True)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -366,7 +372,9 @@ class Store:
             )
             created = "spot replica created" if spot else "replica created"
             self._event(conn, service, now, "replica", created, next_id, None, "PENDING")
-        return self.replica(service, next_id)
+        rec = self.replica(service, next_id)
+        self._tell(None, rec)
+        return rec
 
     def get_replica(self, service: str, replica_id: int) -> ReplicaRecord | None:
         with self.engine.connect() as conn:
@@ -427,7 +435,18 @@ class Store:
                 self._event(conn, rec.service, now, "replica", message, rec.replica_id)
         fields = {k: v for k, v in changes.items() if k != "status"}
         status = ReplicaStatus(changes["status"]) if "status" in changes else rec.status
-        return dataclasses.replace(rec, status=status, updated_at=now, **fields)
+        new = dataclasses.replace(rec, status=status, updated_at=now, **fields)
+        if status is not rec.status:
+            self._tell(rec.status, new)
+        return new
+
+    def _tell(self, old: ReplicaStatus | None, rec: ReplicaRecord) -> None:
+        """Tell the listeners of a committed status change; a failing one never fails it."""
+        for listener in self.replica_listeners:
+            try:
+                listener(old, rec)
+            except Exception:
+                log.exception("a replica listener failed")
 
     def delete_replica(self, service: str, replica_id: int, now: float, message: str) -> None:
         with self.engine.begin() as conn:
@@ -469,14 +488,19 @@ class Store:
         with self.engine.begin() as conn:
             self._event(conn, service, now, kind, message, replica_id)
 
-    def list_events(self, service: str, limit: int = 50) -> list[EventRecord]:
+    def list_events(
+        self, service: str, limit: int = 50, after: int | None = None
+    ) -> list[EventRecord]:
+        """The newest `limit` events, oldest first; with `after`, the first `limit` events
+        whose id is above it (oldest first), so that a follower sees each event once."""
+        query = select(t.events).where(t.events.c.service == service)
         with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(t.events)
-                .where(t.events.c.service == service)
-                .order_by(t.events.c.id.desc())
-                .limit(limit)
-            ).all()
+            if after is not None:
+                rows = conn.execute(
+                    query.where(t.events.c.id > after).order_by(t.events.c.id).limit(limit)
+                ).all()
+                return [EventRecord(**r._mapping) for r in rows]
+            rows = conn.execute(query.order_by(t.events.c.id.desc()).limit(limit)).all()
         return [EventRecord(**r._mapping) for r in reversed(rows)]
 
     def get_policy_state(self, service: str, policy: str) -> dict[str, Any] | None:

@@ -1,0 +1,148 @@
+"""What `fleetserve simulate` and `fleetserve pool simulate` print with `-o json|yaml`.
+
+One document per run, told apart by `kind`: `autoscaling` (request-rate autoscalers on a request
+trace), `spot` (spot placers on a spot-capacity trace), `pool` (pool autoscalers on job
+arrivals). Schema: docs/schema/v1/simulation.json (docs/output.md); within v1 fields may be
+added, never renamed or removed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from fleetserve.sim.pools import PoolRun
+from fleetserve.sim.simulator import Run, Trace
+from fleetserve.sim.spot import SpotRun, SpotTrace
+
+SAMPLES = 12  # rows of "ready replicas over time", as the table shows
+
+
+class AutoscalePolicyResult(BaseModel):
+    policy: str
+    replica_hours: float = Field(description="Replica-hours launched (billed from launch).")
+    over_capacity_requests: float = Field(description="Requests above the READY capacity.")
+    over_capacity_share: float = Field(description="Their share of all requests, 0..1.")
+    seconds_without_ready: float = Field(description="Seconds with no READY replica.")
+    max_ready: int = Field(description="The most READY replicas at once.")
+
+
+class ReadySample(BaseModel):
+    time_s: float = Field(description="Seconds from the trace's start.")
+    qps: float = Field(description="The trace's request rate then.")
+    ready: dict[str, int] = Field(description="READY replicas then, per policy.")
+
+
+class AutoscaleSimulation(BaseModel):
+    kind: Literal["autoscaling"] = "autoscaling"
+    trace: str
+    seconds: float = Field(description="Seconds replayed.")
+    mean_qps: float
+    peak_qps: float
+    target_qps: float = Field(description="Requests/s one replica serves.")
+    cold_start_s: float
+    upscale_delay_s: float
+    downscale_delay_s: float
+    policies: list[AutoscalePolicyResult]
+    samples: list[ReadySample] = Field(description=f"About {SAMPLES} points, evenly spaced.")
+
+
+class SpotPolicyResult(BaseModel):
+    policy: str
+    relative_cost: float = Field(description="Cost relative to all on-demand.")
+    availability: float = Field(description="Share of time with the target READY, 0..1.")
+    over_capacity_share: float
+    preemptions: int
+    launches: int
+    failed_launches: int
+    spot_share: float = Field(description="Share of replica-time on spot, 0..1.")
+    seeds: int = Field(description="Runs averaged (a placer with random ties runs several).")
+
+
+class SpotSimulation(BaseModel):
+    kind: Literal["spot"] = "spot"
+    trace: str
+    zones: list[str]
+    days: float
+    policies: list[SpotPolicyResult]
+
+
+class PoolPolicyResult(BaseModel):
+    policy: str
+    jobs: int
+    mean_wait_s: float
+    p95_wait_s: float
+    makespan_s: float
+    worker_hours: float
+    peak_workers: int
+
+
+class PoolSimulation(BaseModel):
+    kind: Literal["pool"] = "pool"
+    jobs: int = Field(description="Jobs that arrived.")
+    job_seconds: float = Field(description="Each job's run time.")
+    policies: list[PoolPolicyResult]
+
+
+Simulation = Annotated[
+    AutoscaleSimulation | SpotSimulation | PoolSimulation, Field(discriminator="kind")
+]
+SIMULATION = TypeAdapter(Simulation)
+
+
+def autoscale_simulation(
+    trace: Trace,
+    runs: list[Run],
+    target_qps: float,
+    cold_start: float,
+    upscale_delay: float,
+    downscale_delay: float,
+) -> AutoscaleSimulation:
+    n = len(runs[0].times) if runs else 0
+    return AutoscaleSimulation(
+        trace=trace.name,
+        seconds=trace.seconds,
+        mean_qps=round(sum(trace.qps) / len(trace.qps), 4),
+        peak_qps=round(max(trace.qps), 4),
+        target_qps=target_qps,
+        cold_start_s=cold_start,
+        upscale_delay_s=upscale_delay,
+        downscale_delay_s=downscale_delay,
+        policies=[
+            AutoscalePolicyResult(
+                policy=r.policy,
+                replica_hours=round(r.replica_hours, 4),
+                over_capacity_requests=round(r.over_capacity_requests, 1),
+                over_capacity_share=round(r.over_capacity_share, 4),
+                seconds_without_ready=round(r.seconds_without_ready, 1),
+                max_ready=max(r.ready, default=0),
+            )
+            for r in runs
+        ],
+        samples=[
+            ReadySample(
+                time_s=runs[0].times[i],
+                qps=round(runs[0].qps[i], 4),
+                ready={r.policy: r.ready[i] for r in runs},
+            )
+            for i in range(0, n, max(1, n // SAMPLES))
+        ],
+    )
+
+
+def spot_simulation(trace: SpotTrace, results: list[tuple[SpotRun, int]]) -> SpotSimulation:
+    return SpotSimulation(
+        trace=trace.name,
+        zones=trace.zones,
+        days=round(trace.seconds / 86400, 2),
+        policies=[SpotPolicyResult.model_validate(dict(r.as_dict(), seeds=n)) for r, n in results],
+    )
+
+
+def pool_simulation(runs: list[PoolRun], jobs: int, job_seconds: float) -> PoolSimulation:
+    return PoolSimulation(
+        jobs=jobs,
+        job_seconds=job_seconds,
+        policies=[PoolPolicyResult.model_validate(r.as_dict()) for r in runs],
+    )
