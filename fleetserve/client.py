@@ -53,6 +53,17 @@ def _read_text(path: str | Path) -> str:
         raise InvalidSpec(f"{path}: not UTF-8 text (byte {e.start}); a YAML is text") from None
 
 
+def _standby_points_to(resp: httpx.Response) -> str | None:
+    """The active controller's address, when a standby answered this write."""
+    if resp.status_code != 503:
+        return None
+    try:
+        err = resp.json()["error"]
+        return str(err["active"]) if err.get("kind") == "standby" and err.get("active") else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _raise_for(resp: httpx.Response, hint: str = "") -> None:
     if resp.is_success:
         return
@@ -93,6 +104,10 @@ def start_server(settings: Settings, wait: float = 30.0) -> int:
     env["FLEETSERVE_TLS_CERTFILE"] = settings.tls_certfile or ""
     env["FLEETSERVE_TLS_KEYFILE"] = settings.tls_keyfile or ""
     env["FLEETSERVE_ALLOWED_HOSTS"] = ",".join(settings.allowed_hosts)
+    if settings.db_url:  # the store (docs/scaling.md); otherwise the environment's, if any
+        env["FLEETSERVE_DB_URL"] = settings.db_url
+    if settings.db_url_file:
+        env["FLEETSERVE_DB_URL_FILE"] = str(settings.db_url_file)
     out = open_private(settings.logs_dir / "controller.log")
     try:
         proc = subprocess.Popen(
@@ -112,11 +127,14 @@ def start_server(settings: Settings, wait: float = 30.0) -> int:
             if proc.poll() is not None:
                 why = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
                 last = why.strip().splitlines()[-1] if why.strip() else ""
-                raise FleetserveError(
+                failed = FleetserveError(
                     last.removeprefix("fleetserve controller: ")
                     or f"the controller exited at start (code {proc.returncode}); see "
                     f"{settings.logs_dir / 'controller.log'}"
                 )
+                if proc.returncode in (2, 6):  # invalid settings; an unusable database or home
+                    failed.exit_code = proc.returncode
+                raise failed
             if client.healthy():
                 return proc.pid
             time.sleep(0.1)
@@ -293,7 +311,7 @@ class Client:
     def _check_owner_hook(self, _request: httpx.Request) -> None:
         self._check_owner()
 
-    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def _call(self, method: str, path: str, _hops: int = 0, **kw: Any) -> httpx.Response:
         self._ensure()
         headers = self._headers(method, "json" in kw or "content" in kw)
         if method in _WRITES and "json" not in kw and "content" not in kw:
@@ -302,8 +320,20 @@ class Client:
             resp = self._http.request(method, path, headers=headers, **kw)
         except httpx.HTTPError as e:
             raise TransientError(f"controller at {self.url} is unreachable: {e}") from None
+        active = _standby_points_to(resp)
+        if active is not None and _hops < 2 and self._follow(active):
+            return self._call(method, path, _hops=_hops + 1, **kw)
         _raise_for(resp, self._hint())
         return resp
+
+    def _follow(self, active: str) -> bool:
+        """A standby named the active controller: a client of this machine's home follows it
+        there (the same home, so the same token); a remote client is told instead."""
+        if self.remote or not _loopback_url(active) or active.rstrip("/") == self.url:
+            return False
+        self.url = active.rstrip("/")
+        self._http.base_url = httpx.URL(self.url + "/api/v1")
+        return True
 
     # -- services --------------------------------------------------------------------------
 

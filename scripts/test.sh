@@ -23,6 +23,17 @@ if ! command -v nginx >/dev/null 2>&1; then
     exit 1
   fi
 fi
+# The PostgreSQL store's tests start a private server of their own (tests/pg.py: initdb and
+# pg_ctl from Debian's postgresql package, never its cluster service); they are never skipped.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing postgresql"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >/dev/null
+  else
+    echo "PostgreSQL is needed by the store's tests: sudo apt-get install postgresql" >&2
+    exit 1
+  fi
+fi
 # The dashboard's browser tests drive Debian's Chromium with Playwright (never its download).
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -10,10 +10,10 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict
-from typing import Annotated
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi import Path as FastApiPath
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.exc import OperationalError
 
 from fleetserve._version import __version__
-from fleetserve.api.auth import ApiGuard, allowed_host_names
+from fleetserve.api.auth import WRITE_METHODS, ApiGuard, allowed_host_names
 from fleetserve.api.dashboard import add_dashboard
 from fleetserve.api.etag import ETags
 from fleetserve.api.models import (
@@ -46,8 +46,10 @@ from fleetserve.api.models import (
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.history import SERVICE
 from fleetserve.controller.home import ensure_token
+from fleetserve.controller.pools import STATE_KEY as POOL_KEY
 from fleetserve.controller.pools import pool_bounds
-from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound
+from fleetserve.controller.scaling import STATE_KEY as AUTOSCALER_KEY
+from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound, Standby
 from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
 from fleetserve.infra.local import read_lines
 from fleetserve.lb.wake import wake_token
@@ -57,6 +59,7 @@ from fleetserve.spec.loader import parse_spec
 
 log = logging.getLogger("fleetserve.controller")
 PREFIX = "/api/v1"
+STANDBY_WRITES = frozenset({"/api/v1/dashboard/login-codes", "/ui/login", "/ui/logout"})
 # Path parameters are bounded like the fields they name: a service name is at most 64
 # characters, a replica id fits the database's integers.
 ServiceName = Annotated[str, FastApiPath(min_length=1, max_length=64)]
@@ -82,14 +85,38 @@ def _endpoint_host(ctl: Controller, svc: ServiceRecord) -> str:
     return reachable_host(bound, socket.gethostname())
 
 
-def service_info(ctl: Controller, svc: ServiceRecord) -> ServiceInfo:
-    replicas = ctl.store.list_replicas(svc.name)
+@dataclass(frozen=True)
+class FleetRead:
+    """What a listing of every service reads once for all of them (GET /services with a
+    hundred services made three reads per service)."""
+
+    replicas: dict[str, list[ReplicaRecord]]
+    autoscaler: dict[str, dict[str, Any]]
+    pools: dict[str, dict[str, Any]]
+
+    @classmethod
+    def of(cls, ctl: Controller) -> FleetRead:
+        return cls(
+            ctl.store.replicas_by_service(),
+            ctl.store.policy_states(AUTOSCALER_KEY),
+            ctl.store.policy_states(POOL_KEY),
+        )
+
+
+def service_info(
+    ctl: Controller, svc: ServiceRecord, fleet: FleetRead | None = None
+) -> ServiceInfo:
+    if fleet is None:
+        replicas = ctl.store.list_replicas(svc.name)
+    else:
+        replicas = fleet.replicas.get(svc.name, [])
     spec = ctl.spec_of(svc)
     lo, hi = spec.service.replica_bounds()
-    target = ctl.target_of(svc.name, lo)
     if spec.service.pool is not None:  # a pool's workers
         lo, hi = pool_bounds(spec.service.pool)
-        target = ctl.pool_target_of(svc.name, lo)
+        target = ctl.pool_target_of(svc.name, lo, fleet.pools if fleet else None)
+    else:
+        target = ctl.target_of(svc.name, lo, fleet.autoscaler if fleet else None)
     return ServiceInfo(
         name=svc.name,
         status=ctl.status_of(svc, replicas).value,
@@ -176,7 +203,18 @@ def create_app(
         if on_stopped is not None:
             on_stopped()
 
-    app = FastAPI(title="fleetserve", version=__version__, lifespan=lifespan)
+    async def writes_when_active(request: Request) -> None:
+        """A standby serves reads; a write names the active controller (503, kind standby).
+        The dashboard's login codes are this controller's own, so a standby makes them too."""
+        if request.method in WRITE_METHODS and request.url.path not in STANDBY_WRITES:
+            controller.check_active()
+
+    app = FastAPI(
+        title="fleetserve",
+        version=__version__,
+        lifespan=lifespan,
+        dependencies=[Depends(writes_when_active)],
+    )
     ctl = controller
 
     def wake_secret(name: str) -> str | None:
@@ -209,9 +247,9 @@ def create_app(
 
     @app.exception_handler(OperationalError)
     async def _database_error(_req: Request, exc: OperationalError) -> JSONResponse:
-        text = str(exc.orig)
-        if "full" in text:
-            message, status = f"database or disk is full: {ctl.settings.db_path}", 507
+        text = " ".join(str(exc.orig).split())  # one line (PostgreSQL's span several)
+        if "full" in text or "No space left" in text:  # SQLite's words; PostgreSQL's
+            message, status = f"database or disk is full: {ctl.store.where}", 507
         else:
             message, status = f"the database failed: {text}", 503
         return JSONResponse({"error": {"kind": "storage", "message": message}}, status)
@@ -234,9 +272,10 @@ def create_app(
 
     @app.exception_handler(FleetserveError)
     async def _fleetserve_error(_req: Request, exc: FleetserveError) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"kind": exc.kind, "message": exc.message}}, status_code=exc.http_status
-        )
+        error: dict[str, object] = {"kind": exc.kind, "message": exc.message}
+        if isinstance(exc, Standby) and exc.active:
+            error["active"] = exc.active  # where writes go
+        return JSONResponse({"error": error}, status_code=exc.http_status)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_payload(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -250,7 +289,13 @@ def create_app(
 
     @app.get(f"{PREFIX}/health", response_model=Health)
     async def health() -> Health:
-        return Health(ok=True, version=__version__, pid=os.getpid(), home=str(ctl.settings.home))
+        return Health(
+            ok=True,
+            version=__version__,
+            pid=os.getpid(),
+            home=str(ctl.settings.home),
+            role=ctl.role,
+        )
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
@@ -267,7 +312,9 @@ def create_app(
 
     @app.get(f"{PREFIX}/services", response_model=list[ServiceInfo])
     async def list_services() -> list[ServiceInfo]:
-        return [service_info(ctl, s) for s in ctl.store.list_services()]
+        services = ctl.store.list_services()
+        fleet = FleetRead.of(ctl)
+        return [service_info(ctl, s, fleet) for s in services]
 
     @app.get(f"{PREFIX}/services/{{name}}", response_model=ServiceInfo, responses=_ERRORS)
     async def get_service(name: ServiceName) -> ServiceInfo:
@@ -424,10 +471,10 @@ def create_app(
 
     @app.get(f"{PREFIX}/pools", response_model=list[ServiceInfo])
     async def list_pools() -> list[ServiceInfo]:
+        services = ctl.store.list_services()
+        fleet = FleetRead.of(ctl)
         return [
-            service_info(ctl, s)
-            for s in ctl.store.list_services()
-            if ctl.spec_of(s).service.pool is not None
+            service_info(ctl, s, fleet) for s in services if ctl.spec_of(s).service.pool is not None
         ]
 
     @app.get(f"{PREFIX}/pools/{{name}}", response_model=ServiceInfo, responses=_ERRORS)

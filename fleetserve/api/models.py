@@ -128,6 +128,11 @@ class Health(BaseModel):
     version: str
     pid: int
     home: str
+    role: str = Field(
+        "active",
+        description='"active", or "standby" when another controller holds the lease '
+        "(FLEETSERVE_HA; docs/scaling.md)",
+    )
 
 
 ZoneName = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9._-]*$")]

@@ -27,6 +27,7 @@ from fleetserve.controller.controller import Controller
 from fleetserve.controller.home import ensure_token, secure_home
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.infra.base import Infra
 from fleetserve.infra.procs import started
 
 EXIT_REFUSED = 2
@@ -60,7 +61,10 @@ def bind(settings: Settings) -> socket.socket:
     return sock
 
 
-def main() -> None:
+def main(infra: Infra | None = None) -> None:
+    """Run the controller until SIGTERM. `infra` replaces the local infra as the default one
+    (the one injection point for a fake infra: bench/controller runs the real controller, API
+    and store over fake replicas with it); the CLI always starts it with none."""
     user_umask = os.umask(0o077)
     settings = Settings.from_env()
     try:
@@ -71,14 +75,15 @@ def main() -> None:
         secure_home(settings.home)
     except FleetserveError as e:
         _refuse(e.message, e.exit_code)
-    lock = open(settings.home / "server.lock", "a")  # noqa: SIM115 - held for the process's life
+    lock = open(settings.lock_file, "a")  # noqa: SIM115 - held for the process's life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        _refuse(f"another fleetserve controller is running for {settings.home}", 1)
+        where = f" on port {settings.api_port}" if settings.ha else ""
+        _refuse(f"another fleetserve controller is running for {settings.home}{where}", 1)
     try:
         sock = bind(settings)
-        controller = Controller(settings, replica_umask=user_umask)
+        controller = Controller(settings, replica_umask=user_umask, infra=infra)
     except FleetserveError as e:
         _refuse(e.message, e.exit_code)
     logging.basicConfig(
@@ -138,12 +143,13 @@ def main() -> None:
     )
     server = uvicorn.Server(config)
     logging.getLogger("fleetserve.controller").info(
-        "controller starting on %s://%s:%s (home %s, home id %s)",
+        "controller starting on %s://%s:%s (home %s, home id %s, store %s)",
         settings.api_scheme,
         settings.api_host,
         settings.api_port,
         settings.home,
         controller.home_id,
+        controller.store.where,  # a PostgreSQL URL without its password
     )
     server.run(sockets=[sock])
     if not server.started:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import httpx
 
@@ -17,8 +17,10 @@ from fleetserve.controller.admission import check_deployable, resolve_paths, ser
 from fleetserve.controller.executor import uses_own_network
 from fleetserve.controller.history import History
 from fleetserve.controller.lb_manager import LbManager
+from fleetserve.controller.leadership import Leadership
 from fleetserve.controller.metrics import ControllerMetrics
 from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
+from fleetserve.controller.probe_client import ProbeClient
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
 from fleetserve.controller.scaling import STATE_KEY
@@ -26,10 +28,10 @@ from fleetserve.controller.settings import Settings
 from fleetserve.controller.spot import STATE_KEY as SPOT_STATE_KEY
 from fleetserve.controller.spot import zone_marks
 from fleetserve.core.clock import Clock, SystemClock
-from fleetserve.core.errors import Conflict, InvalidSpec, NotFound
+from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
-from fleetserve.infra.base import Infra
+from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.jobs import JobRunner
 from fleetserve.infra.local import LocalInfra, rotate_log
 from fleetserve.infra.zones import Held
@@ -41,6 +43,7 @@ from fleetserve.store.db import MAX_JOBS_PER_LAUNCH
 
 log = logging.getLogger("fleetserve.controller")
 LOG_CHECK_SECONDS = 5.0  # how often log sizes are checked against the cap
+MAX_CACHED_SPECS = 4096  # parsed specs kept (each a few KiB); past it the cache starts anew
 
 
 class Controller:
@@ -55,7 +58,7 @@ class Controller:
         self.settings = settings
         self.clock = clock or SystemClock()
         # Refuses an empty, corrupt, foreign or newer database before anything is touched.
-        self.store = store or Store.at_path(settings.db_path)
+        self.store = store or Store.open(settings.db_path, settings.store_url())
         self.home_id = self.store.claim_home(settings.home)
         legacy = self.store.legacy_home()
         self.infra: Infra = infra or LocalInfra(
@@ -69,13 +72,20 @@ class Controller:
             zones=list(settings.local_zones),
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
+        self._watch_exits(self.infra)
         self.http = httpx.AsyncClient(trust_env=False)
+        # Every service's readiness probes: kept-alive connections, bounded concurrency.
+        self.probes = ProbeClient()
         self.lb = LbManager(settings, self.http, self.home_id, legacy)
         # GET /metrics (docs/metrics.md): counts the store's replica transitions from now on.
         self.metrics = ControllerMetrics(self.store)
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._housekeeping: asyncio.Task[None] | None = None
+        self._specs: dict[tuple[str, float, int], ServiceTask] = {}  # parsed, by version
+        # With FLEETSERVE_HA: the lease that decides whether this controller acts.
+        self.leadership: Leadership | None = None
+        self._leading: asyncio.Task[None] | None = None
 
     def infra_for(self, name: str) -> Infra:
         """The infra of that name: local, or ray (connected on first use)."""
@@ -88,7 +98,19 @@ class Controller:
             self.infras[kind] = RayInfra(
                 grace_seconds=self.settings.terminate_grace, home_id=self.home_id
             )
+            self._watch_exits(self.infras[kind])
         return self.infras[kind]
+
+    def _watch_exits(self, infra: Infra) -> None:
+        """An infra that reports a replica's end at once (`WatchesExits`) wakes the service's
+        reconciler: the replica leaves the LB's set within a round, not a reconcile interval."""
+        if hasattr(infra, "watch_exits"):
+            cast(WatchesExits, infra).watch_exits(self._replica_ended)
+
+    def _replica_ended(self, service: str, replica_id: int) -> None:
+        rec = self.reconcilers.get(service)
+        if rec is not None:
+            rec.wake.set()
 
     def service_infra(self, name: str) -> Infra:
         """The infra a service's replicas run on (its spec's `resources.infra`)."""
@@ -97,7 +119,63 @@ class Controller:
         infra.prepare(name, spec.resources.candidates()[0].model_dump(exclude_none=True))
         return infra
 
+    @property
+    def role(self) -> str:
+        """The role of this controller: "active" (the only one, or the lease holder) or
+        "standby"."""
+        if self.leadership is None or self.leadership.active:
+            return "active"
+        return "standby"
+
+    def check_active(self) -> None:
+        """Raise Standby, naming where writes go, unless this controller acts."""
+        if self.leadership is None or self.leadership.active:
+            return
+        active = self.leadership.active_address()
+        raise Standby(
+            "this controller is a standby; "
+            + (
+                f"the active controller is at {active}"
+                if active
+                else "no controller is active right now (a standby takes over within seconds)"
+            ),
+            active=active,
+        )
+
     async def start(self) -> None:
+        if not self.settings.ha:
+            await self._take_over()
+            return
+        self.leadership = Leadership(
+            self.store,
+            self.clock,
+            f"{self.settings.api_scheme}://{self.settings.api_host}:{self.settings.api_port}",
+            ttl=self.settings.lease_ttl,
+        )
+        self._leading = asyncio.create_task(
+            self.leadership.run(self._take_over, self._step_down), name="leadership"
+        )
+
+    async def _step_down(self) -> None:
+        """The lease is lost: stop acting (replicas and load balancers keep running for the
+        controller that holds it now)."""
+        await self._stop_reconcilers()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            self._housekeeping = None
+
+    async def _stop_reconcilers(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for name, task in list(self._tasks.items()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            await self.reconcilers[name].stop()
+        self._tasks.clear()
+        self.reconcilers.clear()
+
+    async def _take_over(self) -> None:
+        """Start acting: what a restart does (adopt what the store names, sweep the rest)."""
         services = self.store.list_services()
         tokens = {r.launch_token for s in services for r in self.store.list_replicas(s.name)}
         kinds = {self.infra.name} | {
@@ -128,15 +206,17 @@ class Controller:
             await asyncio.sleep(LOG_CHECK_SECONDS)
 
     async def stop(self) -> None:
+        if self._leading is not None:
+            self._leading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._leading
         if self._housekeeping is not None:
             self._housekeeping.cancel()
-        for task in self._tasks.values():
-            task.cancel()
-        for name, task in list(self._tasks.items()):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            await self.reconcilers[name].stop()
+        await self._stop_reconcilers()
+        if self.leadership is not None:
+            await asyncio.to_thread(self.leadership.release)  # a standby takes over at once
         await self.http.aclose()
+        await self.probes.aclose()
         self.store.close()
 
     def _run(self, name: str) -> ServiceReconciler:
@@ -148,7 +228,7 @@ class Controller:
             self.store,
             self.service_infra(name),
             self.lb,
-            Prober(self.http),  # one per service: probe results never cross services
+            Prober(self.probes),  # one per service: probe results never cross services
             self.settings,
             self.clock,
             self.home_id,
@@ -587,12 +667,20 @@ class Controller:
         self.store.service(name)
         self._run(name).wake.set()  # its next round reads the held request in the LB's report
 
-    def target_of(self, name: str, default: int) -> int:
-        state = self.store.get_policy_state(name, STATE_KEY)
+    def target_of(
+        self, name: str, default: int, states: Mapping[str, dict[str, Any]] | None = None
+    ) -> int:
+        """The autoscaler's target; `states`: every service's, read at once by the caller."""
+        state = self.store.get_policy_state(name, STATE_KEY) if states is None else states.get(name)
         return int(state["target"]) if state else default
 
-    def pool_target_of(self, name: str, default: int) -> int:
-        state = self.store.get_policy_state(name, POOL_STATE_KEY)
+    def pool_target_of(
+        self, name: str, default: int, states: Mapping[str, dict[str, Any]] | None = None
+    ) -> int:
+        if states is None:
+            state = self.store.get_policy_state(name, POOL_STATE_KEY)
+        else:
+            state = states.get(name)
         return int(state["target"]) if state and isinstance(state.get("target"), int) else default
 
     def history_of(self, name: str) -> History | None:
@@ -608,8 +696,18 @@ class Controller:
     # -- views -----------------------------------------------------------------------------
 
     def spec_of(self, svc: ServiceRecord) -> ServiceTask:
-        raw = self.store.version(svc.name, svc.active_version).spec_json
-        return ServiceTask.model_validate_json(raw)
+        """The active version's spec. A version never changes once stored, so each is read
+        and parsed once (keyed with the service's creation time: a service taken down and
+        made again under its name starts its versions anew)."""
+        key = (svc.name, svc.created_at, svc.active_version)
+        spec = self._specs.get(key)
+        if spec is None:
+            raw = self.store.version(svc.name, svc.active_version).spec_json
+            spec = ServiceTask.model_validate_json(raw)
+            if len(self._specs) >= MAX_CACHED_SPECS:
+                self._specs.clear()
+            self._specs[key] = spec
+        return spec
 
     def status_of(self, svc: ServiceRecord, replicas: list[ReplicaRecord]) -> ServiceStatus:
         lb_running = svc.lb_pid is not None or self.spec_of(svc).service.pool is not None

@@ -318,7 +318,9 @@ class ServiceReconciler:
             )
             if plan.failure_reason:
                 self.store.add_event(self.name, self.clock.now(), "service", plan.failure_reason)
-        await self._push(svc)
+        # The rows read at the round's start are still the routable set's unless this round
+        # changed some (an executor's own writes wake the next round): one read, not two.
+        await self._push(svc, None if plan.actions else replicas)
         return False
 
     def _advance_rollout(self, svc: ServiceRecord, complete: bool, switch: bool) -> ServiceRecord:
@@ -419,7 +421,13 @@ class ServiceReconciler:
                 result = self.prober.take(self.key(r.replica_id))
                 interval = probe_interval(r.status, probe, self.settings)
                 self.prober.maybe_start(
-                    self.key(r.replica_id), r.endpoint, probe, now, interval, on_done=self.wake.set
+                    self.key(r.replica_id),
+                    r.endpoint,
+                    probe,
+                    now,
+                    interval,
+                    on_done=self.wake.set,
+                    quiet_if_ok=r.status is ReplicaStatus.READY,
                 )
             out[r.replica_id] = Observation(instance=inst, probe=result)
         return out
@@ -577,8 +585,11 @@ class ServiceReconciler:
             failure_reason=None,
         )
 
-    def _endpoints(self, svc: ServiceRecord) -> list[Endpoint]:
-        replicas = self.store.list_replicas(self.name)
+    def _endpoints(
+        self, svc: ServiceRecord, replicas: list[ReplicaRecord] | None = None
+    ) -> list[Endpoint]:
+        if replicas is None:
+            replicas = self.store.list_replicas(self.name)
         if svc.rolling_out and svc.update_mode == BLUE_GREEN:
             versions = {svc.serving_version}  # blue-green: the old version until the switch
         else:
@@ -602,10 +613,11 @@ class ServiceReconciler:
             return None
         return {"version": svc.active_version, "percent": svc.traffic_percent}
 
-    async def _push(self, svc: ServiceRecord) -> None:
+    async def _push(self, svc: ServiceRecord, replicas: list[ReplicaRecord] | None = None) -> None:
         if svc.lb_pid is None:
             return
-        await self.lb.push(svc, self._endpoints(svc), self.clock.now(), canary=self._canary(svc))
+        endpoints = self._endpoints(svc, replicas)
+        await self.lb.push(svc, endpoints, self.clock.now(), canary=self._canary(svc))
 
     # -- down ------------------------------------------------------------------------------
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
 from fleetserve.infra.zones import ZoneConfig, parse_zones
+from fleetserve.store.url import resolve_db_url
 
 DEFAULT_API_PORT = 46580
 
@@ -33,6 +34,15 @@ def _bounded(env: Mapping[str, str], name: str, default: float, lo: float, hi: f
     if not lo <= value <= hi:
         raise InvalidSpec(f"{name}={value:g} is out of range: {lo:g} to {hi:g}")
     return value
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = (env.get(name) or "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise InvalidSpec(f"{name}={raw!r}: use 1 or 0")
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -73,8 +83,17 @@ class Settings:
     # The local infra's zones (FLEETSERVE_LOCAL_ZONES; fleetserve.infra.zones): one unlimited
     # zone, `local`, by default.
     local_zones: tuple[ZoneConfig, ...] = (ZoneConfig("local"),)
+    # The store (docs/scaling.md): PostgreSQL at FLEETSERVE_DB_URL (kept out of repr: it may
+    # hold a password), or at the URL in the 0600 file FLEETSERVE_DB_URL_FILE (read by the
+    # controller only, see store_url); neither: SQLite at db_path.
+    db_url: str | None = field(default=None, repr=False)
+    db_url_file: Path | None = None
     # The dashboard's charts: one point per this many seconds, an hour of them per service.
     history_step: float = 5.0
+    # High availability (docs/scaling.md): several controllers on one database, one active
+    # through a lease of `lease_ttl` seconds, the others standbys that take over.
+    ha: bool = False
+    lease_ttl: float = 6.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -110,12 +129,23 @@ class Settings:
             max_body_bytes=int(num("FLEETSERVE_MAX_BODY_BYTES", 2 * 1024 * 1024)),
             parse_timeout=num("FLEETSERVE_PARSE_TIMEOUT", 5.0),
             local_zones=tuple(parse_zones(env.get("FLEETSERVE_LOCAL_ZONES"))),
+            db_url=env.get("FLEETSERVE_DB_URL") or None,
+            db_url_file=Path(env["FLEETSERVE_DB_URL_FILE"])
+            if env.get("FLEETSERVE_DB_URL_FILE")
+            else None,
             history_step=_bounded(env, "FLEETSERVE_HISTORY_STEP", 5.0, 1.0, 60.0),
+            ha=_flag(env, "FLEETSERVE_HA"),
+            lease_ttl=_bounded(env, "FLEETSERVE_LEASE_TTL", 6.0, 2.0, 60.0),
         )
 
     @property
     def db_path(self) -> Path:
         return self.home / "fleetserve.db"
+
+    def store_url(self) -> str | None:
+        """The PostgreSQL URL of the store (from db_url, or read from db_url_file), or None
+        for SQLite at db_path. A malformed URL or an unsafe file refuses in one line."""
+        return resolve_db_url(self.db_url, self.db_url_file)
 
     @property
     def logs_dir(self) -> Path:
@@ -123,7 +153,13 @@ class Settings:
 
     @property
     def server_file(self) -> Path:
-        return self.home / "server.json"
+        """Where the running controller says who it is. With high availability several
+        controllers share a home, one API port each: one file (and lock) per port."""
+        return self.home / (f"server-{self.api_port}.json" if self.ha else "server.json")
+
+    @property
+    def lock_file(self) -> Path:
+        return self.home / (f"server-{self.api_port}.lock" if self.ha else "server.lock")
 
     @property
     def token_file(self) -> Path:

@@ -55,6 +55,24 @@ class TransientError(FleetserveError):
         self.retry_after = retry_after
 
 
+class Standby(TransientError):
+    """This controller is not the active one (docs/scaling.md, high availability): it serves
+    reads; writes go to the active controller, whose API address the message names."""
+
+    kind = "standby"
+
+    def __init__(self, message: str, active: str | None = None) -> None:
+        super().__init__(message, retry_after=1.0)
+        self.active = active
+
+
+class Fenced(Standby):
+    """A write by a controller that has lost its lease: refused inside the write's own
+    transaction, so a paused old leader changes nothing after a standby took over."""
+
+    kind = "fenced"
+
+
 class TerminalError(FleetserveError):
     """Retrying will not help (a launch whose setup failed, say)."""
 
@@ -72,6 +90,8 @@ ERROR_KINDS: dict[str, type[FleetserveError]] = {
         Conflict,
         Unauthorized,
         TransientError,
+        Standby,
+        Fenced,
         TerminalError,
     )
 }

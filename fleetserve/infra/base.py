@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -116,4 +116,21 @@ class Infra(Protocol):
     ) -> AsyncIterator[str]:
         """The replica's log lines (only the last `tail` ones, if given); with `follow`, new
         lines as they come."""
+        ...
+
+
+# Told (service, replica_id) when an infra learns that a replica's instance ended.
+ExitCallback = Callable[[str, int], None]
+
+
+class WatchesExits(Protocol):
+    """An infra that learns at once when a replica's instance ends (its process exits, its
+    node is lost) and says so: the controller wakes that service's reconciler, which polls,
+    sees it and takes it out of the load balancer's set within a round, instead of at its
+    next scheduled round (up to FLEETSERVE_RECONCILE_INTERVAL later). Optional: an infra
+    without it is polled every round as before."""
+
+    def watch_exits(self, callback: ExitCallback) -> None:
+        """Call `callback(service, replica_id)` (on the controller's event loop) whenever a
+        replica launched or adopted from now on ends."""
         ...

@@ -27,7 +27,14 @@ from typing import Any
 import psutil
 
 from fleetserve.core.errors import TerminalError
-from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
+from fleetserve.infra.base import (
+    ExitCallback,
+    InstanceKind,
+    InstanceState,
+    Launched,
+    LaunchRequest,
+    Location,
+)
 from fleetserve.infra.git import clone
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
@@ -210,6 +217,8 @@ class LocalInfra:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._recent_ports: set[int] = set()
         self._owned: set[tuple[int, float]] = set()  # adopted processes checked to be ours
+        self._on_exit: ExitCallback | None = None  # told at once when a replica's leader ends
+        self._watched: dict[int, int] = {}  # pid -> its pidfd, on the event loop
 
     def _env_ours(self, env: dict[str, str]) -> bool:
         """A process environment of this home: its id, or (an upgraded home) its path and no
@@ -405,6 +414,7 @@ class LocalInfra:
             if relay is not None:
                 relay.close()  # the relay holds it now
         self._children[proc.pid] = proc
+        self._watch_exit(proc.pid, request.service, request.replica_id)
         try:
             create_time = started(psutil.Process(proc.pid))
         except psutil.NoSuchProcess:
@@ -458,6 +468,8 @@ class LocalInfra:
                 return InstanceState(
                     InstanceKind.LOST, detail=f"pid {h.pid} belongs to another fleetserve home"
                 )
+            if h.service is not None and h.replica_id is not None:
+                self._watch_exit(h.pid, h.service, h.replica_id)  # adopted: watched from now
             if h.zone is not None and not any(x.pid == h.pid for x in self.zones.held.values()):
                 # Adopted after a controller restart: its zone counts it again.
                 with contextlib.suppress(psutil.Error):
@@ -475,6 +487,38 @@ class LocalInfra:
         else:
             detail = f"exited with code {code}"
         return InstanceState(InstanceKind.EXITED, exit_code=code, detail=detail)
+
+    def watch_exits(self, callback: ExitCallback) -> None:
+        """`WatchesExits`: a replica whose process ends is reported at once (a pidfd per
+        replica's leader process on the event loop), not at the next poll."""
+        self._on_exit = callback
+
+    def _watch_exit(self, pid: int, service: str, replica_id: int) -> None:
+        """Report the end of `pid` (a replica's leader) as soon as it happens: its pidfd
+        becomes readable then (Linux 5.3 and later; elsewhere polling finds it)."""
+        callback = self._on_exit
+        if callback is None or pid in self._watched or not hasattr(os, "pidfd_open"):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+            fd = os.pidfd_open(pid)
+        except (OSError, RuntimeError):
+            return  # already gone (the next poll sees it), or no loop to watch on
+        try:
+            loop.add_reader(fd, self._exited, loop, fd, pid, service, replica_id)
+        except (OSError, ValueError, NotImplementedError):
+            os.close(fd)
+            return
+        self._watched[pid] = fd
+
+    def _exited(
+        self, loop: asyncio.AbstractEventLoop, fd: int, pid: int, service: str, replica_id: int
+    ) -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        self._watched.pop(pid, None)
+        if self._on_exit is not None:
+            self._on_exit(service, replica_id)
 
     async def terminate(self, handle: str | None, launch_token: str) -> None:
         h = LocalHandle.from_json(handle) if handle else None

@@ -1,16 +1,22 @@
 """`Store`: the only code that reads and writes the database.
 
-SQLite in WAL mode under FLEETSERVE_HOME by default; any SQLAlchemy URL works. The schema is
-created and upgraded by Alembic when the store opens. Methods return frozen records.
+SQLite in WAL mode under FLEETSERVE_HOME by default, or PostgreSQL (psycopg 3) at
+FLEETSERVE_DB_URL (docs/scaling.md). The schema is created and upgraded by Alembic when the
+store opens, with the same migrations on both. Methods return frozen records.
+
+Writers may race on PostgreSQL (two controllers on one database, or threads), where SQLite
+has one writer at a time: each read-then-write below is kept safe there by a row lock, a
+unique constraint and a retry, or an advisory lock (`_serialize`), as its comment says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,9 @@ from fleetserve.core.types import (
     ServiceRecord,
     VersionRecord,
 )
+from fleetserve.store import leader
 from fleetserve.store import tables as t
+from fleetserve.store.url import is_postgres, mask_url, normalize_db_url, url_password
 
 log = logging.getLogger("fleetserve.store")
 # Told of each replica status change once it is committed: (status before or None for a new
@@ -41,6 +49,14 @@ _MIGRATIONS = Path(__file__).parent / "migrations"
 _KNOWN_REVISIONS = {p.name.split("_", 1)[0] for p in (_MIGRATIONS / "versions").glob("0*.py")}
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 HOME_ID_LENGTH = 12  # hex digits: short enough to prefix every launch token
+PG_CONNECT_TIMEOUT = 10  # seconds: an unreachable PostgreSQL server fails a start, never hangs it
+# PostgreSQL advisory locks, held until their transaction ends: one migration at a time, and
+# events (and a launch's job ids) committed in the order of their ids (`_serialize`).
+_PG_MIGRATE_LOCK = 0x666C_7331
+_PG_WRITE_ORDER_LOCK = 0x666C_7332
+# PostgreSQL's INTEGER is 32 bits (SQLite's 64): a larger value compared with an id column is
+# an error there ("integer out of range"), not a row that is not found.
+_PG_INT_MAX = 2**31 - 1
 
 
 class UnusableStore(TerminalError):
@@ -108,15 +124,32 @@ def _service(row: Row[Any]) -> ServiceRecord:
 
 class Store:
     def __init__(self, url: str) -> None:
-        self.url = url
+        self.postgres = is_postgres(url)
+        self.url = normalize_db_url(url) if self.postgres else url
         self.replica_listeners: list[ReplicaListener] = []
-        self.engine: Engine = create_engine(url, future=True)
-        if url.startswith("sqlite"):
+        # (holder, generation) of this controller's lease when it runs with a standby: every
+        # write checks it first (fleetserve.store.leader). None: the only controller.
+        self.fence: tuple[str, int] | None = None
+        options: dict[str, Any] = {}
+        if self.postgres:
+            # pre_ping: a connection the server dropped (a restart, a failover) is replaced
+            # before use. repr(engine) and SQLAlchemy's logs mask the password.
+            options = {
+                "pool_pre_ping": True,
+                "connect_args": {
+                    "connect_timeout": PG_CONNECT_TIMEOUT,
+                    "application_name": "fleetserve",
+                },
+            }
+        self.engine: Engine = create_engine(self.url, future=True, **options)
+        if self.url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         try:
             self._migrate()
         except DatabaseError as e:
             self.engine.dispose()
+            if self.postgres:
+                raise UnusableStore(self._postgres_problem(e)) from None
             raise UnusableStore(
                 f"{self._where()} cannot be read ({e.orig}): restore it from a backup, or move "
                 "it away to start an empty home (running replicas are left alone)"
@@ -125,19 +158,112 @@ class Store:
             self.engine.dispose()
             raise
 
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """A write transaction; with a fence (high availability), it first checks that this
+        controller still holds the lease, and keeps a takeover out until it commits."""
+        with self.engine.begin() as conn:
+            if self.fence is not None:
+                leader.check(conn, *self.fence)
+            yield conn
+
+    # -- the active controller's lease (fleetserve.store.leader) ----------------------------
+
+    def acquire_lease(
+        self, holder: str, address: str, now: float, ttl: float
+    ) -> leader.Lease | None:
+        with self.engine.begin() as conn:
+            return leader.acquire(conn, holder, address, now, ttl)
+
+    def renew_lease(self, holder: str, generation: int, now: float, ttl: float) -> bool:
+        with self.engine.begin() as conn:
+            return leader.renew(conn, holder, generation, now, ttl)
+
+    def release_lease(self, holder: str, generation: int, now: float) -> None:
+        with self.engine.begin() as conn:
+            leader.release(conn, holder, generation, now)
+
+    def lease(self) -> leader.Lease | None:
+        with self.engine.connect() as conn:
+            return leader.read(conn)
+
     @classmethod
     def at_path(cls, path: Path) -> Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         check_sqlite_file(path)
         return cls(f"sqlite:///{path}")
 
+    @classmethod
+    def open(cls, path: Path, url: str | None = None) -> Store:
+        """PostgreSQL at `url` (fleetserve.store.url.resolve_db_url), else SQLite at `path`."""
+        return cls(url) if url else cls.at_path(path)
+
     def _where(self) -> str:
-        return self.url.removeprefix("sqlite:///") if self.url.startswith("sqlite") else "the db"
+        if self.url.startswith("sqlite"):
+            return self.url.removeprefix("sqlite:///")
+        return mask_url(self.url)  # never the password
+
+    @property
+    def where(self) -> str:
+        """The database, for messages and logs: the SQLite file, or the URL without password."""
+        return self._where()
+
+    def _postgres_problem(self, e: DatabaseError) -> str:
+        """One line saying why PostgreSQL cannot be used (unreachable, refused login, no such
+        database, ...), with the URL's password masked and scrubbed from the driver's words."""
+        from sqlalchemy.engine import make_url
+
+        u = make_url(self.url)
+        socket_dir = u.query.get("host")  # ?host=/var/run/postgresql: a unix socket
+        server = f"{u.host or socket_dir or 'localhost'}:{u.port or 5432}"
+        lines = [ln.strip() for ln in str(e.orig or e).splitlines() if ln.strip()]
+        detail = lines[0][:300] if lines else type(e).__name__
+        password = url_password(self.url)
+        if password:
+            detail = detail.replace(password, "***")
+        low, state = detail.lower(), getattr(e.orig, "sqlstate", None)
+        if state in ("28P01", "28000") or "authentication failed" in low or "no password" in low:
+            return (
+                f"PostgreSQL at {server} refused the login of user {u.username!r} (wrong "
+                f"password or user?): fix FLEETSERVE_DB_URL ({self.where})"
+            )
+        if state == "3D000" or ("database" in low and "does not exist" in low):
+            return (
+                f"the PostgreSQL database {u.database!r} does not exist on {server}: create it "
+                f"(createdb -O {u.username or 'USER'} {u.database}) or fix FLEETSERVE_DB_URL "
+                f"({self.where})"
+            )
+        unreachable = (
+            "connection refused",
+            "could not connect",
+            "timeout expired",
+            "could not translate host",
+            "failed to resolve",
+            "name or service not known",
+            "no route to host",
+            "network is unreachable",
+            "no such file or directory",  # a unix socket
+        )
+        if any(m in low for m in unreachable):
+            why = next(m for m in unreachable if m in low)
+            return (
+                f"cannot reach the PostgreSQL server at {server} ({why}): is it running and "
+                f"listening there? (FLEETSERVE_DB_URL {self.where})"
+            )
+        if state == "42501" or "permission denied" in low:
+            return (
+                f"cannot use the PostgreSQL database {self.where}: {detail} (the user must own "
+                f"the database: createdb -O {u.username or 'USER'} {u.database}, or ALTER "
+                "DATABASE ... OWNER TO it)"
+            )
+        return f"cannot use the PostgreSQL database {self.where}: {detail}"
 
     def _migrate(self) -> None:
         cfg = Config()
         cfg.set_main_option("script_location", str(_MIGRATIONS))
         with self.engine.begin() as conn:
+            if self.postgres:  # two controllers starting on one new database: one migrates
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATE_LOCK})
             tables = set(inspect(conn).get_table_names())
             if "alembic_version" in tables:
                 found = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
@@ -150,8 +276,12 @@ class Store:
             elif tables:
                 raise UnusableStore(
                     f"{self._where()} holds tables of another program "
-                    f"({', '.join(sorted(tables)[:3])}): point FLEETSERVE_HOME elsewhere, or "
-                    "move the file away"
+                    f"({', '.join(sorted(tables)[:3])}): "
+                    + (
+                        "point FLEETSERVE_DB_URL at an empty database of its own"
+                        if self.postgres
+                        else "point FLEETSERVE_HOME elsewhere, or move the file away"
+                    )
                 )
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
@@ -164,22 +294,35 @@ class Store:
         A database copied or moved into another home refuses: its rows name processes of the
         first home, which this controller must neither adopt nor stop."""
         where = str(home.resolve())
-        with self.engine.begin() as conn:
-            rows = {str(k): str(v) for k, v in conn.execute(select(t.meta.c.key, t.meta.c.value))}
-            home_id, owner = rows.get("home_id"), rows.get("home_path")
-            if home_id is None:
-                home_id = secrets.token_hex(HOME_ID_LENGTH // 2)
-                conn.execute(insert(t.meta).values(key="home_id", value=home_id))
-                conn.execute(insert(t.meta).values(key="home_path", value=where))
-                if conn.execute(select(t.services.c.name).limit(1)).first() is not None:
-                    # Upgraded from before home ids: its running processes carry none.
-                    conn.execute(insert(t.meta).values(key="legacy_home", value=str(home)))
-                return home_id
+        for attempt in range(2):
+            try:
+                with self.engine.begin() as conn:
+                    rows = {
+                        str(k): str(v)
+                        for k, v in conn.execute(select(t.meta.c.key, t.meta.c.value))
+                    }
+                    home_id, owner = rows.get("home_id"), rows.get("home_path")
+                    if home_id is None:
+                        home_id = secrets.token_hex(HOME_ID_LENGTH // 2)
+                        conn.execute(insert(t.meta).values(key="home_id", value=home_id))
+                        conn.execute(insert(t.meta).values(key="home_path", value=where))
+                        if conn.execute(select(t.services.c.name).limit(1)).first() is not None:
+                            # Upgraded from before home ids: its running processes carry none.
+                            conn.execute(insert(t.meta).values(key="legacy_home", value=str(home)))
+                        return home_id
+                break
+            except IntegrityError:  # another controller claimed it meanwhile: read its claim
+                if attempt:
+                    raise
         if owner != where:
+            fix = (
+                "or point FLEETSERVE_DB_URL at another database"
+                if self.postgres
+                else "or move the file away to start an empty home here"
+            )
             raise UnusableStore(
                 f"{self._where()} belongs to the fleetserve home {owner} (copied or moved?): "
-                f"use FLEETSERVE_HOME={owner}, or move the file away to start an empty home "
-                "here; no process was touched"
+                f"use FLEETSERVE_HOME={owner}, {fix}; no process was touched"
             )
         return str(home_id)
 
@@ -208,7 +351,7 @@ class Store:
         self, name: str, yaml_text: str, spec_json: str, now: float
     ) -> ServiceRecord:
         try:
-            with self.engine.begin() as conn:
+            with self._write() as conn:
                 conn.execute(
                     insert(t.services).values(
                         name=name,
@@ -256,7 +399,7 @@ class Store:
             raise ValueError(f"not service columns: {sorted(unknown)}")
         if isinstance(changes.get("phase"), ServicePhase):
             changes["phase"] = changes["phase"].value
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 update(t.services)
                 .where(t.services.c.name == name)
@@ -275,7 +418,7 @@ class Store:
             if svc.lb_port is not None and svc.lb_secret:
                 return svc
             try:
-                with self.engine.begin() as conn:
+                with self._write() as conn:
                     taken = {
                         int(p)
                         for p in conn.execute(
@@ -303,14 +446,18 @@ class Store:
         raise Conflict(f"could not reserve a load-balancer port for {name!r}: try again")
 
     def delete_service(self, name: str) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             for table in (t.policy_state, t.events, t.replicas, t.versions):
                 conn.execute(delete(table).where(table.c.service == name))
             conn.execute(delete(t.services).where(t.services.c.name == name))
 
     def add_version(self, service: str, yaml_text: str, spec_json: str, now: float) -> int:
         """Store a new version of the service's spec; returns its number."""
-        with self.engine.begin() as conn:
+        with self._write() as conn:
+            # The service's row locked (PostgreSQL) first: two at once would both take latest+1.
+            conn.execute(
+                select(t.services.c.name).where(t.services.c.name == service).with_for_update()
+            )
             latest = conn.execute(
                 select(t.versions.c.version)
                 .where(t.versions.c.service == service)
@@ -346,14 +493,22 @@ class Store:
         self, service: str, version: int, infra: str, token: str, now: float, spot: bool = False
     ) -> ReplicaRecord:
         """Take the next replica id (never reused) and write its PENDING row, atomically."""
-        with self.engine.begin() as conn:
-            next_id = conn.execute(
-                select(t.services.c.next_replica_id).where(t.services.c.name == service)
-            ).scalar_one()
+        with self._write() as conn:
+            # Increment first, then read: the UPDATE row-locks the service (PostgreSQL), so a
+            # concurrent writer waits and reads the id after ours; read-then-write would hand
+            # both the same id. On SQLite it takes the write lock at once.
             conn.execute(
                 update(t.services)
                 .where(t.services.c.name == service)
-                .values(next_replica_id=next_id + 1, updated_at=now)
+                .values(next_replica_id=t.services.c.next_replica_id + 1, updated_at=now)
+            )
+            next_id = (
+                int(
+                    conn.execute(
+                        select(t.services.c.next_replica_id).where(t.services.c.name == service)
+                    ).scalar_one()
+                )
+                - 1
             )
             conn.execute(
                 insert(t.replicas).values(
@@ -400,6 +555,19 @@ class Store:
             ).all()
         return [_replica(r) for r in rows]
 
+    def replicas_by_service(self) -> dict[str, list[ReplicaRecord]]:
+        """Every service's replicas (by id) in one read: a listing of every service asks
+        once, not once per service."""
+        out: dict[str, list[ReplicaRecord]] = {}
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(t.replicas).order_by(t.replicas.c.service, t.replicas.c.replica_id)
+            ).all()
+        for r in rows:
+            rec = _replica(r)
+            out.setdefault(rec.service, []).append(rec)
+        return out
+
     def update_replica(
         self, rec: ReplicaRecord, now: float, message: str | None = None, **changes: Any
     ) -> ReplicaRecord:
@@ -410,7 +578,7 @@ class Store:
         new_status = changes.get("status")
         if isinstance(new_status, ReplicaStatus):
             changes["status"] = new_status.value
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 update(t.replicas)
                 .where(
@@ -449,7 +617,7 @@ class Store:
                 log.exception("a replica listener failed")
 
     def delete_replica(self, service: str, replica_id: int, now: float, message: str) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 delete(t.replicas).where(
                     t.replicas.c.service == service, t.replicas.c.replica_id == replica_id
@@ -470,6 +638,7 @@ class Store:
         status_from: str | None = None,
         status_to: str | None = None,
     ) -> None:
+        self._serialize(conn)
         conn.execute(
             insert(t.events).values(
                 service=service,
@@ -482,10 +651,19 @@ class Store:
             )
         )
 
+    def _serialize(self, conn: Connection) -> None:
+        """PostgreSQL: hold the write-order lock until this transaction ends, so that events
+        (and a launch's job ids) commit in the order of their ids, as on SQLite; a follower
+        of `list_events(after=ID)` then never skips one committed late under a lower id.
+        Taken last in a write (`_event`), or first by one that waits for no row lock after
+        it (`add_jobs`), so it never closes a cycle of waits."""
+        if self.postgres:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_WRITE_ORDER_LOCK})
+
     def add_event(
         self, service: str, now: float, kind: str, message: str, replica_id: int | None = None
     ) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             self._event(conn, service, now, kind, message, replica_id)
 
     def list_events(
@@ -496,6 +674,8 @@ class Store:
         query = select(t.events).where(t.events.c.service == service)
         with self.engine.connect() as conn:
             if after is not None:
+                if self.postgres and after >= _PG_INT_MAX:  # the API takes any 64-bit id
+                    return []
                 rows = conn.execute(
                     query.where(t.events.c.id > after).order_by(t.events.c.id).limit(limit)
                 ).all()
@@ -512,22 +692,40 @@ class Store:
             ).scalar_one_or_none()
         return None if raw is None else dict(json.loads(raw))
 
+    def policy_states(self, policy: str) -> dict[str, dict[str, Any]]:
+        """One policy's state of every service that has one, in one read."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(t.policy_state.c.service, t.policy_state.c.state_json).where(
+                    t.policy_state.c.policy == policy
+                )
+            ).all()
+        return {str(service): dict(json.loads(raw)) for service, raw in rows}
+
     def put_policy_state(
         self, service: str, policy: str, state: dict[str, Any], now: float
     ) -> None:
         payload = json.dumps(state, sort_keys=True)
-        with self.engine.begin() as conn:
-            done = conn.execute(
-                update(t.policy_state)
-                .where(t.policy_state.c.service == service, t.policy_state.c.policy == policy)
-                .values(state_json=payload, updated_at=now)
-            )
-            if done.rowcount == 0:
-                conn.execute(
-                    insert(t.policy_state).values(
-                        service=service, policy=policy, state_json=payload, updated_at=now
+        for attempt in range(2):
+            try:
+                with self._write() as conn:
+                    done = conn.execute(
+                        update(t.policy_state)
+                        .where(
+                            t.policy_state.c.service == service, t.policy_state.c.policy == policy
+                        )
+                        .values(state_json=payload, updated_at=now)
                     )
-                )
+                    if done.rowcount == 0:
+                        conn.execute(
+                            insert(t.policy_state).values(
+                                service=service, policy=policy, state_json=payload, updated_at=now
+                            )
+                        )
+                return
+            except IntegrityError:  # another writer inserted it meanwhile: update that row
+                if attempt:
+                    raise
 
     # -- jobs (worker pools) ----------------------------------------------------------------
 
@@ -547,7 +745,8 @@ class Store:
             raise ValueError(f"num_jobs must be within 1..{MAX_JOBS_PER_LAUNCH}")
         envs_json = json.dumps(envs, sort_keys=True)
         ids: list[int] = []
-        with self.engine.begin() as conn:
+        with self._write() as conn:
+            self._serialize(conn)  # PostgreSQL: one launch's ids in a row, never interleaved
             if (
                 conn.execute(select(t.services.c.name).where(t.services.c.name == pool)).first()
                 is None
@@ -628,7 +827,7 @@ class Store:
         q = update(t.jobs).where(t.jobs.c.job_id == job.job_id)
         if expect is not None:
             q = q.where(t.jobs.c.status == expect.value)
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             done = conn.execute(q.values(updated_at=now, **changes))
             if done.rowcount == 0:
                 return None

@@ -152,3 +152,15 @@ meta = Table(
     Column("key", String(64), primary_key=True),
     Column("value", Text, nullable=False),
 )
+
+# Migration 0006: the active controller's lease (fleetserve.store.leader).
+leader = Table(
+    "leader",
+    metadata,
+    Column("name", String(32), primary_key=True),
+    Column("holder", String(128), nullable=False),
+    Column("generation", Integer, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("address", String(256), nullable=False),
+    Column("renewed_at", Float, nullable=False),
+)

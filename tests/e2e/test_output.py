@@ -167,6 +167,10 @@ def test_completion_offers_the_running_services_names(fleet: Fleet) -> None:
         assert done.stdout.split() == want
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Lines:
     """A background CLI's stdout, line by line, read by a thread (every wait bounded)."""
 
@@ -177,6 +181,9 @@ class Lines:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # As from a terminal: a run started in the background (`cmd &`, nohup, some CI
+            # runners) hands its children SIGINT ignored, and Ctrl-C would then do nothing.
+            preexec_fn=_default_sigint,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -6,6 +6,7 @@ import httpx
 
 from fleetserve.controller.prober import Prober
 from fleetserve.core.types import ReplicaKey
+from fleetserve.policies.fleet import ProbeResult
 from fleetserve.spec.models import ReadinessProbe
 
 from .fakes import settle
@@ -51,3 +52,35 @@ def test_a_probe_failure_says_what_it_usually_means() -> None:
     closed = _explain(httpx.ReadError(""), "http://127.0.0.1:4000/")
     assert closed == "ReadError: the connection was closed before any answer (see the log)"
     assert _explain(httpx.ReadError("boom"), "http://127.0.0.1:4000/") == "ReadError: boom"
+
+
+async def test_a_passing_probe_of_a_ready_replica_wakes_no_one() -> None:
+    """quiet_if_ok: a READY replica that still answers is nothing to act on (with a thousand
+    replicas a wake-up per probe meant back-to-back rounds); a failure still wakes."""
+    healthy = [True]
+
+    def answer(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200 if healthy[0] else 503)
+
+    woken: list[float] = []
+    url = "http://svc-1.test:8000"
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        prober = Prober(client)
+        key = ReplicaKey("svc", 1)
+
+        def probe(now: float, quiet: bool) -> None:
+            wake = lambda: woken.append(now)  # noqa: E731
+            prober.maybe_start(key, url, PROBE, now, 1.0, wake, quiet_if_ok=quiet)
+
+        probe(10.0, quiet=True)
+        await settle()
+        assert woken == [] and prober.take(key) == ProbeResult(True, "GET /health -> 200")
+        healthy[0] = False
+        probe(11.0, quiet=True)
+        await settle()
+        assert woken == [11.0] and prober.take(key) == ProbeResult(False, "GET /health -> HTTP 503")
+        healthy[0] = True
+        probe(12.0, quiet=False)  # a STARTING replica: every result wakes
+        await settle()
+        assert woken == [11.0, 12.0]
+        prober.close()

@@ -104,6 +104,38 @@ async def test_run_exit_code_is_recorded(infra: LocalInfra, tmp_path: Path) -> N
     assert state.kind is InstanceKind.EXITED and state.exit_code == 3
 
 
+async def test_a_replica_that_ends_is_reported_at_once_launched_or_adopted(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    """`watch_exits`: the end of a replica's process is told as it happens (no poll), for a
+    replica this infra launched and for one a restarted controller adopted."""
+    ended: list[tuple[str, int]] = []
+    infra.watch_exits(lambda service, replica_id: ended.append((service, replica_id)))
+    launched = await infra.launch(request(tmp_path, run="sleep 0.3; exit 3", setup=None))
+    for _ in range(100):
+        if ended:
+            break
+        await asyncio.sleep(0.05)
+    assert ended == [("svc", 1)]
+    state = await infra.poll(launched.handle)
+    assert state.kind is InstanceKind.EXITED and state.exit_code == 3
+
+    other = await infra.launch(request(tmp_path, token="tok-2", replica_id=2))
+    fresh = LocalInfra(infra.home, grace_seconds=2, home_id=infra.home_id)  # a restart
+    told: list[tuple[str, int]] = []
+    fresh.watch_exits(lambda service, replica_id: told.append((service, replica_id)))
+    try:
+        assert (await fresh.poll(other.handle)).kind is InstanceKind.RUNNING  # adopted, watched
+        os.killpg(json.loads(other.handle)["pid"], signal.SIGKILL)
+        for _ in range(100):
+            if told:
+                break
+            await asyncio.sleep(0.05)
+        assert told == [("svc", 2)]
+    finally:
+        await infra.terminate(other.handle, "tok-2")
+
+
 async def test_an_adopted_replica_is_polled_by_pid_and_start_time(
     infra: LocalInfra, tmp_path: Path
 ) -> None:

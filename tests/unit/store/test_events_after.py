@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fleetserve.store import Store
 
 
 def test_events_after_an_id_are_the_next_ones_oldest_first_bounded_by_limit(
-    tmp_path: Path,
+    store: Store,
 ) -> None:
-    store = Store.at_path(tmp_path / "db.sqlite")
     store.create_service("a", "y", "{}", 1.0)
     store.create_service("b", "y", "{}", 1.0)
     for i in range(5):
@@ -28,6 +25,7 @@ def test_events_after_an_id_are_the_next_ones_oldest_first_bounded_by_limit(
         last = batch[-1].id
     assert seen == [e.message for e in everything]  # each once, in order, none of b's
     assert store.list_events("a", limit=10, after=ids[-1]) == []
+    assert store.list_events("a", limit=10, after=2**63 - 1) == []  # past PostgreSQL's INTEGER
     store.add_event("a", 20.0, "note", "new")
     assert [e.message for e in store.list_events("a", limit=10, after=ids[-1])] == ["new"]
     store.close()

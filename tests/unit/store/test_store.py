@@ -1,4 +1,5 @@
-"""The store on a real SQLite file: migrations, ids never reused, events, policy state."""
+"""The store on a real SQLite file and a real PostgreSQL database (the `backend` fixture,
+conftest.py): migrations, ids never reused, events, policy state, identity."""
 
 from __future__ import annotations
 
@@ -10,15 +11,11 @@ from sqlalchemy import inspect, text
 from fleetserve.core.errors import Conflict, NotFound
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.store import Store
-from fleetserve.store.db import UnusableStore
+from fleetserve.store.db import _KNOWN_REVISIONS, UnusableStore
+from tests.unit.store.conftest import Backend
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store.at_path(tmp_path / "db.sqlite")
-
-
-def test_schema_is_created_by_alembic_in_wal_mode(store: Store) -> None:
+def test_schema_is_created_by_alembic_in_wal_mode(store: Store, backend: Backend) -> None:
     tables = set(inspect(store.engine).get_table_names())
     assert {
         "services",
@@ -29,15 +26,17 @@ def test_schema_is_created_by_alembic_in_wal_mode(store: Store) -> None:
         "alembic_version",
     } <= tables
     with store.engine.connect() as conn:
-        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
+        if backend.name == "sqlite":
+            assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        head = max(_KNOWN_REVISIONS)
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == head
 
 
-def test_reopening_keeps_data(tmp_path: Path) -> None:
-    s1 = Store.at_path(tmp_path / "db.sqlite")
+def test_reopening_keeps_data(backend: Backend) -> None:
+    s1 = backend.open()
     s1.create_service("a", "yaml", "{}", 1.0)
     s1.close()
-    s2 = Store.at_path(tmp_path / "db.sqlite")
+    s2 = backend.open()
     assert s2.service("a").name == "a"
     assert s2.version("a", 1).yaml_text == "yaml"
 
@@ -86,15 +85,16 @@ def test_policy_state_round_trip_and_delete_service_removes_everything(store: St
             assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0
 
 
-def test_a_database_of_the_first_schema_is_upgraded_in_place(tmp_path: Path) -> None:
+def test_a_database_of_the_first_schema_is_upgraded_in_place(backend: Backend) -> None:
     """A store written before migration 0002 opens with its rows intact and the new columns."""
     from alembic import command
     from alembic.config import Config
     from sqlalchemy import create_engine
 
     from fleetserve.store.db import _MIGRATIONS
+    from fleetserve.store.url import is_postgres, normalize_db_url
 
-    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    url = normalize_db_url(backend.url) if is_postgres(backend.url) else backend.url
     engine = create_engine(url)
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
@@ -104,11 +104,11 @@ def test_a_database_of_the_first_schema_is_upgraded_in_place(tmp_path: Path) -> 
         conn.execute(
             text(
                 "INSERT INTO services (name, phase, active_version, created_at, updated_at, "
-                "next_replica_id, purge) VALUES ('old', 'ACTIVE', 1, 1.0, 1.0, 3, 0)"
+                "next_replica_id, purge) VALUES ('old', 'ACTIVE', 1, 1.0, 1.0, 3, false)"
             )
         )
     engine.dispose()
-    store = Store(url)
+    store = backend.open()
     svc = store.service("old")
     assert svc.next_replica_id == 3 and svc.stable_version is None and svc.serving_version == 1
     store.create_service("new", "y", "{}", 2.0)
@@ -150,40 +150,39 @@ def test_a_truncated_database_is_refused(tmp_path: Path) -> None:
         Store.at_path(db)
 
 
-def test_a_database_of_another_program_is_refused(tmp_path: Path) -> None:
-    import sqlite3
-
-    db = tmp_path / "fleetserve.db"
-    with sqlite3.connect(db) as conn:
-        conn.execute("CREATE TABLE customers (id INTEGER)")
+def test_a_database_of_another_program_is_refused(backend: Backend) -> None:
+    backend.sql("CREATE TABLE customers (id INTEGER)")
     with pytest.raises(UnusableStore, match="tables of another program"):
-        Store.at_path(db)
+        backend.open()
 
 
-def test_a_database_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
-    db = tmp_path / "fleetserve.db"
-    Store.at_path(db).close()
-    import sqlite3
-
-    with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE alembic_version SET version_num = '0999'")
+def test_a_database_of_a_newer_schema_is_refused(backend: Backend) -> None:
+    backend.open().close()
+    backend.sql("UPDATE alembic_version SET version_num = '0999'")
     with pytest.raises(UnusableStore, match="schema revision 0999, newer than"):
-        Store.at_path(db)
+        backend.open()
+    backend.sql("SELECT 1 FROM services")  # refused before anything was changed or dropped
 
 
-def test_a_database_belongs_to_the_home_that_first_used_it(tmp_path: Path) -> None:
+def test_a_database_belongs_to_the_home_that_first_used_it(
+    tmp_path: Path, backend: Backend
+) -> None:
     import shutil
 
     first, second = tmp_path / "first", tmp_path / "second"
-    s = Store.at_path(first / "fleetserve.db")
+    s = Store.at_path(first / "fleetserve.db") if backend.path else backend.open()
     home_id = s.claim_home(first)
     assert len(home_id) == 12 and s.claim_home(first) == home_id  # stable
     s.close()
     second.mkdir()
-    shutil.copy(first / "fleetserve.db", second / "fleetserve.db")
-    copy = Store.at_path(second / "fleetserve.db")
+    if backend.path:  # SQLite: the file copied into another home
+        shutil.copy(first / "fleetserve.db", second / "fleetserve.db")
+        copy = Store.at_path(second / "fleetserve.db")
+    else:  # PostgreSQL: another home's controller pointed at the same database
+        copy = backend.open()
     with pytest.raises(UnusableStore, match=f"belongs to the fleetserve home {first}"):
         copy.claim_home(second)
+    copy.close()
 
 
 # -- load-balancer ports --------------------------------------------------------------------
@@ -213,11 +212,14 @@ def test_two_services_can_never_hold_one_port(store: Store) -> None:
         store.update_service("b", 2.0, lb_port=31000)
 
 
-def test_a_home_upgraded_with_services_in_it_remembers_its_legacy_path(tmp_path: Path) -> None:
-    s = Store.at_path(tmp_path / "a" / "fleetserve.db")
-    s.claim_home(tmp_path / "a")
-    assert s.legacy_home() is None  # a new home: every process it starts has the id
-    s2 = Store.at_path(tmp_path / "b" / "fleetserve.db")
-    s2.create_service("old", "y", "{}", 1.0)  # rows from before home ids
-    s2.claim_home(tmp_path / "b")
-    assert s2.legacy_home() == str(tmp_path / "b")
+def test_a_new_home_has_no_legacy_path(tmp_path: Path, store: Store) -> None:
+    store.claim_home(tmp_path / "a")
+    assert store.legacy_home() is None  # a new home: every process it starts has the id
+
+
+def test_a_home_upgraded_with_services_in_it_remembers_its_legacy_path(
+    tmp_path: Path, store: Store
+) -> None:
+    store.create_service("old", "y", "{}", 1.0)  # rows from before home ids
+    store.claim_home(tmp_path / "b")
+    assert store.legacy_home() == str(tmp_path / "b")
