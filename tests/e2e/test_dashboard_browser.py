@@ -208,6 +208,39 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, browser: Browser) -> None:
         events = page.locator("table.events").inner_text()
         assert "PREEMPTED" in events or "FAILED" in events
         shot(page, "replaced")
+
+        # Scaled and rolled out: beta to 3 replicas in a new version that starts slowly
+        # enough for the page to show both versions side by side.
+        page.click("a[href='#/']")
+        page.click("a[href='#/service/beta']")
+        page.wait_for_selector("table.replicas tr[data-replica]")
+        slower = (
+            SERVICE.format(name="beta", workdir=fleet.workdir)
+            .replace("replicas: 2", "replicas: 3")
+            .replace("run: python3 server.py", "run: sleep 3; python3 server.py")
+        )
+        fleet.cli("update", "beta", str(fleet.write_service("beta-v2", slower)), timeout=120)
+        versions = page.locator("#rollout tr[data-version]")
+        until(
+            "both versions in the rollout table",
+            lambda: (
+                versions.count() == 2 and "Rolling out version 2" in page.inner_text("#rollout")
+            ),
+        )
+        shot(page, "rollout")
+        until(
+            "3 READY replicas of version 2, version 1 gone",
+            lambda: (
+                page.locator("table.replicas [data-status=READY]").count() == 3
+                and versions.count() == 1
+                and versions.first.get_attribute("data-version") == "2"
+            ),
+            timeout=90,
+        )
+        page.click("a[href='#/']")
+        beta_ready = page.locator("tr[data-service=beta] [data-ready]")
+        until("the list showing beta at 3/3", lambda: beta_ready.get_attribute("data-ready") == "3")
+        assert "3/3" in page.locator("tr[data-service=beta]").inner_text()
         assert problems == [], problems
     finally:
         shot(page, "last")  # what the page showed at the end (or when a check failed)
