@@ -42,6 +42,7 @@ from fleetserve.infra.local import open_private
 from fleetserve.infra.procs import started_as
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
+BUSY_WAIT_SECONDS = 10.0  # for a controller whose port is open but that does not answer yet
 
 
 def _read_text(path: str | Path) -> str:
@@ -108,7 +109,7 @@ def start_server(settings: Settings, wait: float = 30.0) -> int:
         env["FLEETSERVE_DB_URL"] = settings.db_url
     if settings.db_url_file:
         env["FLEETSERVE_DB_URL_FILE"] = str(settings.db_url_file)
-    out = open_private(settings.logs_dir / "controller.log")
+    out = open_private(settings.controller_log)
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fleetserve.api.server"],
@@ -130,7 +131,7 @@ def start_server(settings: Settings, wait: float = 30.0) -> int:
                 failed = FleetserveError(
                     last.removeprefix("fleetserve controller: ")
                     or f"the controller exited at start (code {proc.returncode}); see "
-                    f"{settings.logs_dir / 'controller.log'}"
+                    f"{settings.controller_log}"
                 )
                 if proc.returncode in (2, 6):  # invalid settings; an unusable database or home
                     failed.exit_code = proc.returncode
@@ -290,6 +291,21 @@ class Client:
                 raise TransientError(
                     f"no fleetserve controller answers at {self.url} "
                     "(start one with `fleetserve server start`)"
+                )
+            port = urlsplit(self.url).port or self.settings.api_port
+            deadline = time.monotonic() + BUSY_WAIT_SECONDS
+            while listener_uids(port) and time.monotonic() < deadline:
+                if self.healthy():  # a controller that was just starting
+                    self._checked = True
+                    return
+                time.sleep(0.2)
+            if listener_uids(port):
+                # Something holds the port but does not answer: starting another controller
+                # would only fail to bind it.
+                raise TransientError(
+                    f"the controller on port {port} does not answer its health check (busy "
+                    f"with too many connections, or not a fleetserve controller): retry, or "
+                    f"see {self.settings.controller_log}"
                 )
             start_server(self.settings)
         self._checked = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy.exc import OperationalError
 
 from fleetserve._version import __version__
-from fleetserve.api.auth import WRITE_METHODS, ApiGuard, allowed_host_names
+from fleetserve.api.auth import WRITE_METHODS, ApiGuard, Sessions, allowed_host_names
 from fleetserve.api.dashboard import add_dashboard
 from fleetserve.api.etag import ETags
 from fleetserve.api.models import (
@@ -70,12 +71,18 @@ _ERRORS: dict[int | str, dict[str, object]] = {
 
 
 def _handle_field(r: ReplicaRecord, key: str) -> object:
-    if not r.handle:
-        return None
+    return _handle_fields(r.handle).get(key) if r.handle else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _handle_fields(handle: str) -> dict[str, object]:
+    """A handle's JSON fields (read-only). A replica's handle never changes, and a listing
+    of every service shows each replica's: parsed once, not twice per replica per call."""
     try:
-        return json.loads(r.handle).get(key)
-    except (ValueError, AttributeError):
-        return None
+        parsed = json.loads(handle)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def _endpoint_host(ctl: Controller, svc: ServiceRecord) -> str:
@@ -223,11 +230,13 @@ def create_app(
         return wake_token(svc.lb_secret) if svc is not None and svc.lb_secret else None
 
     api_token = token if token is not None else ensure_token(ctl.settings.token_file)
-    add_dashboard(app, api_token, secure_cookie=ctl.settings.tls_certfile is not None)
+    sessions = Sessions(api_token)  # the dashboard's cookies, checked by the guard too
+    add_dashboard(app, api_token, sessions, secure_cookie=ctl.settings.tls_certfile is not None)
     app.add_middleware(ETags)  # inside the guard: only answers it let through are tagged
     app.add_middleware(
         ApiGuard,
         token=api_token,
+        sessions=sessions,
         hosts=allowed_host_names(ctl.settings),
         wake_secret=wake_secret,
         max_body=ctl.settings.max_body_bytes,

@@ -14,10 +14,12 @@ See docs/security.md.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import re
+import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -45,26 +47,55 @@ SESSION_COOKIE = "fleetserve_session"
 SESSION_SECONDS = 12 * 3600
 
 
-def _session_mac(token: str, expires: int) -> str:
+def _session_mac(token: str, body: str) -> str:
     key = hashlib.sha256(f"fleetserve-dashboard-session:{token}".encode()).digest()
-    return hmac.new(key, str(expires).encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
-def session_value(token: str, now: float) -> str:
-    """The dashboard's cookie: an expiry and a MAC of it keyed by the API token. It is not
-    the token (a leaked cookie expires, and says nothing of the token), and a new token ends
-    every session."""
-    expires = int(now) + SESSION_SECONDS
-    return f"{expires}.{_session_mac(token, expires)}"
+_SESSION = re.compile(r"^([0-9]{1,12})\.([A-Za-z0-9_-]{16})\.([0-9a-f]{64})$")
 
 
-def valid_session(value: str | None, token: str, now: float) -> bool:
-    if not value:
-        return False
-    expires, _, mac = value.partition(".")
-    if not expires.isdigit() or len(expires) > 12 or int(expires) < now:
-        return False
-    return hmac.compare_digest(mac.encode(), _session_mac(token, int(expires)).encode())
+class Sessions:
+    """The dashboard's session cookies: `<expiry>.<id>.<MAC of both keyed by the API token>`.
+
+    A cookie is not the token (a leaked one expires, and says nothing of the token), a new
+    token ends every session, and logging out revokes that session's id here (kept until it
+    would have expired, in memory: a restarted controller forgets revocations, the expiry
+    still holds)."""
+
+    def __init__(self, token: str, max_revoked: int = 10_000) -> None:
+        self.token = token
+        self.max_revoked = max_revoked
+        self._revoked: dict[str, int] = {}  # session id -> its expiry
+
+    def issue(self, now: float) -> str:
+        body = f"{int(now) + SESSION_SECONDS}.{secrets.token_urlsafe(12)}"
+        return f"{body}.{_session_mac(self.token, body)}"
+
+    def _parse(self, value: str | None, now: float) -> tuple[int, str] | None:
+        m = _SESSION.fullmatch(value or "")
+        if m is None:
+            return None
+        expires, sid, mac = int(m.group(1)), m.group(2), m.group(3)
+        if expires < now or expires > now + SESSION_SECONDS + 60:
+            return None
+        good = _session_mac(self.token, f"{m.group(1)}.{sid}")
+        if not hmac.compare_digest(mac.encode(), good.encode()):
+            return None
+        return expires, sid
+
+    def valid(self, value: str | None, now: float) -> bool:
+        parsed = self._parse(value, now)
+        return parsed is not None and parsed[1] not in self._revoked
+
+    def revoke(self, value: str | None, now: float) -> None:
+        parsed = self._parse(value, now)
+        if parsed is None:
+            return
+        self._revoked = {sid: exp for sid, exp in self._revoked.items() if exp >= now}
+        while len(self._revoked) >= self.max_revoked:  # the soonest to expire go first
+            del self._revoked[min(self._revoked, key=self._revoked.__getitem__)]
+        self._revoked[parsed[1]] = parsed[0]
 
 
 def cookie(headers: Iterable[tuple[bytes, bytes]], name: str = SESSION_COOKIE) -> str | None:
@@ -139,9 +170,13 @@ class ApiGuard:
         hosts: frozenset[str],
         wake_secret: Callable[[str], str | None],
         max_body: int = 2 * 1024 * 1024,
+        sessions: Sessions | None = None,
+        body_seconds: float = 10.0,
     ) -> None:
         self.app = app
         self.token = token
+        self.sessions = sessions or Sessions(token)  # the dashboard's (shared with its routes)
+        self.body_seconds = body_seconds
         self.hosts = hosts
         self.wake_secret = wake_secret  # the service's LB secret, for its wake-up calls
         self.max_body = max_body  # bytes; a larger body is answered 413 unread
@@ -153,8 +188,15 @@ class ApiGuard:
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         problem = self.check(scope["method"], scope["path"], headers)
         if problem is None and scope["method"] in WRITE_METHODS:
-            # Bodies are read here, whole and bounded, before anything parses them.
-            body = await self._read_body(receive)
+            # Bodies are read here, whole and bounded in size and time, before anything
+            # parses them: a client that trickles one holds a connection for seconds, not
+            # forever.
+            try:
+                body = await asyncio.wait_for(self._read_body(receive), self.body_seconds)
+            except TimeoutError:
+                message = f"the request body did not arrive within {self.body_seconds:g} s"
+                await self._refuse(send, 408, "timeout", message)
+                return
             if body is None:
                 problem = 413, "too_large", f"the request body exceeds {self.max_body} bytes"
             else:
@@ -230,7 +272,7 @@ class ApiGuard:
             if (
                 given is None
                 and method in READ_METHODS
-                and valid_session(cookie(headers), self.token, time.time())
+                and self.sessions.valid(cookie(headers), time.time())
             ):
                 return None
             if given is None:

@@ -23,9 +23,8 @@ from fleetserve.api.auth import (
     SESSION_COOKIE,
     SESSION_SECONDS,
     STATIC_PREFIX,
+    Sessions,
     cookie,
-    session_value,
-    valid_session,
 )
 
 # Every file the dashboard serves, and its type: nothing else is reachable under the prefix.
@@ -92,7 +91,7 @@ def _read(name: str) -> bytes:
     return resources.files("fleetserve.api").joinpath("static", name).read_bytes()
 
 
-def add_dashboard(app: FastAPI, token: str, secure_cookie: bool) -> None:
+def add_dashboard(app: FastAPI, token: str, sessions: Sessions, secure_cookie: bool) -> None:
     """Routes: `/` (the dashboard, or a redirect to the login page), `/login`, the login and
     logout calls, and the static files."""
     pages = {name: _read(name) for name in ("index.html", "login.html")}
@@ -105,7 +104,7 @@ def add_dashboard(app: FastAPI, token: str, secure_cookie: bool) -> None:
         )
 
     def signed_in(request: Request) -> bool:
-        return valid_session(cookie(request.scope.get("headers", [])), token, time.time())
+        return sessions.valid(cookie(request.scope.get("headers", [])), time.time())
 
     @app.get("/", include_in_schema=False)
     async def index(request: Request) -> Response:
@@ -139,7 +138,7 @@ def add_dashboard(app: FastAPI, token: str, secure_cookie: bool) -> None:
         resp = JSONResponse({"ok": True}, headers=SECURITY_HEADERS)
         resp.set_cookie(
             SESSION_COOKIE,
-            session_value(token, time.time()),
+            sessions.issue(time.time()),
             max_age=SESSION_SECONDS,
             path="/",
             httponly=True,
@@ -149,7 +148,8 @@ def add_dashboard(app: FastAPI, token: str, secure_cookie: bool) -> None:
         return resp
 
     @app.post("/ui/logout", include_in_schema=False)
-    async def logout() -> Response:
+    async def logout(request: Request) -> Response:
+        sessions.revoke(cookie(request.scope.get("headers", [])), time.time())
         resp = JSONResponse({"ok": True}, headers=SECURITY_HEADERS)
         resp.delete_cookie(
             SESSION_COOKIE, path="/", httponly=True, samesite="strict", secure=secure_cookie

@@ -78,7 +78,7 @@ class Controller:
         self.probes = ProbeClient()
         self.lb = LbManager(settings, self.http, self.home_id, legacy)
         # GET /metrics (docs/metrics.md): counts the store's replica transitions from now on.
-        self.metrics = ControllerMetrics(self.store)
+        self.metrics = ControllerMetrics(self.store, active=lambda: self.role == "active")
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._housekeeping: asyncio.Task[None] | None = None
@@ -736,7 +736,7 @@ class Controller:
 
     def log_file(self, which: str, name: str | None) -> Path:
         if which == "controller":
-            return self.settings.logs_dir / "controller.log"
+            return self.settings.controller_log
         if name is None:
             raise InvalidSpec("a service name is needed for its load-balancer log")
         self.store.service(name)

@@ -156,7 +156,10 @@ class ControllerMetrics:
     """The controller's registry: counters of what happened, and the store's collector."""
 
     def __init__(
-        self, store: Store | None = None, timer: Callable[[], float] = time.perf_counter
+        self,
+        store: Store | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+        active: Callable[[], bool] = lambda: True,
     ) -> None:
         self.registry = CollectorRegistry()
         self.timer = timer  # for durations: monotonic seconds
@@ -213,7 +216,7 @@ class ControllerMetrics:
         )
         self._services: dict[str, ServiceMetrics] = {}
         if store is not None:
-            reg.register(FleetCollector(store))
+            reg.register(FleetCollector(store, active))
             store.replica_listeners.append(self.transition)
 
     def service(self, name: str) -> ServiceMetrics:
@@ -264,8 +267,11 @@ def _facts(spec: ServiceTask) -> _Facts:
 class FleetCollector(Collector):
     """Gauges read from the store at each scrape."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, active: Callable[[], bool] = lambda: True) -> None:
         self.store = store
+        # A standby (FLEETSERVE_HA) reports only that it is one: scraping every controller
+        # must not count the fleet twice.
+        self.active = active
         self._facts: dict[tuple[str, float, int], _Facts] = {}
 
     def describe(self) -> Iterable[Metric]:
@@ -292,6 +298,17 @@ class FleetCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
             return GaugeMetricFamily(f"fleetserve_controller_{name}", doc, labels=labels)
+
+        role = gauge(
+            "active",
+            "1 on the active controller, 0 on a standby (the fleet's "
+            "gauges come from the active one only).",
+            [],
+        )
+        acting = self.active()
+        role.add_metric([], 1.0 if acting else 0.0)
+        if not acting:
+            return [role]
 
         s, sv = ["service"], ["service", "version"]
         services = gauge("services", "Services (and pools) the controller runs.", [])
@@ -344,6 +361,7 @@ class FleetCollector(Collector):
             del self._facts[key]  # deleted services and past versions
         services.add_metric([], alive)
         return [
+            role,
             services,
             replicas,
             ready,

@@ -519,7 +519,10 @@ class ServiceReconciler:
             self.settings.api_scheme,
             self.infra.name,
         )
-        ignore = {"replicas", "admin_port"}
+        # The wake URL names the controller that started the LB: after a takeover (or a
+        # restart on another port) the LB stays, and held requests still reach the fleet
+        # through the load report that every round reads.
+        ignore = {"replicas", "admin_port", "wake_url"}
         return running.model_dump(exclude=ignore) != wanted.model_dump(exclude=ignore)
 
     async def _ensure_lb(self, svc: ServiceRecord, spec: ServiceTask) -> ServiceRecord:

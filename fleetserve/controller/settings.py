@@ -158,6 +158,12 @@ class Settings:
         return self.home / (f"server-{self.api_port}.json" if self.ha else "server.json")
 
     @property
+    def controller_log(self) -> Path:
+        """The controller's log; one per API port with high availability."""
+        name = f"controller-{self.api_port}.log" if self.ha else "controller.log"
+        return self.logs_dir / name
+
+    @property
     def lock_file(self) -> Path:
         return self.home / (f"server-{self.api_port}.lock" if self.ha else "server.lock")
 

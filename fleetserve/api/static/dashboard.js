@@ -245,7 +245,12 @@
 
   function route() {
     const m = /^#\/service\/(.+)$/.exec(location.hash);
-    return m ? { service: decodeURIComponent(m[1]) } : { service: null };
+    if (!m) return { service: null };
+    try {
+      return { service: decodeURIComponent(m[1]) };
+    } catch (e) { // a malformed link: shown as the text it is
+      return { service: m[1] };
+    }
   }
 
   async function refresh() {

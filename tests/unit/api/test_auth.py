@@ -91,3 +91,34 @@ def test_two_host_or_origin_or_authorization_headers_are_refused() -> None:
         hdrs = [*headers(origin="http://localhost"), (name, b"evil.example")]
         problem = guard().check("GET", "/api/v1/services", hdrs)
         assert problem is not None and problem[0] == 400, (name, problem)
+
+
+async def test_a_trickled_body_gets_a_408_not_a_connection_held_forever() -> None:
+    """A client that sends headers and then a body byte by byte, or never, is answered once
+    the body's time is up (the slow-body form of slowloris)."""
+    import asyncio
+
+    reached: list[bool] = []
+
+    async def app(_scope: object, _receive: object, _send: object) -> None:
+        reached.append(True)
+
+    guard = ApiGuard(app, TOKEN, HOSTS, {}.get, max_body=1000, body_seconds=0.2)
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}  # never ends
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/api/v1/services",
+        "headers": headers(content_type="application/json", content_length="1000"),
+    }
+    await asyncio.wait_for(guard(scope, receive, send), timeout=5)
+    assert sent[0]["status"] == 408 and not reached
+    assert b"did not arrive within 0.2 s" in sent[1]["body"]  # type: ignore[operator]

@@ -45,7 +45,8 @@ def test_without_a_session_the_dashboard_sends_to_the_login_page(ctl: Controller
 
 
 def test_login_sets_a_cookie_that_reads_but_never_writes(ctl: Controller) -> None:
-    c = browser(ctl)
+    app = create_app(ctl, token=TOKEN)
+    c = TestClient(app, base_url="http://127.0.0.1")
     bad = c.post("/ui/login", json={"token": "nope"})
     assert bad.status_code == 401 and SESSION_COOKIE not in bad.cookies
     r = c.post("/ui/login", json={"token": TOKEN})
@@ -56,8 +57,13 @@ def test_login_sets_a_cookie_that_reads_but_never_writes(ctl: Controller) -> Non
     assert page.status_code == 200 and "/ui/static/dashboard.js" in page.text
     assert c.get("/api/v1/services").json() == []
     assert c.post("/api/v1/services", json={"yaml": "run: x"}).status_code == 401
+    kept = c.cookies[SESSION_COOKIE]
     c.post("/ui/logout", json={})
     assert c.get("/api/v1/services").status_code == 401
+    # a copy of the cookie kept from before the logout is worth nothing either
+    stale = TestClient(app, base_url="http://127.0.0.1")  # the same controller
+    stale.cookies.set(SESSION_COOKIE, kept)
+    assert stale.get("/api/v1/services").status_code == 401
 
 
 def test_static_files_are_a_fixed_list(ctl: Controller) -> None:

@@ -1,5 +1,5 @@
 """The dashboard's session cookie: good for reads of the API, never for a write, never
-without the right MAC, never past its expiry."""
+without the right MAC, never past its expiry or its logout, never a crash on odd bytes."""
 
 from __future__ import annotations
 
@@ -7,14 +7,7 @@ import time
 
 import pytest
 
-from fleetserve.api.auth import (
-    SESSION_COOKIE,
-    SESSION_SECONDS,
-    ApiGuard,
-    cookie,
-    session_value,
-    valid_session,
-)
+from fleetserve.api.auth import SESSION_COOKIE, SESSION_SECONDS, ApiGuard, Sessions, cookie
 
 TOKEN = "t" * 43
 HOSTS = frozenset({"127.0.0.1"})
@@ -24,8 +17,11 @@ async def _app(_scope: object, _receive: object, _send: object) -> None:  # neve
     raise AssertionError
 
 
+SESSIONS = Sessions(TOKEN)
+
+
 def check(method: str, path: str, session: str | None, **extra: str) -> int | None:
-    guard = ApiGuard(_app, TOKEN, HOSTS, {}.get, max_body=1000)
+    guard = ApiGuard(_app, TOKEN, HOSTS, {}.get, max_body=1000, sessions=SESSIONS)
     headers = [(b"host", extra.pop("host", "127.0.0.1:46580").encode())]
     if session is not None:
         headers.append((b"cookie", f"theme=dark; {SESSION_COOKIE}={session}".encode()))
@@ -35,7 +31,7 @@ def check(method: str, path: str, session: str | None, **extra: str) -> int | No
 
 
 def test_a_session_reads_the_api() -> None:
-    good = session_value(TOKEN, time.time())
+    good = SESSIONS.issue(time.time())
     assert check("GET", "/api/v1/services", good) is None
     assert check("GET", "/api/v1/services/x/history", good) is None
     assert check("HEAD", "/api/v1/services", good) is None
@@ -43,30 +39,58 @@ def test_a_session_reads_the_api() -> None:
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
 def test_a_session_never_writes(method: str) -> None:
-    good = session_value(TOKEN, time.time())
+    good = SESSIONS.issue(time.time())
     assert check(method, "/api/v1/services/x", good, content_type="application/json") == 401
 
 
 def test_forged_expired_and_foreign_sessions_are_refused() -> None:
     now = time.time()
-    good = session_value(TOKEN, now)
-    expires, _, mac = good.partition(".")
-    assert check("GET", "/api/v1/services", f"{int(expires) + 999}.{mac}") == 401  # extended
-    assert check("GET", "/api/v1/services", f"{expires}.{'0' * len(mac)}") == 401
-    assert check("GET", "/api/v1/services", session_value("another-token", now)) == 401
+    good = SESSIONS.issue(now)
+    expires, sid, mac = good.split(".")
+    assert check("GET", "/api/v1/services", f"{int(expires) + 999}.{sid}.{mac}") == 401
+    assert check("GET", "/api/v1/services", f"{expires}.{'A' * 16}.{mac}") == 401  # other id
+    assert check("GET", "/api/v1/services", f"{expires}.{sid}.{'0' * 64}") == 401
+    assert check("GET", "/api/v1/services", Sessions("another-token").issue(now)) == 401
     assert check("GET", "/api/v1/services", TOKEN) == 401  # the raw token is not a session
     assert check("GET", "/api/v1/services", "") == 401
     assert check("GET", "/api/v1/services", None) == 401
-    old = session_value(TOKEN, now - SESSION_SECONDS - 10)
-    assert not valid_session(old, TOKEN, now)
+    old = SESSIONS.issue(now - SESSION_SECONDS - 10)
+    assert not SESSIONS.valid(old, now)
     assert check("GET", "/api/v1/services", old) == 401
-    assert not valid_session("9" * 40 + "." + mac, TOKEN, now)  # absurd expiry
+    assert not SESSIONS.valid("9" * 12 + f".{sid}.{mac}", now)  # an expiry far ahead
+
+
+@pytest.mark.parametrize(
+    "odd", ["\u00b2.abc", "\u00b2" * 12 + ".x.y", "1.\u0661" * 3, "..", "1..", "a" * 5000]
+)
+def test_odd_cookies_are_refused_not_crashed_on(odd: str) -> None:
+    guard = ApiGuard(_app, TOKEN, HOSTS, {}.get, sessions=SESSIONS)
+    headers = [(b"host", b"127.0.0.1"), (b"cookie", f"{SESSION_COOKIE}={odd}".encode())]
+    problem = guard.check("GET", "/api/v1/services", headers)
+    assert problem is not None and problem[0] == 401
+
+
+def test_logout_ends_that_session_only() -> None:
+    now = time.time()
+    mine, other = SESSIONS.issue(now), SESSIONS.issue(now)
+    SESSIONS.revoke(mine, now)
+    assert not SESSIONS.valid(mine, now)
+    assert SESSIONS.valid(other, now)
+    SESSIONS.revoke("not a session", now)  # ignored
+
+
+def test_revocations_are_bounded() -> None:
+    sessions = Sessions(TOKEN, max_revoked=5)
+    now = time.time()
+    for _ in range(20):
+        sessions.revoke(sessions.issue(now), now)
+    assert len(sessions._revoked) <= 5
 
 
 def test_the_session_is_not_the_token() -> None:
-    value = session_value(TOKEN, time.time())
+    value = SESSIONS.issue(time.time())
     assert TOKEN not in value
-    assert valid_session(value, TOKEN, time.time())
+    assert SESSIONS.valid(value, time.time())
 
 
 def test_dashboard_pages_and_static_files_are_open_but_nothing_else() -> None:
@@ -79,12 +103,8 @@ def test_dashboard_pages_and_static_files_are_open_but_nothing_else() -> None:
     # the login call itself: JSON only, and from this controller's own pages
     assert check("POST", "/ui/login", None, content_type="text/plain") == 415
     assert check("POST", "/ui/login", None, content_type="application/json") is None
-    assert (
-        check(
-            "POST", "/ui/login", None, content_type="application/json", origin="http://evil.example"
-        )
-        == 403
-    )
+    evil = {"content_type": "application/json", "origin": "http://evil.example"}
+    assert check("POST", "/ui/login", None, **evil) == 403
     assert check("GET", "/", None, host="evil.example") == 421  # DNS rebinding
 
 
@@ -92,6 +112,5 @@ def test_cookie_parsing() -> None:
     headers = [(b"cookie", b"a=1; fleetserve_session=abc; b=2")]
     assert cookie(headers) == "abc"
     assert cookie([(b"cookie", b"a=1")]) is None
-    assert (
-        cookie([(b"cookie", b"fleetserve_session=x"), (b"cookie", b"fleetserve_session=y")]) == "y"
-    )
+    twice = [(b"cookie", b"fleetserve_session=x"), (b"cookie", b"fleetserve_session=y")]
+    assert cookie(twice) == "y"

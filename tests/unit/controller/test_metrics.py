@@ -309,3 +309,15 @@ async def test_rounds_are_timed_and_a_service_taken_down_leaves_no_series(
     assert store.get_service("web") is None
     assert series_of(m, "web") == []
     assert value(m, "fleetserve_controller_services") == 0
+
+
+def test_a_standby_reports_only_that_it_is_one(store: Store, clock: FakeClock) -> None:
+    """Scraping both controllers of a high-availability pair counts the fleet once."""
+    create_service(store, "web", service_yaml(replicas=2), clock.now())
+    acting = [False]
+    metrics = ControllerMetrics(store, active=lambda: acting[0])
+    assert value(metrics, "fleetserve_controller_active") == 0
+    assert value(metrics, "fleetserve_controller_services") is None
+    acting[0] = True  # it took the lease
+    assert value(metrics, "fleetserve_controller_active") == 1
+    assert value(metrics, "fleetserve_controller_services") == 1
