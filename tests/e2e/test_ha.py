@@ -129,4 +129,5 @@ def test_a_standby_takes_over_when_the_active_controller_is_killed(
     assert after == before and statuses == ["READY", "READY"]  # adopted, none relaunched
     assert sum("replica created" in m for m in events) == 2, events  # none after the first two
     assert any("adopted" in m for m in events), events
+    assert not any("load balancer" in m and "replacing" in m for m in events), events  # kept
     assert took < 10.0
