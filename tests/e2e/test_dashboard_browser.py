@@ -219,7 +219,8 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, browser: Browser) -> None:
             .replace("replicas: 2", "replicas: 3")
             .replace("run: python3 server.py", "run: sleep 3; python3 server.py")
         )
-        fleet.cli("update", "beta", str(fleet.write_service("beta-v2", slower)), timeout=120)
+        # In the background: `update` follows the rollout, and the page is watched meanwhile.
+        update = fleet.cli_background("update", "beta", str(fleet.write_service("beta-v2", slower)))
         versions = page.locator("#rollout tr[data-version]")
         until(
             "both versions in the rollout table",
@@ -228,6 +229,7 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, browser: Browser) -> None:
             ),
         )
         shot(page, "rollout")
+        assert update.wait(timeout=120) == 0
         until(
             "3 READY replicas of version 2, version 1 gone",
             lambda: (
