@@ -142,26 +142,30 @@ def service_info(
         min_replicas=lo,
         max_replicas=hi,
         target_replicas=target,
-        replicas=[
-            ReplicaInfo(
-                replica_id=r.replica_id,
-                version=r.version,
-                status=r.status.value,
-                reason=r.reason,
-                endpoint=r.endpoint,
-                pid=pid if isinstance(pid := _handle_field(r, "pid"), int) else None,
-                node=node if isinstance(node := _handle_field(r, "node_id"), str) else None,
-                exit_code=r.exit_code,
-                created_at=r.created_at,
-                launched_at=r.launched_at,
-                first_ready_at=r.first_ready_at,
-                terminated_at=r.terminated_at,
-                zone=r.zone,
-                spot=r.spot,
-            )
-            for r in replicas
-        ],
+        replicas=[replica_info(r) for r in replicas],
         spot_placer=ctl.placer_of(svc.name) if spec.uses_spot else None,
+    )
+
+
+@functools.lru_cache(maxsize=8192)
+def replica_info(r: ReplicaRecord) -> ReplicaInfo:
+    """A replica as the API shows it (read-only: shared between answers). It changes only
+    with its row, so each version of a row is made into one once, not at every listing."""
+    return ReplicaInfo(
+        replica_id=r.replica_id,
+        version=r.version,
+        status=r.status.value,
+        reason=r.reason,
+        endpoint=r.endpoint,
+        pid=pid if isinstance(pid := _handle_field(r, "pid"), int) else None,
+        node=node if isinstance(node := _handle_field(r, "node_id"), str) else None,
+        exit_code=r.exit_code,
+        created_at=r.created_at,
+        launched_at=r.launched_at,
+        first_ready_at=r.first_ready_at,
+        terminated_at=r.terminated_at,
+        zone=r.zone,
+        spot=r.spot,
     )
 
 

@@ -118,6 +118,10 @@ class History:
     def size(self) -> int:
         return max(2, math.ceil(self.horizon / self.step))
 
+    def due(self, now: float) -> bool:
+        """Whether `observe(now, ...)` would add a point."""
+        return self._last_at is None or now - self._last_at >= self.step
+
     def observe(
         self,
         now: float,
@@ -128,7 +132,7 @@ class History:
     ) -> bool:
         """Fold in this round's load report (None: none was read); a point is added once
         `step` seconds have passed since the last one. True when one was."""
-        if self._last_at is not None and now - self._last_at < self.step:
+        if not self.due(now):
             return False
         seconds = now - self._last_at if self._last_at is not None else self.step
         self._last_at = now

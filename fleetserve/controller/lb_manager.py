@@ -32,7 +32,7 @@ from fleetserve.infra.local import (
     port_free,
     process_alive,
 )
-from fleetserve.infra.procs import processes_where, started, stop_processes
+from fleetserve.infra.procs import find_process, processes_where, started, stop_processes
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.nginx import stop_stale_nginx
 from fleetserve.lb.workers import PARENT_ENV
@@ -47,6 +47,28 @@ def upstream_payload(endpoints: list[Endpoint]) -> list[dict[str, Any]]:
         {"replica_id": e.replica_id, "url": e.url, "version": e.version, "weight": e.weight}
         for e in endpoints
     ]
+
+
+def _ids(pushed: object) -> list[int]:
+    if not isinstance(pushed, tuple) or not pushed:
+        return []
+    return [int(e[0]) for e in pushed[0]]
+
+
+def _change(before: object, after: object, most: int = 20) -> str:
+    """The routable set as a log line: the ids when few, else how many and what changed (a
+    thousand ids on every change made the controller's log its own cost)."""
+    now = _ids(after)
+    if len(now) <= most:
+        return str(now)
+    old = set(_ids(before))
+    added = sorted(set(now) - old)
+    removed = sorted(old - set(now))
+
+    def some(ids: list[int]) -> str:
+        return str(ids[:most])[:-1] + (f", ... {len(ids) - most} more]" if len(ids) > most else "]")
+
+    return f"{len(now)} (added {some(added)}, removed {some(removed)})"
 
 
 @dataclass
@@ -73,13 +95,28 @@ class LbManager:
         self.home_id = home_id
         self.legacy_home = legacy_home  # LBs started before home ids carry only the path
         self._state: dict[str, LbState] = {}
+        self._ours_checked: set[tuple[int, float]] = set()  # LB processes known to be ours
 
     def log_path(self, service: str) -> str:
         return str(self.settings.logs_dir / service / "load-balancer.log")
 
     def is_running(self, svc: ServiceRecord) -> bool:
-        self.reap()  # an LB this controller started and that died is a zombie until reaped
-        return process_alive(svc.lb_pid, svc.lb_create_time, self.home_id or None, self.legacy_home)
+        """Whether the service's LB process runs (and is this home's). Every round of every
+        service asks: a process's home is read once per process (its environment), after
+        that only whether it still runs."""
+        self.reap(svc.name)  # an LB this controller started and that died is a zombie until reaped
+        if svc.lb_pid is None or svc.lb_create_time is None:
+            return False
+        key = (svc.lb_pid, svc.lb_create_time)
+        if key in self._ours_checked:
+            if find_process(*key) is not None:
+                return True
+            self._ours_checked.discard(key)
+            return False
+        alive = process_alive(*key, self.home_id or None, self.legacy_home)
+        if alive:
+            self._ours_checked.add(key)
+        return alive
 
     def _ours(self, pid: int | None, service: str) -> bool:
         """Whether `pid` is a load-balancer process (primary or worker) of this home's
@@ -188,9 +225,7 @@ class LbManager:
             state.pushed = None
             return False
         if key != state.pushed:
-            log.info(
-                "service %s: routable replicas %s", svc.name, [e.replica_id for e in endpoints]
-            )
+            log.info("service %s: routable replicas %s", svc.name, _change(state.pushed, key))
         state.pushed, state.pushed_at = key, now
         return True
 
@@ -266,8 +301,13 @@ class LbManager:
             await asyncio.to_thread(stop_processes, procs, 5.0)
         return len(procs)
 
-    def reap(self) -> None:
-        for state in self._state.values():
+    def reap(self, service: str | None = None) -> None:
+        """Reap the LB processes this controller started that ended (one service's)."""
+        if service is None:
+            states = list(self._state.values())
+        else:
+            states = [self._state[service]] if service in self._state else []
+        for state in states:
             for pid, child in list(state.children.items()):
                 if child.poll() is not None:
                     del state.children[pid]

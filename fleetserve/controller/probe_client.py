@@ -138,6 +138,26 @@ def _request_bytes(
     return head + (body or b"")
 
 
+_RequestKey = tuple[str, str, tuple[tuple[str, str], ...], bytes | None]
+MAX_PREPARED = 8192  # requests kept as bytes (one per replica); past it the cache starts anew
+
+
+def _prepare(
+    method: str, url: str, headers: Mapping[str, str], body: bytes | None
+) -> tuple[str, int, bytes]:
+    """(host, port, the request's bytes) of a probe of `url`."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ProbeProtocolError(f"cannot probe {url!r}: only http:// endpoints")
+    host, port = parts.hostname, parts.port or 80
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    shown = f"[{host}]" if ":" in host else host
+    where = shown if parts.port is None else f"{shown}:{port}"
+    return host, port, _request_bytes(method, path, where, headers, body)
+
+
 class ProbeClient:
     """HTTP/1.1 over asyncio streams: at most `max_concurrent` probes at once, one idle
     connection kept per endpoint (the `max_idle` most recently used)."""
@@ -153,6 +173,8 @@ class ProbeClient:
         self._slots = asyncio.Semaphore(max_concurrent)
         self._idle: collections.OrderedDict[tuple[str, int], _Conn] = collections.OrderedDict()
         self.connects = 0  # new connections opened (each one checked for a foreign listener)
+        # Each replica's probe is the same request every time: made into bytes once.
+        self._prepared: dict[_RequestKey, tuple[str, int, bytes]] = {}
 
     async def status(
         self,
@@ -162,17 +184,14 @@ class ProbeClient:
         body: bytes | None,
         timeout_seconds: float,
     ) -> int:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ProbeProtocolError(f"cannot probe {url!r}: only http:// endpoints")
-        host, port = parts.hostname, parts.port or 80
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
-        shown = f"[{host}]" if ":" in host else host
-        request = _request_bytes(
-            method, path, shown if parts.port is None else f"{shown}:{port}", headers, body
-        )
+        key = (method, url, tuple(headers.items()), body)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = _prepare(method, url, headers, body)
+            if len(self._prepared) >= MAX_PREPARED:
+                self._prepared.clear()
+            self._prepared[key] = prepared
+        host, port, request = prepared
         async with self._slots:
             try:
                 async with asyncio.timeout(timeout_seconds):

@@ -64,6 +64,7 @@ log = logging.getLogger("fleetserve.controller")
 _RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY)
 CAPACITY_BACKOFF = 1.0  # seconds before a launch of a kind that just found no capacity
 CAPACITY_BACKOFF_MAX = 60.0
+OBSERVE_BATCH = 250  # replicas observed between two pauses of a round (other tasks run)
 
 
 def probe_interval(status: ReplicaStatus, probe: ReadinessProbe, settings: Settings) -> float:
@@ -102,6 +103,21 @@ def lb_config(
         admin_secret=admin_secret,
         wake_token=wake_token(admin_secret) if admin_secret else None,
     )
+
+
+def rows_after(actions: list[Action], replicas: list[ReplicaRecord]) -> list[ReplicaRecord]:
+    """The round's rows as its actions leave them, as far as the routable set goes (READY of
+    a serving version): statuses set, replicas leaving (SHUTTING_DOWN) or pruned; new rows are
+    PENDING, never routable. Rows written meanwhile by others (a launch or a termination
+    ending, `fleetserve down --replica-id`) wake the next round. A round of a 1,000-replica
+    service read every row twice, once more for this."""
+    status = {a.replica_id: a.status for a in actions if isinstance(a, SetStatus)}
+    leaving = {a.replica_id for a in actions if isinstance(a, Terminate | DeleteRow)}
+    return [
+        dataclasses.replace(r, status=status[r.replica_id]) if r.replica_id in status else r
+        for r in replicas
+        if r.replica_id not in leaving
+    ]
 
 
 class ServiceReconciler:
@@ -266,7 +282,8 @@ class ServiceReconciler:
                 self._full_until.pop(kind, None)
         observations = await self._observe(replicas, spec)
         probe = spec.service.readiness_probe
-        report = await self.lb.load(svc) if svc.lb_pid is not None else None
+        wanted = svc.lb_pid is not None and self._wants_load(spec)
+        report = await self.lb.load(svc) if wanted else None
         self.scaler.observe(report)
         target = self.scaler.target(spec) if pool is None else pool.target(spec, replicas)
         self.history.observe(
@@ -306,6 +323,11 @@ class ServiceReconciler:
         plan = plan_fleet(replicas, observations, settings, self.clock.now())
         by_id = {r.replica_id: r for r in replicas}
         self._apply(plan.actions, by_id, svc, spec)
+        if any(isinstance(a, SetStatus) for a in plan.actions):
+            # A status changed (READY, NOT_READY): plan again at once with it, e.g. a rollout
+            # retires an old replica now that a new one is READY, not a reconcile interval
+            # later (no longer hastened by a wake-up after every probe).
+            self.wake.set()
         svc = self._advance_rollout(svc, plan.rollout_complete, plan.switch_traffic)
         if pool is not None:
             workers = self.store.list_replicas(self.name)
@@ -318,10 +340,18 @@ class ServiceReconciler:
             )
             if plan.failure_reason:
                 self.store.add_event(self.name, self.clock.now(), "service", plan.failure_reason)
-        # The rows read at the round's start are still the routable set's unless this round
-        # changed some (an executor's own writes wake the next round): one read, not two.
-        await self._push(svc, None if plan.actions else replicas)
+        await self._push(svc, rows_after(plan.actions, replicas))
         return False
+
+    def _wants_load(self, spec: ServiceTask) -> bool:
+        """Whether this round reads the LB's load report: every round when a decision rests on
+        it (an autoscaled fleet; a drain waiting for in-flight requests), else when the
+        dashboard's history takes its next point. A fixed fleet's read every round was half
+        of an idle controller's CPU with ten services (docs/scaling.md)."""
+        policy = spec.service.replica_policy
+        if policy is not None and policy.autoscaled:
+            return True
+        return bool(self.executor.terminations) or self.history.due(self.clock.now())
 
     def _advance_rollout(self, svc: ServiceRecord, complete: bool, switch: bool) -> ServiceRecord:
         """A rollout ends when only the active version is left (rolling), or when traffic moves
@@ -404,7 +434,11 @@ class ServiceReconciler:
     ) -> Mapping[int, Observation]:
         now = self.clock.now()
         out: dict[int, Observation] = {}
-        for r in replicas:
+        for i, r in enumerate(replicas):
+            if i % OBSERVE_BATCH == OBSERVE_BATCH - 1:
+                # Let API calls and probe results in between: a thousand replicas observed
+                # without a pause held every API call for tens of milliseconds.
+                await asyncio.sleep(0)
             if r.status not in _RUNNING or not r.handle or self.executor.busy(r.replica_id):
                 self.prober.forget(self.key(r.replica_id))
                 continue

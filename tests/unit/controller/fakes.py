@@ -117,6 +117,7 @@ class FakeLb:
         self.reports: dict[str, dict[str, Any]] = {}
         self.stopped: list[tuple[str | None, int | None]] = []
         self.checked_ports: list[tuple[str, int]] = []
+        self.loads: list[str] = []  # the services whose load report was read, in order
 
     def is_running(self, svc: ServiceRecord) -> bool:
         return svc.lb_pid is not None and self.pids.get(svc.name) == svc.lb_pid
@@ -144,6 +145,7 @@ class FakeLb:
         return True
 
     async def load(self, svc: ServiceRecord) -> dict[str, Any] | None:
+        self.loads.append(svc.name)
         return self.reports.get(svc.name)
 
     def running_config(self, service: str) -> LbConfig | None:
