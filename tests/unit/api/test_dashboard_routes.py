@@ -4,28 +4,13 @@ history route answers the rings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from fastapi.testclient import TestClient
 
 from fleetserve.api.app import create_app
 from fleetserve.api.auth import SESSION_COOKIE
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.history import History
-from fleetserve.controller.settings import Settings
-
-TOKEN = "t" * 43
-
-
-@pytest.fixture
-def ctl(tmp_path: Path) -> Iterator[Controller]:
-    settings = Settings.from_env_dict({"FLEETSERVE_HOME": str(tmp_path / "home")})
-    settings.home.mkdir(mode=0o700)
-    ctl = Controller(settings)  # not started: the routes read its store
-    yield ctl
-    ctl.store.close()
+from tests.unit.api.conftest import TOKEN
 
 
 def browser(ctl: Controller) -> TestClient:

@@ -2,32 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from fastapi.testclient import TestClient
 
-from fleetserve.api.app import create_app
 from fleetserve.controller.controller import Controller
-from fleetserve.controller.settings import Settings
-
-TOKEN = "t" * 43
-
-
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[tuple[TestClient, Controller]]:
-    settings = Settings.from_env_dict({"FLEETSERVE_HOME": str(tmp_path / "home")})
-    settings.home.mkdir(mode=0o700)
-    ctl = Controller(settings)
-    # No lifespan: the controller is not started, the routes read its store.
-    client = TestClient(
-        create_app(ctl, token=TOKEN),
-        base_url="http://127.0.0.1",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-    )
-    yield client, ctl
-    ctl.store.close()
 
 
 def test_events_carry_their_id_and_after_gives_the_next_ones(

@@ -4,37 +4,16 @@ GET /api/v1/services/{name} says of each."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
-from fleetserve.api.app import create_app
 from fleetserve.controller.controller import Controller
-from fleetserve.controller.settings import Settings
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.spec.loader import parse_spec
 
-TOKEN = "t" * 43
 YAML = "service:\n  readiness_probe: /health\n  replicas: {n}\nrun: python3 server.py\n"
-
-
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[tuple[TestClient, Controller]]:
-    settings = Settings.from_env_dict({"FLEETSERVE_HOME": str(tmp_path / "home")})
-    settings.home.mkdir(mode=0o700)
-    ctl = Controller(settings)
-    # No lifespan: the controller is not started, the routes read its store.
-    client = TestClient(
-        create_app(ctl, token=TOKEN),
-        base_url="http://127.0.0.1",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-    )
-    yield client, ctl
-    ctl.store.close()
 
 
 def add_services(ctl: Controller, names: list[str], replicas: int = 2) -> None:
