@@ -429,7 +429,8 @@ def create_app(
     @app.get(f"{PREFIX}/services/{{name}}/load", responses=_ERRORS)
     async def load(name: ServiceName) -> dict[str, object]:
         """The load balancer's latest load report (request rates, in-flight per replica)."""
-        return {"service": name, "report": ctl.load_report(name)}
+        report = ctl.load_report(name)
+        return {"service": name, "report": None if report is None else report.model_dump()}
 
     @app.get(
         f"{PREFIX}/services/{{name}}/history", response_model=ServiceHistory, responses=_ERRORS

@@ -35,6 +35,7 @@ from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.jobs import JobRunner
 from fleetserve.infra.local import LocalInfra, rotate_log
 from fleetserve.infra.zones import Held
+from fleetserve.lb.messages import LoadReport
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
@@ -688,7 +689,7 @@ class Controller:
         rec = self.reconcilers.get(name)
         return None if rec is None else rec.history
 
-    def load_report(self, name: str) -> dict[str, object] | None:
+    def load_report(self, name: str) -> LoadReport | None:
         self.store.service(name)
         rec = self.reconcilers.get(name)
         return None if rec is None else rec.scaler.load

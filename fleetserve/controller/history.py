@@ -16,7 +16,8 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from fleetserve.lb.messages import LoadReport, ReplicaTotals
 
 SERVICE = 0  # the series key of the service as a whole (replica ids start at 1)
 
@@ -64,13 +65,8 @@ def quantile(bounds: Sequence[float], cumulative: Sequence[int], q: float) -> fl
     return float(bounds[-1]) if bounds else None
 
 
-def _totals(raw: Mapping[str, Any]) -> _Totals:
-    latency = raw.get("latency", ())
-    return _Totals(
-        requests=int(raw.get("requests", 0)),
-        errors=int(raw.get("errors", 0)),
-        latency=tuple(int(c) for c in latency) if isinstance(latency, list) else (),
-    )
+def _totals(raw: ReplicaTotals) -> _Totals:
+    return _Totals(requests=raw.requests, errors=raw.errors, latency=tuple(raw.latency))
 
 
 def _plus(a: _Totals, b: _Totals) -> _Totals:
@@ -125,7 +121,7 @@ class History:
     def observe(
         self,
         now: float,
-        report: Mapping[str, Any] | None,
+        report: LoadReport | None,
         ready: int,
         target: int,
         versions: Mapping[int, int],
@@ -138,14 +134,13 @@ class History:
         self._last_at = now
         service = Point(at=now, ready=ready, target=target)
         if report is not None:
-            bounds = [float(b) for b in report.get("latency_bounds", ())]
-            totals = report.get("totals", {})
-            live = report.get("replicas", {})
-            inflight = {int(k): int(v.get("inflight", 0)) for k, v in live.items() if k.isdigit()}
+            bounds = report.latency_bounds
+            live = report.replicas
+            inflight = {int(k): v.inflight for k, v in live.items() if k.isdigit()}
             new: dict[int, _Totals] = {}
             sums = _Totals()
-            for key, raw in totals.items() if isinstance(totals, dict) else ():
-                rid = int(key) if str(key).isdigit() else -1  # -1: answered by the LB itself
+            for key, raw in report.totals.items():
+                rid = int(key) if key.isdigit() else -1  # -1: answered by the LB itself
                 t = _totals(raw)
                 sums = _plus(sums, t)
                 new[rid] = t

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
@@ -34,6 +33,7 @@ from fleetserve.infra.local import (
 )
 from fleetserve.infra.procs import find_process, processes_where, started, stop_processes
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.messages import Canary, LoadReport, ReplicaPush, RoutableReplica
 from fleetserve.lb.nginx import stop_stale_nginx
 from fleetserve.lb.workers import PARENT_ENV
 
@@ -41,10 +41,10 @@ log = logging.getLogger("fleetserve.controller")
 LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
 
 
-def upstream_payload(endpoints: list[Endpoint]) -> list[dict[str, Any]]:
+def upstream_payload(endpoints: list[Endpoint]) -> list[RoutableReplica]:
     """The routable set as the load balancer's admin API (and its config file) take it."""
     return [
-        {"replica_id": e.replica_id, "url": e.url, "version": e.version, "weight": e.weight}
+        RoutableReplica(replica_id=e.replica_id, url=e.url, version=e.version, weight=e.weight)
         for e in endpoints
     ]
 
@@ -198,24 +198,19 @@ class LbManager:
         endpoints: list[Endpoint],
         now: float,
         force: bool = False,
-        canary: dict[str, int] | None = None,
+        canary: Canary | None = None,
     ) -> bool:
         """Send the routable set if it changed (or is due again); False if the LB is unreachable."""
         state = self._state.setdefault(svc.name, LbState())
-        key = (
-            tuple((e.replica_id, e.url, e.version, e.weight) for e in endpoints),
-            tuple(sorted((canary or {}).items())),
-        )
+        key = (tuple((e.replica_id, e.url, e.version, e.weight) for e in endpoints), canary)
         due = now - state.pushed_at >= self.settings.lb_repush_interval
         if not force and key == state.pushed and not due:
             return True
-        body: dict[str, Any] = {"replicas": upstream_payload(endpoints)}
-        if canary is not None:
-            body["canary"] = canary
+        push = ReplicaPush(replicas=upstream_payload(endpoints), canary=canary)
         try:
             r = await self.client.put(
                 f"http://127.0.0.1:{svc.lb_admin_port}/-/replicas",
-                json=body,
+                json=push.body(),
                 timeout=2,
                 headers=_auth(svc),
             )
@@ -229,15 +224,15 @@ class LbManager:
         state.pushed, state.pushed_at = key, now
         return True
 
-    async def load(self, svc: ServiceRecord) -> dict[str, Any] | None:
+    async def load(self, svc: ServiceRecord) -> LoadReport | None:
         """The LB's load report (request rates, in-flight per replica), or None."""
         try:
             r = await self.client.get(
                 f"http://127.0.0.1:{svc.lb_admin_port}/-/load", timeout=2, headers=_auth(svc)
             )
             r.raise_for_status()
-            return dict(r.json())
-        except (httpx.HTTPError, ValueError):
+            return LoadReport.model_validate_json(r.content)
+        except (httpx.HTTPError, ValueError):  # ValueError: pydantic's ValidationError too
             return None
 
     def running_config(self, service: str) -> LbConfig | None:

@@ -38,6 +38,7 @@ from fleetserve.infra.jobs import JobRunner
 from fleetserve.infra.local import free_port, port_free
 from fleetserve.infra.zones import NoCapacity
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.messages import Canary
 from fleetserve.lb.wake import wake_token
 from fleetserve.policies.autoscaler import FallbackTargets, per_replica_qps
 from fleetserve.policies.fleet import (
@@ -645,10 +646,10 @@ class ServiceReconciler:
             return 1.0
         return per_replica_qps(policy, spec.accelerator()) or 1.0
 
-    def _canary(self, svc: ServiceRecord) -> dict[str, int] | None:
+    def _canary(self, svc: ServiceRecord) -> Canary | None:
         if svc.traffic_percent is None or not svc.rolling_out:
             return None
-        return {"version": svc.active_version, "percent": svc.traffic_percent}
+        return Canary(version=svc.active_version, percent=svc.traffic_percent)
 
     async def _push(self, svc: ServiceRecord, replicas: list[ReplicaRecord] | None = None) -> None:
         if svc.lb_pid is None:

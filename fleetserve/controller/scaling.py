@@ -5,9 +5,9 @@ decision so that a restarted controller carries on where it stopped."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fleetserve.core.clock import Clock
+from fleetserve.lb.messages import LoadReport
 from fleetserve.policies.autoscaler import (
     AutoscalerState,
     Decision,
@@ -28,21 +28,21 @@ class Scaler:
         self.store = store
         self.clock = clock
         self.interval = interval
-        self.load: dict[str, Any] | None = None  # the LB's latest report
+        self.load: LoadReport | None = None  # the LB's latest report
         self.last: Decision | None = None
         self._last_total: int | None = None
         self._pending = 0  # requests seen since the last decision
         self._decided_at = float("-inf")
 
     def inflight_of(self, replica_id: int) -> int:
-        replicas = (self.load or {}).get("replicas", {})
-        return int(replicas.get(str(replica_id), {}).get("inflight", 0))
+        replica = self.load.replicas.get(str(replica_id)) if self.load is not None else None
+        return replica.inflight if replica is not None else 0
 
-    def observe(self, report: dict[str, Any] | None) -> None:
+    def observe(self, report: LoadReport | None) -> None:
         if report is None:
             return
         self.load = report
-        total = int(report.get("total_requests", 0))
+        total = report.total_requests
         if self._last_total is not None:
             # A restarted load balancer counts from zero again.
             self._pending += total - self._last_total if total >= self._last_total else total
@@ -55,13 +55,13 @@ class Scaler:
         if policy is None or not policy.autoscaled:
             return lo
         now = self.clock.now()
-        report = self.load or {}
-        queued = int(report.get("queued", 0))
+        report = self.load or LoadReport()
+        queued = report.queued
         if self.last is not None and now - self._decided_at < self.interval and not queued:
             return self.last.target
         raw = self.store.get_policy_state(self.service, STATE_KEY)
         state = AutoscalerState.from_json(raw) if raw else initial_state(policy)
-        inflight = sum(int(r.get("inflight", 0)) for r in report.get("replicas", {}).values())
+        inflight = sum(r.inflight for r in report.replicas.values())
         decision = autoscale(
             policy, state, LoadObservation(self._pending, inflight, queued), now, spec.accelerator()
         )

@@ -18,8 +18,8 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import make_proxy, tls_context, worker_count
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.metrics import load_report
-from fleetserve.lb.replica_set import Upstream
 from fleetserve.lb.workers import Supervisor
 
 log = logging.getLogger("fleetserve.lb")
@@ -87,21 +87,17 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
     while line := await reader.readline():
         msg = json.loads(line)
         if msg.get("op") == "replicas":
-            canary = msg.get("canary")
-            proxy.replicas.replace(
-                [
-                    Upstream(r["replica_id"], r["url"], r.get("version", 1), r.get("weight", 1.0))
-                    for r in msg["replicas"]
-                ],
-                (canary["version"], canary["percent"]) if canary else None,
+            push = ReplicaPush.model_validate(
+                {"replicas": msg["replicas"], "canary": msg.get("canary")}
             )
+            proxy.replicas.apply(push)
         elif msg.get("op") == "report":
             proxy.metrics.sync_inflight(proxy.replicas.inflight, set(proxy.replicas.upstreams))
             proxy.metrics.set_queued(proxy.queued)
             answer = {
                 "load": load_report(
                     proxy.load, proxy.metrics, dict(proxy.replicas.inflight), proxy.queued
-                ),
+                ).model_dump(mode="json"),
                 "metrics": generate_latest(proxy.metrics.registry).decode(),
             }
             writer.write(json.dumps(answer).encode() + b"\n")

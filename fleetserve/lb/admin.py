@@ -10,43 +10,21 @@ from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from fleetserve.lb.messages import LoadReport, ReplicaPush
 from fleetserve.lb.metrics import load_report
 from fleetserve.lb.proxy import Proxy
-from fleetserve.lb.replica_set import Upstream
 from fleetserve.lb.workers import MergedMetrics, merge_load
 
 log = logging.getLogger("fleetserve.lb")
-
-
-class UpstreamIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    replica_id: int
-    url: str = Field(pattern=r"^https?://")
-    version: int = 1
-    weight: float = Field(1.0, gt=0)
-
-
-class CanaryIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    version: int
-    percent: int = Field(ge=0, le=100)
-
-
-class ReplicaPush(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    replicas: list[UpstreamIn]
-    canary: CanaryIn | None = None
 
 
 class Relay(Protocol):
     """Who else must hear of a push, and whose reports add to this process's: the other
     workers (Supervisor), or the nginx data plane."""
 
-    async def push(
-        self, replicas: list[dict[str, Any]], canary: dict[str, int] | None = None
-    ) -> None: ...
+    async def push(self, push: ReplicaPush) -> None: ...
 
     async def reports(self) -> list[dict[str, Any]]: ...
 
@@ -96,15 +74,9 @@ def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Applica
             push = ReplicaPush.model_validate_json(await request.read())
         except ValidationError as e:
             return web.json_response({"error": "invalid_payload", "message": str(e)}, status=400)
-        added, removed = replicas.replace(
-            [Upstream(u.replica_id, u.url, u.version, u.weight) for u in push.replicas],
-            (push.canary.version, push.canary.percent) if push.canary else None,
-        )
+        added, removed = replicas.apply(push)
         if supervisor is not None:
-            await supervisor.push(
-                [u.model_dump() for u in push.replicas],
-                push.canary.model_dump() if push.canary else None,
-            )
+            await supervisor.push(push)
         if added or removed:
             log.info(
                 "replica set: %s (added %s, removed %s)",
@@ -130,11 +102,11 @@ def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Applica
         )
 
     async def load(_request: web.Request) -> web.Response:
-        own = load_report(proxy.load, proxy.metrics, dict(replicas.inflight), proxy.queued)
-        if supervisor is None:
-            return web.json_response(own)
-        others = [r["load"] for r in await supervisor.reports()]
-        return web.json_response(merge_load([own, *others]))
+        report = load_report(proxy.load, proxy.metrics, dict(replicas.inflight), proxy.queued)
+        if supervisor is not None:
+            others = [LoadReport.model_validate(r["load"]) for r in await supervisor.reports()]
+            report = merge_load([report, *others])
+        return web.json_response(text=report.model_dump_json())
 
     async def metrics(_request: web.Request) -> web.Response:
         proxy.metrics.sync_inflight(replicas.inflight, set(replicas.upstreams))

@@ -12,8 +12,9 @@ import time
 import aiohttp
 
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.proxy import DEFAULT_MAX_CONNECTIONS, Proxy
-from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.wake import may_send_to
 from fleetserve.policies.lb import LeastLoad, RoundRobin, make_selector
 from fleetserve.spec.models import LoadBalancerOptions
@@ -111,11 +112,6 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("could not wake the controller: %s", e)
 
-    replicas.replace(
-        [
-            Upstream(r["replica_id"], r["url"], r.get("version", 1), r.get("weight", 1.0))
-            for r in config.replicas
-        ]
-    )
+    replicas.apply(ReplicaPush(replicas=config.replicas))
     limit = connection_limit(config.options, raise_fd_limit())
     return Proxy(config, replicas, wake=wake, max_connections=limit)

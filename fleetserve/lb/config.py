@@ -4,10 +4,10 @@ API keys), read once at start."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleetserve.lb.messages import RoutableReplica
 from fleetserve.spec.models import LbPolicy, LoadBalancerOptions
 
 
@@ -29,7 +29,7 @@ class LbConfig(BaseModel):
     # The wake-up call's credential (fleetserve.lb.wake.wake_token of the admin secret).
     wake_token: str | None = None
     # The routable set when the process starts (a restarted LB serves at once); pushes follow.
-    replicas: list[dict[str, Any]] = Field(default_factory=list)
+    replicas: list[RoutableReplica] = Field(default_factory=list)
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from fleetserve.lb.messages import LoadReport, ReplicaLoad, ReplicaTotals
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -108,38 +110,39 @@ class Metrics:
     def set_queued(self, value: int) -> None:
         self.queued.labels(self.service).set(value)
 
-    def totals(self) -> dict[str, dict[str, Any]]:
+    def totals(self) -> dict[str, ReplicaTotals]:
         """Per replica ('none': answered by the LB itself), counted since this process
         started: requests, errors (5xx answers and failed upstream attempts) and the latency
         histogram (cumulative per bound of LATENCY_BUCKETS, +Inf last). Read off the metrics
         at report time, not on the request path; the controller turns two reports into rates
         and quantiles (fleetserve.controller.history)."""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, ReplicaTotals] = {}
         index = {float(b): i for i, b in enumerate(LATENCY_BUCKETS)}
 
-        def slot(replica: str) -> dict[str, Any]:
-            return out.setdefault(
-                replica, {"requests": 0, "errors": 0, "latency": [0] * (len(LATENCY_BUCKETS) + 1)}
-            )
+        def slot(replica: str) -> ReplicaTotals:
+            entry = out.get(replica)
+            if entry is None:
+                entry = out[replica] = ReplicaTotals(latency=[0] * (len(LATENCY_BUCKETS) + 1))
+            return entry
 
         for family in self.requests.collect():
             for s in family.samples:
                 if s.name.endswith("_total"):
                     entry = slot(s.labels["replica"])
-                    entry["requests"] += int(s.value)
+                    entry.requests += int(s.value)
                     if s.labels["code"].startswith("5"):
-                        entry["errors"] += int(s.value)
+                        entry.errors += int(s.value)
         for family in self.upstream_errors.collect():
             for s in family.samples:
                 if s.name.endswith("_total"):
-                    slot(s.labels["replica"])["errors"] += int(s.value)
+                    slot(s.labels["replica"]).errors += int(s.value)
         for family in self.latency.collect():
             for s in family.samples:
                 if s.name.endswith("_bucket"):
                     le = s.labels["le"]
                     i = len(LATENCY_BUCKETS) if le == "+Inf" else index.get(float(le))
                     if i is not None:
-                        slot(s.labels["replica"])["latency"][i] = int(s.value)
+                        slot(s.labels["replica"]).latency[i] = int(s.value)
         return out
 
 
@@ -172,34 +175,34 @@ class LoadTracker:
         self._per_key.setdefault(key, _Buckets()).add(int(self.clock()))
         self.total += 1
 
-    def report(self, inflight: dict[int, int], queued: int) -> dict[str, object]:
+    def report(self, inflight: dict[int, int], queued: int) -> LoadReport:
         now = int(self.clock())
         since = now - self.window + 1
         rates = {k: b.total(since) / self.window for k, b in self._per_key.items()}
         for k in [k for k, b in self._per_key.items() if not b.counts]:
             del self._per_key[k]
-        return {
-            "at": self.clock(),
-            "window_seconds": self.window,
-            "latency_bounds": list(LATENCY_BUCKETS),
-            "requests_per_second": sum(rates.values()),
-            "total_requests": self.total,
-            "queued": queued,
-            "replicas": {
-                str(rid): {
-                    "inflight": inflight.get(rid, 0),
-                    "requests_per_second": rates.get(str(rid), 0.0),
-                }
+        return LoadReport(
+            at=self.clock(),
+            window_seconds=self.window,
+            latency_bounds=list(LATENCY_BUCKETS),
+            requests_per_second=sum(rates.values()),
+            total_requests=self.total,
+            queued=queued,
+            replicas={
+                str(rid): ReplicaLoad(
+                    inflight=inflight.get(rid, 0),
+                    requests_per_second=rates.get(str(rid), 0.0),
+                )
                 for rid in sorted(set(inflight) | {int(k) for k in rates if k.isdigit()})
             },
-        }
+        )
 
 
 def load_report(
     load: LoadTracker, metrics: Metrics, inflight: dict[int, int], queued: int
-) -> dict[str, object]:
+) -> LoadReport:
     """What the controller reads at /-/load: the sliding-window rates that the autoscaler
     uses, and the counters that the dashboard's charts are made of."""
     report = load.report(inflight, queued)
-    report["totals"] = metrics.totals()
+    report.totals = metrics.totals()
     return report

@@ -30,6 +30,7 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import make_proxy, tls_context
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.workers import PARENT_ENV
 
@@ -177,12 +178,10 @@ class Nginx:
         if self.proc.poll() is not None:
             raise SystemExit(f"nginx exited at start: see {self.home / 'error.log'}")
 
-    async def push(
-        self, replicas: list[dict[str, Any]], canary: dict[str, int] | None = None
-    ) -> None:
+    async def push(self, push: ReplicaPush) -> None:
         """Canary splits are not applied by nginx here: both versions share by its policy
         (the Python fallback applies them only to requests it serves)."""
-        self.replicas = replicas
+        replicas = self.replicas = [u.model_dump() for u in push.replicas]
         self._by_addr = {
             u["url"].removeprefix("http://").rstrip("/"): str(u["replica_id"]) for u in replicas
         }

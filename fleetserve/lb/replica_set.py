@@ -7,6 +7,7 @@ import asyncio
 import random
 from dataclasses import dataclass
 
+from fleetserve.lb.messages import ReplicaPush
 from fleetserve.policies.lb import NO_KEY, RequestKey, Selector
 
 
@@ -48,6 +49,14 @@ class ReplicaSet:
         self.generation += 1
         self._signal()
         return added, removed
+
+    def apply(self, push: ReplicaPush) -> tuple[set[int], set[int]]:
+        """Install the set that the controller pushed (see `replace`)."""
+        canary = push.canary
+        return self.replace(
+            [Upstream(r.replica_id, r.url, r.version, r.weight) for r in push.replicas],
+            (canary.version, canary.percent) if canary else None,
+        )
 
     def _signal(self) -> None:
         if self.upstreams:

@@ -28,6 +28,8 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from fleetserve.lb.messages import LoadReport, ReplicaLoad, ReplicaPush, ReplicaTotals
+
 log = logging.getLogger("fleetserve.lb")
 PARENT_ENV = "FLEETSERVE_LB_PARENT"
 
@@ -41,13 +43,18 @@ class _Link:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+def _replicas_message(push: ReplicaPush) -> dict[str, Any]:
+    """A push as the control channel carries it to a worker (which reads it back with
+    `ReplicaPush`): {"op": "replicas", "replicas": [...], "canary": {...} or null}."""
+    return {"op": "replicas", **push.model_dump(mode="json")}
+
+
 class Supervisor:
     def __init__(self, config_path: Path, count: int) -> None:
         self.config_path = config_path
         self.count = count
         self.links: dict[int, _Link] = {}
-        self.replicas: list[dict[str, Any]] = []
-        self.canary: dict[str, int] | None = None
+        self.pushed: ReplicaPush | None = None  # the last push, for a worker (re)started later
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -75,9 +82,8 @@ class Supervisor:
         reader, writer = await asyncio.open_connection(sock=parent_end)
         link = _Link(index, proc, reader, writer)
         self.links[index] = link
-        if self.replicas:
-            msg = {"op": "replicas", "replicas": self.replicas, "canary": self.canary}
-            await self._send(link, msg)
+        if self.pushed is not None and self.pushed.replicas:
+            await self._send(link, _replicas_message(self.pushed))
         log.info("worker %s started (pid %s)", index, proc.pid)
 
     async def _watch_loop(self) -> None:
@@ -96,12 +102,11 @@ class Supervisor:
         with contextlib.suppress(ConnectionError):
             await link.writer.drain()
 
-    async def push(
-        self, replicas: list[dict[str, Any]], canary: dict[str, int] | None = None
-    ) -> None:
-        self.replicas, self.canary = replicas, canary
+    async def push(self, push: ReplicaPush) -> None:
+        self.pushed = push
+        msg = _replicas_message(push)
         for link in list(self.links.values()):
-            await self._send(link, {"op": "replicas", "replicas": replicas, "canary": canary})
+            await self._send(link, msg)
 
     async def reports(self) -> list[dict[str, Any]]:
         """Each live worker's {"load": ..., "metrics": "<prometheus text>"}."""
@@ -132,33 +137,33 @@ class Supervisor:
                 link.proc.kill()
 
 
-def merge_load(reports: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Add up the load reports of several workers (rates, totals, in-flight, queued)."""
-    merged: dict[str, Any] = {}
-    replicas: dict[str, dict[str, float]] = {}
-    totals: dict[str, dict[str, Any]] = {}  # counters: sums (fleetserve.lb.metrics.totals)
+def merge_load(reports: Iterable[LoadReport]) -> LoadReport:
+    """Add up the load reports of several workers (rates, totals, in-flight, queued); the
+    rest (window, latency bounds) is the first one's."""
+    merged: LoadReport | None = None
+    replicas: dict[str, ReplicaLoad] = {}
+    totals: dict[str, ReplicaTotals] = {}  # counters: sums (fleetserve.lb.metrics.totals)
     for r in reports:
-        if not merged:
-            merged = {k: v for k, v in r.items() if k != "replicas"}
+        if merged is None:
+            merged = r.model_copy()
         else:
-            for k in ("requests_per_second", "total_requests", "queued"):
-                merged[k] = merged.get(k, 0) + r.get(k, 0)
-            merged["at"] = max(merged.get("at", 0), r.get("at", 0))
-        for rid, v in r.get("replicas", {}).items():
-            slot = replicas.setdefault(rid, {"inflight": 0, "requests_per_second": 0.0})
-            slot["inflight"] += v.get("inflight", 0)
-            slot["requests_per_second"] += v.get("requests_per_second", 0.0)
-        for key, t in r.get("totals", {}).items():
-            into = totals.setdefault(key, {"requests": 0, "errors": 0, "latency": []})
-            into["requests"] += t.get("requests", 0)
-            into["errors"] += t.get("errors", 0)
-            counts = list(t.get("latency", []))
-            into["latency"] = [
-                a + b for a, b in zip(into["latency"] or [0] * len(counts), counts, strict=False)
+            merged.requests_per_second += r.requests_per_second
+            merged.total_requests += r.total_requests
+            merged.queued += r.queued
+            merged.at = max(merged.at, r.at)
+        for rid, v in r.replicas.items():
+            slot = replicas.setdefault(rid, ReplicaLoad())
+            slot.inflight += v.inflight
+            slot.requests_per_second += v.requests_per_second
+        for key, t in r.totals.items():
+            into = totals.setdefault(key, ReplicaTotals())
+            into.requests += t.requests
+            into.errors += t.errors
+            counts = t.latency
+            into.latency = [
+                a + b for a, b in zip(into.latency or [0] * len(counts), counts, strict=False)
             ]
-    merged["replicas"] = replicas
-    merged["totals"] = totals
-    return merged
+    return (merged or LoadReport()).model_copy(update={"replicas": replicas, "totals": totals})
 
 
 class MergedMetrics(Collector):

@@ -11,6 +11,7 @@ from typing import Any
 from fleetserve.core.types import Endpoint, ServiceRecord
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.messages import Canary, LoadReport
 from fleetserve.spec.loader import parse_spec
 from fleetserve.store import Store
 
@@ -114,7 +115,7 @@ class FakeLb:
         self.configs: dict[str, LbConfig] = {}
         self.started: list[LbConfig] = []
         self.pushes: list[Push] = []
-        self.reports: dict[str, dict[str, Any]] = {}
+        self.reports: dict[str, LoadReport] = {}
         self.stopped: list[tuple[str | None, int | None]] = []
         self.checked_ports: list[tuple[str, int]] = []
         self.loads: list[str] = []  # the services whose load report was read, in order
@@ -139,12 +140,12 @@ class FakeLb:
         endpoints: list[Endpoint],
         now: float,
         force: bool = False,
-        canary: dict[str, int] | None = None,
+        canary: Canary | None = None,
     ) -> bool:
         self.pushes.append(Push(svc.name, tuple(endpoints), now, force))
         return True
 
-    async def load(self, svc: ServiceRecord) -> dict[str, Any] | None:
+    async def load(self, svc: ServiceRecord) -> LoadReport | None:
         self.loads.append(svc.name)
         return self.reports.get(svc.name)
 

@@ -3,25 +3,26 @@ load balancer, bounds on points and series."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from fleetserve.controller.history import SERVICE, History, quantile
+from fleetserve.lb.messages import LoadReport
 
 BOUNDS = [0.01, 0.1, 1.0]
 
 
 def report(
     totals: dict[str, tuple[int, int, list[int]]], inflight: dict[str, int] | None = None
-) -> dict[str, Any]:
-    return {
-        "latency_bounds": BOUNDS,
-        "replicas": {k: {"inflight": v} for k, v in (inflight or {}).items()},
-        "totals": {
-            k: {"requests": r, "errors": e, "latency": lat} for k, (r, e, lat) in totals.items()
-        },
-    }
+) -> LoadReport:
+    return LoadReport.model_validate(
+        {
+            "latency_bounds": BOUNDS,
+            "replicas": {k: {"inflight": v} for k, v in (inflight or {}).items()},
+            "totals": {
+                k: {"requests": r, "errors": e, "latency": lat} for k, (r, e, lat) in totals.items()
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize(

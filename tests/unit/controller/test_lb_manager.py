@@ -18,6 +18,7 @@ from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServicePhase, ServiceRecord
 from fleetserve.infra.local import HOME_ID_ENV, free_port
+from fleetserve.lb.messages import LoadReport
 
 HOME_ID = "h0me1d"
 
@@ -117,7 +118,7 @@ def test_check_port_accepts_only_the_services_own_lb_workers(
 
 async def test_push_and_load_carry_the_services_admin_secret(lb: LbManager, api: AdminApi) -> None:
     assert await lb.push(A, E1, now=100.0) is True
-    assert await lb.load(A) == {"total_requests": 7, "replicas": {}}
+    assert await lb.load(A) == LoadReport(total_requests=7)
     put, get = api.requests
     assert (put.method, str(put.url)) == ("PUT", "http://127.0.0.1:41001/-/replicas")
     assert (get.method, str(get.url)) == ("GET", "http://127.0.0.1:41001/-/load")

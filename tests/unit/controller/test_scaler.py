@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from fleetserve.controller.scaling import STATE_KEY, Scaler
 from fleetserve.core.clock import FakeClock
+from fleetserve.lb.messages import LoadReport
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
@@ -39,9 +38,11 @@ def scaler_for(store: Store, clock: FakeClock, name: str, yaml_text: str) -> Sca
     return Scaler(name, store, clock, interval=1.0)
 
 
-def report(total: int, queued: int = 0, **inflight: int) -> dict[str, Any]:
+def report(total: int, queued: int = 0, **inflight: int) -> LoadReport:
     replicas = {rid.removeprefix("r"): {"inflight": n} for rid, n in inflight.items()}
-    return {"total_requests": total, "queued": queued, "replicas": replicas}
+    return LoadReport.model_validate(
+        {"total_requests": total, "queued": queued, "replicas": replicas}
+    )
 
 
 @pytest.mark.parametrize(
@@ -101,7 +102,7 @@ def test_one_decision_per_interval_unless_a_request_is_held(store: Store, clock:
     ],
 )
 def test_inflight_of_reads_the_latest_report(
-    store: Store, clock: FakeClock, load: dict[str, Any] | None, replica_id: int, inflight: int
+    store: Store, clock: FakeClock, load: LoadReport | None, replica_id: int, inflight: int
 ) -> None:
     scaler = scaler_for(store, clock, "a", autoscaled_yaml())
     scaler.observe(load)

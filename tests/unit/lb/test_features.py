@@ -17,7 +17,8 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import tls_context
 from fleetserve.lb.config import LbConfig
-from fleetserve.lb.proxy import Proxy, prompt_prefix
+from fleetserve.lb.http import prompt_prefix
+from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.lb import make_selector
 from fleetserve.spec.models import LoadBalancerOptions

@@ -7,13 +7,8 @@ import pydantic
 import pytest
 
 from fleetserve.lb.build import FD_RESERVE, MIN_CONNECTIONS, connection_limit
-from fleetserve.lb.proxy import (
-    DEFAULT_MAX_CONNECTIONS,
-    Limits,
-    connection_tokens,
-    plain_response_head,
-    response_head,
-)
+from fleetserve.lb.http import Limits, connection_tokens, plain_response_head, response_head
+from fleetserve.lb.proxy import DEFAULT_MAX_CONNECTIONS
 from fleetserve.spec.models import LoadBalancerOptions
 
 HOP = [

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.messages import LoadReport
 from fleetserve.lb.workers import MergedMetrics, merge_load
 from fleetserve.spec.models import LoadBalancerOptions
 from tests.unit.lb.helpers import start_lb_process, wait_workers, workers_of
@@ -112,7 +113,7 @@ def test_merge_load_adds_up() -> None:
             "2": {"inflight": 3, "requests_per_second": 0.0},
         },
     }
-    m = merge_load([a, b])
+    m = merge_load([LoadReport.model_validate(a), LoadReport.model_validate(b)]).model_dump()
     assert m["total_requests"] == 90 and m["queued"] == 1 and m["at"] == 2.0
     assert m["replicas"] == {
         "1": {"inflight": 3, "requests_per_second": 1.5},

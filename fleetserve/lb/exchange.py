@@ -1,0 +1,418 @@
+"""One request's life: the replica it goes to, its body streamed there (and kept while small),
+another replica when it was not sent, the read timeout, and the status it ends with.
+
+A request goes to another replica only when it was not sent: the connection failed, or a
+pooled connection turned out closed before the request got any answer (and its whole body can
+be sent again). An `Upgrade` (WebSocket) becomes a raw two-way tunnel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import TYPE_CHECKING
+
+from fleetserve.lb.http import HIGH_WATER, PEEK_BYTES, error_response, prompt_prefix
+from fleetserve.lb.replica_set import Upstream
+from fleetserve.policies.lb import NO_KEY, RequestKey
+
+if TYPE_CHECKING:
+    from fleetserve.lb.client import ClientConn
+    from fleetserve.lb.upstream import UpstreamConn
+
+log = logging.getLogger("fleetserve.lb")
+REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
+
+
+class _NotSent(Exception):
+    """The request did not reach a replica: another one may take it."""
+
+
+class Exchange:
+    """One request and its response.
+
+    The common case runs without a task: the request is written to an idle pooled connection
+    as soon as its head is parsed, and the response's end settles the exchange from the
+    replica connection's callback. Anything that must wait (a new connection, a body to peek
+    at, holding for a first replica, a retry) continues in a task (`run`).
+    """
+
+    def __init__(self, client: ClientConn, method: bytes, head: bytes, has_body: bool) -> None:
+        self.client = client
+        self.proxy = client.proxy
+        self.method = method
+        self.head = head  # request line and headers as they go to the replica
+        self.has_body = has_body
+        self.chunked = False
+        self.http10 = False  # the client speaks HTTP/1.0: no chunked framing towards it
+        self.wants_upgrade = False  # the client asked for a protocol upgrade (WebSocket)
+        self.headers: dict[bytes, bytes] = {}
+        self.body: list[bytes] = []  # buffered until a replica is attached
+        self.body_size = 0
+        self.body_complete = not has_body
+        self.body_event: asyncio.Event | None = None  # made when a policy waits for the body
+        self.conn: UpstreamConn | None = None
+        self.replica: Upstream | None = None
+        self.status = 0
+        self.sent_to_client = False
+        self.started = time.monotonic()
+        self.activity = self.started
+        self.keep_alive = True
+        self.local: bytes | None = None  # a response the LB gives itself
+        self.upgrade = False
+        self.task: asyncio.Task[None] | None = None
+        self.tried: set[int] = set()
+        self.chosen: Upstream | None = None  # picked without a task, to connect to in one
+        self.failures: list[str] = []
+        self._counted: int | None = None  # the replica whose in-flight count holds this one
+        self._settled = True
+        self._waiter: asyncio.Future[str] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._reported = False
+        self.replay: list[bytes] | None = []  # the body sent so far, while it is small
+        self.replay_size = 0
+
+    # client -> replica ---------------------------------------------------------------------
+
+    def _keep_for_replay(self, data: bytes) -> None:
+        if self.replay is not None:
+            self.replay_size += len(data)
+            if self.replay_size > REPLAY_BYTES:
+                self.replay = None  # too big to keep: this request cannot be retried once sent
+            else:
+                self.replay.append(data)
+
+    def _frame(self, data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
+
+    def on_body(self, data: bytes) -> None:
+        if self.conn is not None:
+            self.conn.write(self._frame(data))
+            self._keep_for_replay(data)
+        else:
+            self.body.append(data)
+            self.body_size += len(data)
+            if self.body_size >= HIGH_WATER:
+                self.client.pause_reading()
+            if self.body_event is not None:
+                self.body_event.set()
+
+    def on_body_complete(self) -> None:
+        self.body_complete = True
+        if self.body_event is not None:
+            self.body_event.set()
+        if self.conn is not None and self.chunked:
+            self.conn.write(b"0\r\n\r\n")
+
+    def tunnel_from_client(self, data: bytes) -> None:
+        if self.conn is not None:
+            self.conn.write(data)
+        else:
+            self.body.append(data)
+
+    # replica -> client ---------------------------------------------------------------------
+
+    def to_client(self, data: bytes) -> None:
+        self.sent_to_client = True
+        self.client.write(data)
+
+    def response_complete(self, upstream_keep_alive: bool) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            self.status = conn.status
+            if upstream_keep_alive and self.body_complete:
+                self.proxy.pool.release(conn)
+            else:
+                conn.exchange = None
+                conn.close()
+        self._settle("ok")
+
+    def upgraded(self) -> None:
+        self.upgrade = True
+        self.client.tunnel_to(self)
+        if self.conn is not None:
+            self.status = self.conn.status
+            for data in self.body:
+                self.conn.write(data)
+            self.body.clear()
+
+    def upstream_lost(self, got_bytes: bool, tunnel: bool) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None and not self.status:
+            self.status = conn.status
+        if tunnel:
+            self.client.close()
+            self._settle("tunnel closed")
+            return
+        self._settle("lost" if got_bytes else "unanswered")
+
+    def upstream_failed(self, why: str) -> None:
+        self.conn = None
+        self._settle(f"failed: {why}")
+
+    def client_gone(self) -> None:
+        """The client disconnected: cancel the replica's request (close its connection)."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.exchange = None
+            conn.close()
+        if self.task is not None:
+            self.task.cancel()
+        elif not self._settled:
+            self._settled = True
+            self._cancel_timer()
+            self._end_attempt()
+            self._report(499, str(self.replica.replica_id) if self.replica else "none")
+
+    # bookkeeping -------------------------------------------------------------------------------
+
+    def _begin_attempt(self, upstream: Upstream) -> None:
+        rid = upstream.replica_id
+        inflight = self.proxy.replicas.inflight
+        inflight[rid] = inflight.get(rid, 0) + 1
+        self._counted = rid
+        self.tried.add(rid)
+        self.proxy.load.record(str(rid))
+
+    def _end_attempt(self) -> None:
+        rid, self._counted = self._counted, None
+        if rid is None:
+            return
+        inflight = self.proxy.replicas.inflight
+        left = inflight.get(rid, 1) - 1
+        if left > 0:
+            inflight[rid] = left
+        else:
+            inflight.pop(rid, None)
+
+    def _report(self, status: int, replica: str) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        self.proxy.metrics.done(replica, status, time.monotonic() - self.started)
+        self.client.exchange_done(self)
+
+    # sending and settling ------------------------------------------------------------------------
+
+    def _send(self, conn: UpstreamConn, upstream: Upstream) -> None:
+        conn.start(self)
+        self.conn, self.replica = conn, upstream
+        self.status = 0
+        self._settled = False
+        if self.replay:
+            self.body = self.replay + self.body  # a retry: the body goes again, from its start
+            self.replay, self.replay_size = [], 0
+        out = [self.head, *(self._frame(data) for data in self.body)]
+        if self.body_complete and self.chunked:
+            out.append(b"0\r\n\r\n")
+        conn.write(b"".join(out))  # one send for the head and what came of the body so far
+        if not self.upgrade:
+            for data in self.body:
+                self._keep_for_replay(data)
+            self.body = []
+            self.body_size = 0
+            self.client.resume_reading()
+        self.activity = time.monotonic()
+        self._timer = asyncio.get_running_loop().call_later(
+            self.proxy.opts.read_timeout_seconds, self._check_timeout
+        )
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_timeout(self) -> None:
+        """No byte from the replica for read_timeout_seconds: give up (tunnels may idle)."""
+        if self._settled:
+            return
+        limit = self.proxy.opts.read_timeout_seconds
+        idle = time.monotonic() - self.activity
+        if self.upgrade or idle < limit:
+            delay = limit if self.upgrade else limit - idle
+            self._timer = asyncio.get_running_loop().call_later(delay, self._check_timeout)
+            return
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.exchange = None
+            conn.close()
+        self._settle("timeout")
+
+    def _settle(self, outcome: str) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        self._cancel_timer()
+        if self._waiter is not None:
+            if not self._waiter.done():
+                self._waiter.set_result(outcome)
+            return
+        # The task-less path: conclude here.
+        rid = str(self.replica.replica_id) if self.replica else "none"
+        try:
+            status = self._conclude(outcome)
+        except _NotSent as e:
+            self._end_attempt()
+            self.failures.append(f"replica {rid}: {e}")
+            self.task = asyncio.get_running_loop().create_task(self.run())
+            return
+        self._end_attempt()
+        self._report(status, rid)
+
+    def _conclude(self, outcome: str) -> int:
+        """The status this attempt ends with; raises _NotSent when another replica may try."""
+        proxy = self.proxy
+        rid = str(self.replica.replica_id) if self.replica else "none"
+        if outcome in ("ok", "tunnel closed"):
+            return self.status
+        if outcome == "unanswered" and not self.sent_to_client:
+            # The connection closed before any response byte: the replica did not answer
+            # (a stale pooled connection, or it died), so another one may, if the whole body
+            # can be sent again.
+            proxy.metrics.error(rid, "disconnected")
+            if self.replay is not None and self.body_complete:
+                raise _NotSent("closed the connection without answering")
+        proxy.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
+        if self.sent_to_client:
+            self.client.close()  # a truncated response must not look complete
+            return self.status or 502
+        if outcome == "timeout":
+            msg = error_response(
+                504,
+                "upstream_timeout",
+                f"replica {rid} sent no response within {proxy.opts.read_timeout_seconds:g} s",
+                close=not self.keep_alive,
+            )
+        else:
+            msg = error_response(
+                502,
+                "upstream_disconnected",
+                f"replica {rid} failed mid-request ({outcome})",
+                close=not self.keep_alive,
+            )
+        self.client.write(msg)
+        return int(msg[9:12])
+
+    def try_now(self) -> bool:
+        """Start the exchange without a task if nothing has to be waited for."""
+        proxy = self.proxy
+        if self.local is not None or proxy.config.policy == "prefix_affinity":
+            return False
+        if not proxy.replicas.upstreams:
+            return False
+        upstream = proxy.replicas.pick(frozenset(), self._header_key())
+        if upstream is None:
+            return False
+        conn = proxy.pool.idle_conn(upstream)
+        if conn is None:
+            self.chosen = upstream  # the task connects to it: a pick is not made twice
+            return False
+        self._begin_attempt(upstream)
+        self._send(conn, upstream)
+        return True
+
+    # the task path -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        status, replica = 0, "none"
+        try:
+            status, replica = await self._run()
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+        finally:
+            self._end_attempt()
+            self._report(status, replica)
+
+    async def _run(self) -> tuple[int, str]:
+        proxy = self.proxy
+        if self.local is not None:
+            self.client.write(self.local)
+            return int(self.local[9:12]), "none"
+        key = await self._key()
+        if not proxy.replicas.upstreams and proxy.config.hold_when_empty:
+            refused = await proxy.hold()
+            if refused is not None:
+                self.client.write(refused)
+                proxy.load.record("none")
+                return int(refused[9:12]), "none"
+        for _ in range(proxy.opts.max_attempts - len(self.tried)):
+            upstream, self.chosen = self.chosen, None
+            if upstream is None or upstream.replica_id not in proxy.replicas.upstreams:
+                upstream = proxy.replicas.pick(frozenset(self.tried), key)
+            if upstream is None:
+                break
+            rid = str(upstream.replica_id)
+            self._begin_attempt(upstream)
+            try:
+                return await self._attempt(upstream), rid
+            except _NotSent as e:
+                self.failures.append(f"replica {rid}: {e}")
+            finally:
+                self._end_attempt()
+        if not self.tried:
+            proxy.load.record("none")
+            msg = error_response(
+                503,
+                "no_ready_replicas",
+                f"service {proxy.config.service!r} has no READY replica; "
+                f"see `fleetserve status {proxy.config.service}`",
+                close=not self.keep_alive,
+            )
+        else:
+            msg = error_response(
+                502,
+                "upstream_unreachable",
+                "no replica could be reached: " + "; ".join(self.failures),
+                close=not self.keep_alive,
+            )
+        self.client.write(msg)
+        return int(msg[9:12]), "none"
+
+    def _header_key(self) -> RequestKey:
+        proxy = self.proxy
+        if proxy.config.policy != "sticky":
+            return NO_KEY
+        opts = proxy.opts
+        session = None
+        if opts.session_header:
+            session = self.headers.get(opts.session_header.lower().encode())
+        if session is None and opts.session_cookie:
+            cookie = self.headers.get(b"cookie", b"")
+            name = re.escape(opts.session_cookie.encode())
+            m = re.search(rb"(?:^|;\s*)" + name + rb"=([^;]*)", cookie)
+            session = m.group(1) if m else None
+        return RequestKey(session=session.decode(errors="replace") if session else None)
+
+    async def _key(self) -> RequestKey:
+        proxy = self.proxy
+        if proxy.config.policy == "prefix_affinity" and self.has_body:
+            self.body_event = asyncio.Event()
+            while not self.body_complete and self.body_size < PEEK_BYTES:
+                self.body_event.clear()
+                await self.body_event.wait()
+            head = b"".join(self.body)[:PEEK_BYTES]
+            return RequestKey(prefix=prompt_prefix(head, proxy.opts.prefix_chars))
+        return self._header_key()
+
+    async def _attempt(self, upstream: Upstream) -> int:
+        proxy = self.proxy
+        rid = str(upstream.replica_id)
+        try:
+            conn = await proxy.pool.acquire(upstream)
+        except (OSError, TimeoutError) as e:
+            proxy.replicas.discard(upstream.replica_id)  # until the controller's next push
+            proxy.metrics.error(rid, "connect")
+            log.warning("replica %s refused a connection: %s", rid, e or type(e).__name__)
+            raise _NotSent(str(e) or type(e).__name__) from None
+        if self.client.closed:
+            proxy.pool.release(conn)
+            raise asyncio.CancelledError
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._send(conn, upstream)
+        try:
+            outcome = await self._waiter
+        finally:
+            self._waiter = None
+        return self._conclude(outcome)

@@ -1,0 +1,213 @@
+"""The replica side of the proxy: keep-alive connections to replicas (a pool of idle ones
+per replica) and the rewriting of a response head on its way to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import httptools
+
+from fleetserve.lb.http import HIGH_WATER, RESPONSE_HOP_PATTERN, response_head
+from fleetserve.lb.replica_set import Upstream
+
+if TYPE_CHECKING:
+    from fleetserve.lb.exchange import Exchange
+
+IDLE_PER_REPLICA = 256
+
+
+class UpstreamConn(asyncio.Protocol):
+    """One keep-alive connection to a replica; serves one exchange at a time."""
+
+    def __init__(self, pool: Pool, key: str) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.exchange: Exchange | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+        self.got_bytes = False
+        self.done = False
+        self.status = 0
+        self.closed = False
+        self.tunnel = False
+        self.keep_alive = False
+        self.rewriter: ResponseRewriter | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
+
+    def start(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.parser = httptools.HttpResponseParser(self)
+        self.rewriter = None
+        self.got_bytes = self.done = self.keep_alive = False
+        self.status = 0
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        ex = self.exchange
+        if ex is None:
+            self.close()  # a replica should not talk unasked
+            return
+        if self.tunnel:
+            ex.to_client(data)
+            return
+        if not self.got_bytes:
+            self.got_bytes = True
+            # plain_response_head, inlined: this runs for every response.
+            m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
+            plain = m is not None and m.group(1) is None
+            if not ex.wants_upgrade and (ex.http10 or not plain):
+                # The slow path: the head is rebuilt (and the body maybe re-framed) from
+                # the parser's callbacks instead of passing through.
+                self.rewriter = ResponseRewriter(self, ex)
+                self.parser = httptools.HttpResponseParser(self.rewriter)
+        assert self.parser is not None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as e:
+            self.tunnel = True  # 101 Switching Protocols: raw bytes both ways from now
+            if self.rewriter is not None and e.args and isinstance(e.args[0], int):
+                ex.to_client(data[e.args[0] :])
+        except httptools.HttpParserError as e:
+            self.close()
+            ex.upstream_failed(f"invalid response: {e}")
+            return
+        if self.rewriter is None:
+            ex.to_client(data)
+        ex.activity = time.monotonic()
+        if self.tunnel:
+            ex.upgraded()
+        elif self.done:
+            ex.response_complete(self.keep_alive)
+
+    def on_headers_complete(self) -> None:
+        assert self.parser is not None and self.exchange is not None
+        self.status = self.parser.get_status_code()
+        if self.exchange.method == b"HEAD":
+            self.keep_alive = self.parser.should_keep_alive()
+            self.done = True  # no body follows a response to HEAD, whatever its headers say
+
+    def on_message_complete(self) -> None:
+        if 100 <= self.status < 200 and self.status != 101:
+            self.status = 0  # an interim response (100 Continue): the real one follows
+            return
+        assert self.parser is not None
+        self.keep_alive = self.parser.should_keep_alive()  # only valid inside this callback
+        self.done = True
+
+    def pause_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.client.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.exchange is not None:
+            self.exchange.client.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        ex, self.exchange = self.exchange, None
+        if ex is not None and not (self.done and not self.tunnel):
+            ex.upstream_lost(self.got_bytes, self.tunnel)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class ResponseRewriter:
+    """The response parser's protocol on the slow path: a response whose head must change on
+    its way (see `response_head`) is written to the client from the parser's callbacks. An
+    HTTP/1.0 client gets no interim (1xx) response."""
+
+    def __init__(self, conn: UpstreamConn, ex: Exchange) -> None:
+        self.conn = conn
+        self.ex = ex
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.rechunk = False
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        conn, ex = self.conn, self.ex
+        conn.on_headers_complete()
+        status = conn.status
+        headers, reason = self.headers, self.reason
+        self.headers, self.reason = [], b""
+        if ex.http10 and 100 <= status < 200:
+            return
+        head = response_head(
+            status,
+            reason,
+            headers,
+            http10=ex.http10,
+            keep_alive=ex.keep_alive,
+            no_body=ex.method == b"HEAD" or status in (204, 304) or status < 200,
+        )
+        self.rechunk = head.rechunk
+        ex.keep_alive = head.keep_alive
+        ex.to_client(head.data)
+
+    def on_body(self, data: bytes) -> None:
+        self.ex.to_client(b"%x\r\n%s\r\n" % (len(data), data) if self.rechunk else data)
+
+    def on_message_complete(self) -> None:
+        if self.rechunk:
+            self.ex.to_client(b"0\r\n\r\n")  # the replica's trailers are not passed on
+            self.rechunk = False
+        self.conn.on_message_complete()
+
+
+class Pool:
+    """Idle keep-alive connections per replica URL."""
+
+    def __init__(self, connect_timeout: float) -> None:
+        self.connect_timeout = connect_timeout
+        self.idle: dict[str, deque[UpstreamConn]] = {}
+
+    def idle_conn(self, upstream: Upstream) -> UpstreamConn | None:
+        idle = self.idle.get(upstream.url)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def acquire(self, upstream: Upstream) -> UpstreamConn:
+        conn = self.idle_conn(upstream)
+        if conn is not None:
+            return conn
+        host, _, port = upstream.url.removeprefix("http://").partition(":")
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_timeout):
+            _, conn = await loop.create_connection(
+                lambda: UpstreamConn(self, upstream.url), host, int(port.rstrip("/") or 80)
+            )
+        return conn
+
+    def release(self, conn: UpstreamConn) -> None:
+        conn.exchange = None
+        idle = self.idle.setdefault(conn.key, deque())
+        if conn.closed or len(idle) >= IDLE_PER_REPLICA:
+            conn.close()
+            return
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self.idle.values():
+            for conn in idle:
+                conn.close()
+        self.idle.clear()
