@@ -16,6 +16,7 @@ from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.proxy import DEFAULT_MAX_CONNECTIONS, Proxy
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.wake import may_send_to
+from fleetserve.policies.cache_aware import CacheAware
 from fleetserve.policies.lb import LeastLoad, RoundRobin, make_selector
 from fleetserve.spec.models import LoadBalancerOptions
 
@@ -73,8 +74,13 @@ def connection_limit(options: LoadBalancerOptions, fd_limit: int) -> int:
 def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
     replicas = ReplicaSet(make_selector("least_load"))
     # instance_aware_least_load reads the per-replica weights that each push installs.
+    opts = config.options
     replicas.selector = make_selector(
-        config.policy, weights=replicas.weights, max_extra_load=config.options.max_extra_load
+        config.policy,
+        weights=replicas.weights,
+        max_extra_load=opts.max_extra_load,
+        cache_block_chars=opts.cache_block_chars,
+        cache_blocks=opts.cache_blocks,
     )
     # Workers take connections independently: each starts its rotation at another replica,
     # so that a few requests on new connections still spread.
@@ -114,4 +120,7 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
 
     replicas.apply(ReplicaPush(replicas=config.replicas))
     limit = connection_limit(config.options, raise_fd_limit())
-    return Proxy(config, replicas, wake=wake, max_connections=limit)
+    proxy = Proxy(config, replicas, wake=wake, max_connections=limit)
+    if isinstance(replicas.selector, CacheAware):
+        replicas.selector.on_choice = proxy.metrics.prompt_blocks
+    return proxy

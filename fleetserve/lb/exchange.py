@@ -16,12 +16,15 @@ from typing import TYPE_CHECKING
 
 from fleetserve.lb.http import HIGH_WATER, PEEK_BYTES, error_response, prompt_prefix
 from fleetserve.lb.replica_set import Upstream
+from fleetserve.policies.cache_aware import CacheAware, prompt_text
 from fleetserve.policies.lb import NO_KEY, RequestKey
 
 if TYPE_CHECKING:
     from fleetserve.lb.client import ClientConn
     from fleetserve.lb.upstream import UpstreamConn
 
+# Policies that read the request body before choosing a replica.
+BODY_POLICIES = ("prefix_affinity", "cache_aware")
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
 
@@ -298,7 +301,7 @@ class Exchange:
     def try_now(self) -> bool:
         """Start the exchange without a task if nothing has to be waited for."""
         proxy = self.proxy
-        if self.local is not None or proxy.config.policy == "prefix_affinity":
+        if self.local is not None or proxy.config.policy in BODY_POLICIES:
             return False
         if not proxy.replicas.upstreams:
             return False
@@ -385,15 +388,29 @@ class Exchange:
             session = m.group(1) if m else None
         return RequestKey(session=session.decode(errors="replace") if session else None)
 
+    async def _read_body(self, limit: int) -> bytes:
+        """The body, or its first `limit` bytes when it is longer (it is held, not sent, until
+        a replica is chosen: `limit` is at most HIGH_WATER, where reading pauses)."""
+        self.body_event = asyncio.Event()
+        while not self.body_complete and self.body_size < limit:
+            self.body_event.clear()
+            await self.body_event.wait()
+        return b"".join(self.body)[:limit]
+
     async def _key(self) -> RequestKey:
         proxy = self.proxy
-        if proxy.config.policy == "prefix_affinity" and self.has_body:
-            self.body_event = asyncio.Event()
-            while not self.body_complete and self.body_size < PEEK_BYTES:
-                self.body_event.clear()
-                await self.body_event.wait()
-            head = b"".join(self.body)[:PEEK_BYTES]
+        policy = proxy.config.policy
+        if policy == "prefix_affinity" and self.has_body:
+            head = await self._read_body(PEEK_BYTES)
             return RequestKey(prefix=prompt_prefix(head, proxy.opts.prefix_chars))
+        selector = proxy.replicas.selector
+        if policy == "cache_aware" and self.has_body and isinstance(selector, CacheAware):
+            body = await self._read_body(proxy.opts.cache_max_body_bytes)
+            # A whole body is parsed; of a longer one, the start of its first prompt field.
+            text = prompt_text(body) if self.body_complete else prompt_prefix(body, 1 << 20)
+            if text is None:
+                return NO_KEY
+            return RequestKey(prefix=text[: selector.block_chars], blocks=selector.keys(text))
         return self._header_key()
 
     async def _attempt(self, upstream: Upstream) -> int:

@@ -79,6 +79,15 @@ class Metrics:
         )
         # Every reason shows from the start (at 0), and a hit costs no label lookup.
         self._rejected = {r: rejected.labels(service, r.value) for r in Rejection}
+        prompt_blocks = Counter(
+            "fleetserve_lb_prompt_blocks",
+            "cache_aware: prompt blocks routed, and those matched in the chosen replica's "
+            "prefix index (matched / routed: the expected prefix-cache hit rate).",
+            ["service", "kind"],
+            registry=self.registry,
+        )
+        self._routed_blocks = prompt_blocks.labels(service, "routed")
+        self._matched_blocks = prompt_blocks.labels(service, "matched")
         self.service = service
         self.policy = policy
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -94,6 +103,10 @@ class Metrics:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def prompt_blocks(self, matched: int, routed: int) -> None:
+        self._routed_blocks.inc(routed)
+        self._matched_blocks.inc(matched)
 
     def error(self, replica: str, kind: str) -> None:
         self.upstream_errors.labels(self.service, self.policy, replica, kind).inc()

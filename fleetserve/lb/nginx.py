@@ -7,9 +7,9 @@ workers finish their requests). It tails nginx's access log into the same load r
 Prometheus metrics. An embedded Python proxy on an internal port is nginx's fallback server:
 with no READY replica it answers 503, or holds requests while the service scales from zero.
 
-What nginx does not do here (documented): prefix_affinity (it falls back to least_conn),
-per-replica in-flight counts in the load report, and instance_aware weights beyond nginx's own
-`weight=`.
+What nginx does not do here (documented): prefix_affinity and cache_aware (it falls back to
+least_conn), per-replica in-flight counts in the load report, and instance_aware weights beyond
+nginx's own `weight=`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _balance(policy: str, session_header: str | None, session_cookie: str | None
             return f"hash $cookie_{session_cookie} consistent;"
         header = (session_header or "X-Session-Id").lower().replace("-", "_")
         return f"hash $http_{header} consistent;"
-    return "least_conn;"  # least_load, power_of_two, instance_aware, prefix_affinity
+    return "least_conn;"  # least_load, power_of_two, instance_aware, prefix_affinity, cache_aware
 
 
 def render(config: LbConfig, replicas: list[dict[str, Any]], fallback_port: int, home: Path) -> str:

@@ -24,8 +24,10 @@ from fleetserve.lb.client import ClientConn
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.http import Limits, error_response
 from fleetserve.lb.metrics import LoadTracker, Metrics
+from fleetserve.lb.replica_load import ReplicaLoadPoller
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.upstream import Pool
+from fleetserve.policies.cache_aware import CacheAware
 
 DEFAULT_MAX_CONNECTIONS = 10_000
 
@@ -75,6 +77,7 @@ class Proxy:
         self.clients: set[ClientConn] = set()  # open client connections (drained on close)
         self._wake_task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
+        self._load_poller: ReplicaLoadPoller | None = None  # cache_aware's replica metrics
         # Timeouts are checked by one sweep over the connections, not a timer per request,
         # and connections stamp their times with the clock the sweep reads (no clock read
         # per request): a stamp is at most one sweep old, so a timeout is given one sweep
@@ -155,6 +158,17 @@ class Proxy:
         )
         if self._sweeper is None:
             self._sweeper = loop.call_later(self.sweep_seconds, self._sweep)
+        selector = self.replicas.selector
+        every = self.opts.replica_metrics_seconds
+        if isinstance(selector, CacheAware) and every and self._load_poller is None:
+            replicas = self.replicas  # its set is replaced by each push: read it each round
+            self._load_poller = ReplicaLoadPoller(
+                every,
+                self.opts.replica_metrics_path,
+                lambda: [(rid, u.url) for rid, u in replicas.upstreams.items()],
+                selector.reported,
+            )
+            self._load_poller.start()
         return self._server
 
     @property
@@ -171,6 +185,9 @@ class Proxy:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._load_poller is not None:
+            await self._load_poller.stop()
+            self._load_poller = None
         deadline = time.monotonic() + drain_seconds
         while time.monotonic() < deadline and any(c.queue for c in self.clients):
             await asyncio.sleep(0.05)

@@ -25,6 +25,7 @@ class RequestKey:
 
     session: str | None = None  # sticky sessions: a header or cookie value
     prefix: str | None = None  # prefix affinity: the start of the prompt
+    blocks: tuple[int, ...] = ()  # cache_aware: the prompt's block keys (policies.cache_aware)
 
 
 NO_KEY = RequestKey()
@@ -202,6 +203,8 @@ def make_selector(
     weights: Mapping[int, float] | None = None,
     rng: random.Random | None = None,
     max_extra_load: int = 4,
+    cache_block_chars: int = 64,
+    cache_blocks: int = 8192,
 ) -> Selector:
     """The selector for a `load_balancing_policy` name."""
     if policy == "round_robin":
@@ -216,4 +219,8 @@ def make_selector(
         return Sticky()
     if policy == "prefix_affinity":
         return PrefixAffinity(max_extra_load)
+    if policy == "cache_aware":
+        from fleetserve.policies.cache_aware import CacheAware  # it builds on this module
+
+        return CacheAware(max_extra_load, cache_block_chars, cache_blocks)
     raise ValueError(f"unknown load_balancing_policy {policy!r}; use one of {', '.join(POLICIES)}")

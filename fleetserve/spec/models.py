@@ -41,6 +41,7 @@ LbPolicy = Literal[
     "power_of_two",
     "sticky",
     "prefix_affinity",
+    "cache_aware",
 ]
 DEFAULT_LB_POLICY: LbPolicy = "least_load"
 FLEETSERVE_INFRAS = ("local", "ray")  # where replicas can run; any other infra is a cloud
@@ -248,7 +249,20 @@ class LoadBalancerOptions(_Strict):
     session_header: str | None = "X-Session-Id"  # sticky: the header that names a session
     session_cookie: str | None = None  # sticky: or a cookie
     prefix_chars: Annotated[int, Field(ge=1, le=100_000)] = 256  # prefix_affinity key length
-    max_extra_load: Annotated[int, Field(ge=1)] = 4  # prefix_affinity: then least load wins
+    # prefix_affinity, cache_aware: a replica this many requests busier than the least loaded
+    # one is passed over, whatever it holds.
+    max_extra_load: Annotated[int, Field(ge=1, le=100_000)] = 4
+    # cache_aware (docs/load-balancer.md): the block size of the LB's prefix index, in
+    # characters (~4 per token), and how many blocks it remembers per replica (its KV cache).
+    cache_block_chars: Annotated[int, Field(ge=8, le=4096)] = 64
+    cache_blocks: Annotated[int, Field(ge=16, le=1_000_000)] = 8192
+    # cache_aware: a request body up to this size is read before choosing (larger: its head).
+    cache_max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024)] = 256 * 1024
+    # cache_aware: read each replica's Prometheus metrics this often (vLLM, SGLang and TGI
+    # names for running + waiting requests) and count the larger of that and the LB's own
+    # in-flight count as its load; unset: the LB's count only.
+    replica_metrics_seconds: Annotated[float, Field(ge=0.1, le=60)] | None = None
+    replica_metrics_path: Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,200}$")] = "/metrics"
     connect_timeout_seconds: Annotated[float, Field(gt=0)] = 5.0
     read_timeout_seconds: Annotated[float, Field(gt=0)] = 600.0  # idle time between bytes
     max_attempts: Annotated[int, Field(ge=1, le=10)] = 3

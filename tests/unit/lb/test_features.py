@@ -78,6 +78,39 @@ async def test_prefix_affinity_routes_shared_prompts_together_and_streams_the_bo
         assert spread == {"a", "b"}
 
 
+async def test_cache_aware_keeps_conversations_on_their_replica_and_bodies_whole(
+    start: Start,
+) -> None:
+    lb, replicas = await make_lb(start, "cache_aware", await two_upstreams(start))
+    async with aiohttp.ClientSession() as s:
+        placed: dict[int, set[str]] = {}
+        for turn in range(3):
+            for conv in range(7):  # odd: a rotation would move every conversation
+                # Each conversation has its own history (a few KiB: past one 16 KiB peek at
+                # the last turn) that every turn repeats and extends.
+                history = [{"role": "system", "content": f"conversation {conv}. " * 40}]
+                for t in range(turn + 1):
+                    history.append({"role": "user", "content": f"turn {t} of {conv} " * 300})
+                    history.append({"role": "assistant", "content": "an answer " * 50})
+                body = {"model": "m", "messages": history[:-1], "stream": False}
+                async with s.post(f"{lb}/v1/chat/completions", json=body) as r:
+                    reply = await r.json()
+                assert reply["bytes"] == len(json.dumps(body))  # the read body went on whole
+                placed.setdefault(conv, set()).add(reply["replica"])
+        assert all(len(v) == 1 for v in placed.values())  # every turn on the first one's replica
+        assert {next(iter(v)) for v in placed.values()} == {"a", "b"}  # conversations spread
+        # A body past cache_max_body_bytes (256 KiB) still goes through whole.
+        huge = {"prompt": "x" * (600 * 1024)}
+        async with s.post(f"{lb}/v1/completions", json=huge) as r:
+            assert (await r.json())["bytes"] == len(json.dumps(huge))
+        # Not JSON, or GET: least load, no error.
+        async with s.post(f"{lb}/v1/completions", data=b"\xff not json") as r:
+            assert r.status == 200
+        async with s.get(f"{lb}/v1/models") as r:
+            assert r.status == 200
+    assert len(replicas.upstreams) == 2
+
+
 def test_prompt_prefix_extraction() -> None:
     assert prompt_prefix(b'{"prompt": "hello world"}', 5) == "hello"
     chat = b'{"messages": [{"role": "user", "content": "caf\\u00e9 au lait"}]}'

@@ -1,0 +1,111 @@
+"""The replicas' own account of their load, for cache_aware (`replica_metrics_seconds`).
+
+An LB process counts only its own requests in flight; a replica serving several LB processes
+(workers, or a restarted LB) or other clients is busier than that. When asked, each LB process
+reads every replica's Prometheus `/metrics` every few seconds and takes the requests it runs
+plus the ones it queues, in the names vLLM, SGLang and TGI use; the policy then counts a
+replica's load as the larger of that and its own in-flight count. A replica that does not
+answer (or has no such metric) is simply not counted: the in-flight count stands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable, Iterable
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+# Running + waiting requests, by server. Sources: vLLM's metrics docs (vllm:num_requests_*),
+# SGLang's (sglang:num_running_reqs, sglang:num_queue_reqs), TGI's (tgi_batch_current_size,
+# tgi_queue_size).
+LOAD_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "tgi_batch_current_size",
+    "tgi_queue_size",
+)
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+MAX_METRICS_BYTES = 1024 * 1024
+
+
+def parse_load(text: str) -> int | None:
+    """Running + waiting requests in a Prometheus text exposition (summed over label sets);
+    None when it names none of LOAD_METRICS."""
+    total = 0.0
+    seen = False
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _LINE.match(line)
+        if m is None or m.group(1) not in LOAD_METRICS:
+            continue
+        try:
+            value = float(m.group(2))
+        except ValueError:
+            continue
+        if value == value and 0 <= value < 1e9:  # not NaN, not absurd
+            total += value
+            seen = True
+    return round(total) if seen else None
+
+
+class ReplicaLoadPoller:
+    """Reads each replica's metrics every `every` seconds into `loads` (replica id -> load)."""
+
+    def __init__(
+        self,
+        every: float,
+        path: str,
+        replicas: Callable[[], Iterable[tuple[int, str]]],
+        loads: dict[int, int],
+    ) -> None:
+        self.every = every
+        self.path = path
+        self.replicas = replicas
+        self.loads = loads
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _one(self, session: aiohttp.ClientSession, rid: int, url: str) -> None:
+        try:
+            async with session.get(url.rstrip("/") + self.path) as r:
+                if r.status != 200:
+                    self.loads.pop(rid, None)
+                    return
+                body = await r.content.read(MAX_METRICS_BYTES)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            self.loads.pop(rid, None)
+            return
+        load = parse_load(body.decode(errors="replace"))
+        if load is None:
+            self.loads.pop(rid, None)
+        else:
+            self.loads[rid] = load
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(0.5, min(self.every, 5.0)))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                current = dict(self.replicas())
+                for gone in set(self.loads) - set(current):
+                    self.loads.pop(gone, None)
+                try:
+                    await asyncio.gather(
+                        *(self._one(session, rid, url) for rid, url in current.items())
+                    )
+                except Exception:  # never let a bad replica stop the polling
+                    log.exception("reading the replicas' metrics failed")
+                await asyncio.sleep(self.every)

@@ -1,0 +1,232 @@
+"""cache_aware: route an LLM request to the replica whose KV cache most likely holds the
+longest prefix of its prompt, unless that replica is too loaded.
+
+The load balancer cannot see a replica's cache, so it keeps its own approximation: for every
+replica, the prompts it recently sent there, cut into blocks of `block_chars` characters and
+keyed by a hash chain (block i's key covers blocks 0..i, as vLLM's prefix cache keys its token
+blocks). A set of such keys is a prefix tree: a prompt matches a replica for as many leading
+blocks as that replica holds. Each replica's keys live in an LRU of `blocks` entries, evicted
+least recently used first, as the replica's own cache evicts.
+
+Choosing (`CacheAware.select`): the replicas fewer than `max_extra_load` requests busier than
+the least loaded one are eligible (so none is ever chosen past that); among them, the one with
+the longest match (ties: the less loaded). With no match (a new conversation, a prompt nobody
+shares), the least loaded replica, ties broken by a consistent hash of the prompt's first
+block, so that the processes of one load balancer (each keeping its own tree) and a restarted
+one place the same new prompt on the same replica. Requests without a prompt (GET, non-JSON)
+go by least load.
+
+Cost on the request path: one pass over the prompt (slices and tuple hashes, ~0.2 us a block)
+and one dict lookup per block until the match ends. Memory: ~200 bytes per (replica, block).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+from fleetserve.policies.lb import NO_KEY, HashRing, LeastLoad, RequestKey
+
+DEFAULT_BLOCK_CHARS = 64  # ~16 tokens: vLLM's default block size
+DEFAULT_BLOCKS = 8192  # per replica: ~512K characters, ~128K tokens of prompt
+MAX_PROMPT_CHARS = 4 * 1024 * 1024  # what one request may make the index hash
+
+
+def _part_text(content: object) -> str:
+    """A message's content: a string, or OpenAI's list of parts (their text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+        )
+    return ""
+
+
+def prompt_text(body: bytes) -> str | None:
+    """The prompt of an OpenAI-style JSON body, rendered so that a later turn of the same
+    conversation starts with an earlier turn's rendering: chat `messages` (role and content of
+    each, in order), else `prompt` (a string, or the first of a list), else `input`. None when
+    the body is not such JSON."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    messages = doc.get("messages")
+    if isinstance(messages, list) and messages:
+        parts = []
+        for m in messages:
+            if isinstance(m, dict):
+                parts.append(f"\x1e{m.get('role', '')}\x1f{_part_text(m.get('content'))}")
+        text = "".join(parts)
+    else:
+        prompt = doc.get("prompt", doc.get("input"))
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        text = prompt if isinstance(prompt, str) else ""
+    return text[:MAX_PROMPT_CHARS] or None
+
+
+def block_keys(text: str, block_chars: int) -> tuple[int, ...]:
+    """The hash chain of the prompt's full blocks (a trailing partial block is not cached by a
+    replica either). Keys are process-local (Python's salted hash), as is the index."""
+    keys = []
+    prev = 0
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        prev = hash((prev, text[start : start + block_chars]))
+        keys.append(prev)
+    return tuple(keys)
+
+
+class PrefixIndex:
+    """Which replica recently held which prompt blocks: an LRU of block keys per replica and,
+    for lookups, each key's holders as a bit mask over replica slots."""
+
+    def __init__(self, blocks: int = DEFAULT_BLOCKS) -> None:
+        self.capacity = blocks
+        self._lru: dict[int, OrderedDict[int, None]] = {}
+        self._holders: dict[int, int] = {}  # key -> bit mask of replica slots
+        self._slot: dict[int, int] = {}  # replica id -> bit
+        self._free_slots: list[int] = []
+
+    def __len__(self) -> int:
+        return sum(len(lru) for lru in self._lru.values())
+
+    def _bit(self, replica: int) -> int:
+        bit = self._slot.get(replica)
+        if bit is None:
+            bit = self._free_slots.pop() if self._free_slots else 1 << len(self._slot)
+            self._slot[replica] = bit
+            self._lru[replica] = OrderedDict()
+        return bit
+
+    def record(self, replica: int, keys: Sequence[int]) -> None:
+        """`replica` now holds these blocks (most recently used); its oldest ones past the
+        capacity are forgotten."""
+        if not keys:
+            return
+        bit = self._bit(replica)
+        lru = self._lru[replica]
+        holders = self._holders
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                holders[key] = holders.get(key, 0) | bit
+        while len(lru) > self.capacity:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, bit)
+
+    def _drop(self, key: int, bit: int) -> None:
+        mask = self._holders.get(key, 0) & ~bit
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
+
+    def forget(self, replica: int) -> None:
+        """A replica left the set: its cache went with it."""
+        bit = self._slot.pop(replica, None)
+        if bit is None:
+            return
+        for key in self._lru.pop(replica):
+            self._drop(key, bit)
+        self._free_slots.append(bit)
+
+    def match(self, keys: Sequence[int], among: Sequence[int]) -> tuple[int, list[int]]:
+        """The longest run of leading blocks held by one of `among`, and the replicas that hold
+        that many (all of `among` when the match is 0)."""
+        alive = 0
+        for rid in among:
+            bit = self._slot.get(rid)
+            if bit is not None:
+                alive |= bit
+        depth = 0
+        holders = self._holders
+        for key in keys:
+            left = alive & holders.get(key, 0)
+            if not left:
+                break
+            alive = left
+            depth += 1
+        if depth == 0:
+            return 0, list(among)
+        return depth, [rid for rid in among if self._slot.get(rid, 0) & alive]
+
+    def replicas(self) -> list[int]:
+        return list(self._lru)
+
+
+class CacheAware:
+    """The cache_aware selector (see the module's docstring)."""
+
+    def __init__(
+        self,
+        max_extra_load: int = 4,
+        block_chars: int = DEFAULT_BLOCK_CHARS,
+        blocks: int = DEFAULT_BLOCKS,
+    ) -> None:
+        self.max_extra_load = max_extra_load
+        self.block_chars = block_chars
+        self.index = PrefixIndex(blocks)
+        self.ring = HashRing()
+        self.fallback = LeastLoad()
+        self._members: frozenset[int] = frozenset()
+        # The replicas' own running + waiting counts, when the LB reads their metrics
+        # (`replica_metrics_seconds`): a replica's load is the larger of that and our count.
+        self.reported: dict[int, int] = {}
+        # Told of each decision (blocks matched, blocks of the prompt): the LB's metrics.
+        self.on_choice: Callable[[int, int], None] | None = None
+
+    def keys(self, text: str | None) -> tuple[int, ...]:
+        return () if not text else block_keys(text, self.block_chars)
+
+    def _sync(self, candidates: Sequence[int]) -> None:
+        """Forget replicas that left the set (their caches are gone)."""
+        members = frozenset(candidates)
+        if members == self._members:
+            return
+        for rid in self.index.replicas():
+            if rid not in members:
+                self.index.forget(rid)
+        self._members = members
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
+    ) -> int | None:
+        keys = key.blocks
+        if not keys:
+            return self.fallback.select(candidates, inflight, exclude)
+        if frozenset(candidates) != self._members:
+            self._sync(candidates)
+        eligible = [rid for rid in candidates if rid not in exclude]
+        if not eligible:
+            return None
+        if self.reported:
+            reported = self.reported
+            inflight = {r: max(inflight.get(r, 0), reported.get(r, 0)) for r in eligible}
+        least = min(inflight.get(rid, 0) for rid in eligible)
+        limit = least + self.max_extra_load  # this busy or more: passed over
+        within = [rid for rid in eligible if inflight.get(rid, 0) < limit]
+        depth, best = self.index.match(keys, within)
+        if depth:
+            choice = min(best, key=lambda rid: inflight.get(rid, 0))
+        else:
+            # Nobody holds any of it: the least loaded, ties broken by the first block's hash
+            # (stable across processes, unlike the keys) so every LB process agrees.
+            idle = frozenset(rid for rid in within if inflight.get(rid, 0) == least)
+            others = frozenset(rid for rid in candidates if rid not in idle)
+            first = key.prefix if key.prefix is not None else str(keys[0])
+            choice = self.ring.lookup(candidates, first, others) or within[0]
+        self.index.record(choice, keys)
+        if self.on_choice is not None:
+            self.on_choice(depth, len(keys))
+        return choice

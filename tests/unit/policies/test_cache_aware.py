@@ -1,0 +1,196 @@
+"""cache_aware: its prompt rendering, its prefix index and its choices."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from fleetserve.policies.cache_aware import (
+    CacheAware,
+    PrefixIndex,
+    block_keys,
+    prompt_text,
+)
+from fleetserve.policies.lb import RequestKey, make_selector
+
+SYSTEM = "You are a careful assistant. " * 20
+
+
+def chat(*turns: str, system: str = SYSTEM) -> bytes:
+    messages = [{"role": "system", "content": system}]
+    for i, t in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
+    return json.dumps({"model": "m", "messages": messages, "stream": True}).encode()
+
+
+def key_of(sel: CacheAware, body: bytes) -> RequestKey:
+    text = prompt_text(body)
+    assert text is not None
+    return RequestKey(prefix=text[: sel.block_chars], blocks=sel.keys(text))
+
+
+def test_a_later_turn_renders_as_an_extension_of_the_earlier_one() -> None:
+    first = prompt_text(chat("hello there, tell me about caches"))
+    later = prompt_text(chat("hello there, tell me about caches", "They hold KV.", "More?"))
+    assert first is not None and later is not None
+    assert later.startswith(first)
+    assert len(later) > len(first)
+
+
+def test_prompt_text_forms_and_refusals() -> None:
+    assert prompt_text(b'{"prompt": "abc"}') == "abc"
+    assert prompt_text(b'{"prompt": ["first", "second"]}') == "first"
+    assert prompt_text(b'{"input": "embed me"}') == "embed me"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert prompt_text(json.dumps(parts).encode()) == "\x1euser\x1fhi"
+    for bad in (b"", b"not json", b"[1, 2]", b'{"prompt": 5}', b'{"messages": "x"}', b"\xff"):
+        assert prompt_text(bad) is None
+    assert prompt_text(b"[" * 100_000) is None  # deep nesting is refused, not a crash
+
+
+def test_block_keys_chain_full_blocks_only() -> None:
+    a = block_keys("x" * 64 + "y" * 64 + "z" * 10, 64)
+    assert len(a) == 2  # the trailing partial block is not a key
+    b = block_keys("x" * 64 + "q" * 64, 64)
+    assert a[0] == b[0] and a[1] != b[1]
+    # The same block after a different prefix is a different key (a chain, not a bag).
+    c = block_keys("w" * 64 + "y" * 64, 64)
+    assert c[1] != a[1]
+
+
+def test_index_match_is_the_longest_leading_run() -> None:
+    idx = PrefixIndex(blocks=100)
+    keys = block_keys("".join(chr(65 + i) * 8 for i in range(10)), 8)
+    idx.record(1, keys[:3])
+    idx.record(2, keys[:7])
+    assert idx.match(keys, [1, 2, 3]) == (7, [2])
+    assert idx.match(keys, [1, 3]) == (3, [1])
+    assert idx.match(keys, [3]) == (0, [3])
+    assert idx.match(block_keys("Z" * 80, 8), [1, 2]) == (0, [1, 2])
+
+
+def test_index_evicts_least_recently_used_and_forgets_replicas() -> None:
+    idx = PrefixIndex(blocks=4)
+    old = block_keys("a" * 32, 8)  # 4 blocks
+    new = block_keys("b" * 16, 8)  # 2 blocks
+    idx.record(1, old)
+    idx.record(1, old[:1])  # block 0 used again: now the most recent
+    idx.record(1, new)
+    assert len(idx) == 4
+    assert idx.match(old, [1]) == (1, [1])  # blocks 1 and 2 went first, block 0 stayed
+    assert idx.match(new, [1]) == (2, [1])
+    idx.record(2, old)
+    idx.forget(1)
+    assert idx.match(new, [1, 2]) == (0, [1, 2])
+    assert idx.match(old, [1, 2]) == (4, [2])
+    idx.record(3, new)  # a new replica reuses the freed slot without inheriting its keys
+    assert idx.match(old, [3]) == (0, [3])
+
+
+def test_a_conversation_stays_on_its_replica() -> None:
+    sel = CacheAware(max_extra_load=4, block_chars=32)
+    told: list[tuple[int, int]] = []
+    sel.on_choice = lambda matched, routed: told.append((matched, routed))
+    load = {1: 0, 2: 0, 3: 0}
+    first = sel.select([1, 2, 3], load, frozenset(), key_of(sel, chat("question one " * 10)))
+    assert first is not None
+    load[first] += 1  # still busy with the first turn of another conversation
+    fresh = key_of(sel, chat("unrelated " * 10, system="Be brief."))
+    assert sel.select([1, 2, 3], load, frozenset(), fresh) != first  # to a less loaded one
+    # A new conversation with the same system prompt shares its blocks: the same replica.
+    same_system = key_of(sel, chat("another question " * 10))
+    assert sel.select([1, 2, 3], load, frozenset(), same_system) == first
+    later = chat("question one " * 10, "answer " * 20, "question two " * 5)
+    assert sel.select([1, 2, 3], load, frozenset(), key_of(sel, later)) == first
+    assert told[0][0] == 0 and told[0][1] > 0  # the first turn matched nothing
+    matched, routed = told[-1]
+    first_turn = len(key_of(sel, chat("question one " * 10)).blocks)
+    assert first_turn - 1 <= matched < routed  # all of the earlier turn's full blocks
+
+
+def test_the_threshold_bounds_how_busy_the_chosen_replica_may_be() -> None:
+    sel = CacheAware(max_extra_load=2, block_chars=32)
+    hot = key_of(sel, chat("hot prefix " * 30))
+    load = {1: 0, 2: 0}
+    owner = sel.select([1, 2], load, frozenset(), hot)
+    assert owner is not None
+    other = 2 if owner == 1 else 1
+    load[owner] = 1
+    assert sel.select([1, 2], load, frozenset(), hot) == owner  # 1 busier than least: fine
+    load[owner] = 2
+    assert sel.select([1, 2], load, frozenset(), hot) == other  # 2 busier: passed over
+    # Now both hold it: the less loaded of the holders.
+    load[other] = 1
+    assert sel.select([1, 2], load, frozenset(), hot) == other
+
+
+def test_skewed_traffic_never_exceeds_the_threshold() -> None:
+    """Most requests share one prefix; the simulated loads never spread by more than the
+    threshold at a decision, whatever the prefix index says."""
+    rng = random.Random(7)
+    sel = CacheAware(max_extra_load=3, block_chars=32)
+    hot = chat("the one hot system prompt " * 20)
+    load = dict.fromkeys(range(1, 6), 0)
+    running: list[int] = []
+    worst = 0
+    for i in range(2000):
+        body = hot if rng.random() < 0.9 else chat(f"cold {i} " * 20)
+        rid = sel.select(list(load), load, frozenset(), key_of(sel, body))
+        assert rid is not None
+        worst = max(worst, load[rid] - min(load.values()))
+        load[rid] += 1
+        running.append(rid)
+        if len(running) > 12 or rng.random() < 0.3:
+            done = running.pop(rng.randrange(len(running)))
+            load[done] -= 1
+    assert worst < 3
+    assert sum(1 for v in load.values() if v) > 1  # the hot prefix did spread
+
+
+def test_exclusions_removed_replicas_and_keyless_requests() -> None:
+    sel = CacheAware(block_chars=32)
+    key = key_of(sel, chat("retry me " * 10))
+    first = sel.select([1, 2], {}, frozenset(), key)
+    assert first is not None
+    retry = sel.select([1, 2], {}, frozenset({first}), key)
+    assert retry is not None and retry != first
+    assert sel.select([1, 2], {}, frozenset({1, 2}), key) is None
+    # Replica `first` leaves: the index forgets it.
+    assert sel.select([retry], {}, frozenset(), key) == retry
+    assert first not in sel.index.replicas()
+    # No prompt: least load.
+    assert sel.select([1, 2], {1: 3, 2: 0}, frozenset()) == 2
+
+
+def test_new_prompts_are_placed_the_same_way_by_separate_processes() -> None:
+    """Two selectors (two LB processes) with no shared state place an unseen prompt on the same
+    replica when loads tie: the tie is broken by a hash of the prompt's first block."""
+    a, b = CacheAware(block_chars=32), CacheAware(block_chars=32)
+    for i in range(20):
+        body = chat(f"conversation {i} " * 8)
+        assert a.select([1, 2, 3, 4], {}, frozenset(), key_of(a, body)) == b.select(
+            [1, 2, 3, 4], {}, frozenset(), key_of(b, body)
+        )
+
+
+def test_make_selector_builds_it_with_options() -> None:
+    sel = make_selector("cache_aware", max_extra_load=7, cache_block_chars=128, cache_blocks=99)
+    assert isinstance(sel, CacheAware)
+    assert (sel.max_extra_load, sel.block_chars, sel.index.capacity) == (7, 128, 99)
+
+
+def test_the_replicas_own_load_counts_when_larger() -> None:
+    """With the replicas' metrics read (other LB processes' requests included), a replica the
+    LB thinks idle but that reports a queue is passed over."""
+    sel = CacheAware(max_extra_load=2, block_chars=32)
+    key = key_of(sel, chat("a long shared history " * 20))
+    owner = sel.select([1, 2], {}, frozenset(), key)
+    assert owner is not None
+    other = 2 if owner == 1 else 1
+    assert sel.select([1, 2], {}, frozenset(), key) == owner
+    sel.reported[owner] = 6  # its queue, from /metrics
+    assert sel.select([1, 2], {}, frozenset(), key) == other
+    # Both hold it now: the less loaded of the two, by the larger of the two counts.
+    sel.reported[owner] = 1
+    assert sel.select([1, 2], {other: 0}, frozenset(), key) == other
+    assert sel.select([1, 2], {other: 3}, frozenset(), key) == owner
