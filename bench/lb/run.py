@@ -129,7 +129,11 @@ def start_nginx(procs: Procs, name: str, upstreams: list[int]) -> int:
 
 
 def start_fleetserve(
-    procs: Procs, name: str, upstreams: list[int], data_plane: str = "python"
+    procs: Procs,
+    name: str,
+    upstreams: list[int],
+    data_plane: str = "python",
+    policy: str = "least_load",
 ) -> tuple[int, int]:
     from fleetserve.lb.config import LbConfig
     from fleetserve.spec.models import LoadBalancerOptions
@@ -139,7 +143,7 @@ def start_fleetserve(
         service="bench",
         port=port,
         admin_port=admin,
-        policy="least_load",
+        policy=policy,  # type: ignore[arg-type]
         options=LoadBalancerOptions(data_plane=data_plane),  # type: ignore[arg-type]
     )
     path = procs.workdir / f"{name}.json"
