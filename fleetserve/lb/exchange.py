@@ -33,6 +33,10 @@ class _NotSent(Exception):
     """The request did not reach a replica: another one may take it."""
 
 
+class _BodyLate(Exception):
+    """A policy waited for the body longer than a head may take (header_timeout_seconds)."""
+
+
 class Exchange:
     """One request and its response.
 
@@ -56,6 +60,10 @@ class Exchange:
         self.body_size = 0
         self.body_complete = not has_body
         self.body_event: asyncio.Event | None = None  # made when a policy waits for the body
+        # A body policy chooses when this much of the body (or all of it) is here, without a
+        # task if it can (0: not waiting); a late body gets a task that answers 408.
+        self.choose_at = 0
+        self._body_timer: asyncio.TimerHandle | None = None
         self.conn: UpstreamConn | None = None
         self.replica: Upstream | None = None
         self.status = 0
@@ -101,6 +109,8 @@ class Exchange:
                 self.client.pause_reading()
             if self.body_event is not None:
                 self.body_event.set()
+            if self.choose_at and self.body_size >= self.choose_at:
+                self._to_task()  # a long body: its head is enough, the task reads it
 
     def on_body_complete(self) -> None:
         self.body_complete = True
@@ -108,6 +118,8 @@ class Exchange:
             self.body_event.set()
         if self.conn is not None and self.chunked:
             self.conn.write(b"0\r\n\r\n")
+        elif self.choose_at:
+            self._choose_with_body()  # (its send ends a chunked body itself)
 
     def tunnel_from_client(self, data: bytes) -> None:
         if self.conn is not None:
@@ -161,6 +173,7 @@ class Exchange:
         if conn is not None:
             conn.exchange = None
             conn.close()
+        self._stop_waiting_for_body()
         if self.task is not None:
             self.task.cancel()
         elif not self._settled:
@@ -301,11 +314,43 @@ class Exchange:
     def try_now(self) -> bool:
         """Start the exchange without a task if nothing has to be waited for."""
         proxy = self.proxy
-        if self.local is not None or proxy.config.policy in BODY_POLICIES:
+        if self.local is not None:
             return False
+        if proxy.config.policy in BODY_POLICIES and self.has_body:
+            # Choose once the body is here (mostly in the same read as the head); a request
+            # started after its body came (pipelined behind another) chooses at once.
+            limit = self._body_limit()
+            if self.body_complete or self.body_size >= limit:
+                return self._send_now(self._body_key(b"".join(self.body)[:limit]))
+            self.choose_at = limit
+            late = self.started + proxy.limits.header_timeout - time.monotonic()
+            self._body_timer = asyncio.get_running_loop().call_later(late, self._to_task)
+            return True
+        return self._send_now(self._header_key())
+
+    def _choose_with_body(self) -> None:
+        self._stop_waiting_for_body()
+        if not self._send_now(self._body_key(b"".join(self.body))):
+            self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def _to_task(self) -> None:
+        """Stop waiting without a task: a long body, or a late one (the task answers 408)."""
+        if self.choose_at:
+            self._stop_waiting_for_body()
+            self.task = asyncio.get_running_loop().create_task(self.run())
+
+    def _stop_waiting_for_body(self) -> None:
+        self.choose_at = 0
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _send_now(self, key: RequestKey) -> bool:
+        """Send to the chosen replica now if it has an idle pooled connection."""
+        proxy = self.proxy
         if not proxy.replicas.upstreams:
             return False
-        upstream = proxy.replicas.pick(frozenset(), self._header_key())
+        upstream = proxy.replicas.pick(frozenset(), key)
         if upstream is None:
             return False
         conn = proxy.pool.idle_conn(upstream)
@@ -333,7 +378,20 @@ class Exchange:
         if self.local is not None:
             self.client.write(self.local)
             return int(self.local[9:12]), "none"
-        key = await self._key()
+        try:
+            key = await self._key()
+        except _BodyLate:
+            self.keep_alive = False
+            timeout = proxy.limits.header_timeout
+            self.client.write(
+                error_response(
+                    408,
+                    "request_timeout",
+                    f"the request's body must start arriving within {timeout:g} s",
+                    close=True,
+                )
+            )
+            return 408, "none"
         if not proxy.replicas.upstreams and proxy.config.hold_when_empty:
             refused = await proxy.hold()
             if refused is not None:
@@ -388,30 +446,45 @@ class Exchange:
             session = m.group(1) if m else None
         return RequestKey(session=session.decode(errors="replace") if session else None)
 
+    def _body_limit(self) -> int:
+        """How much of the body the policy reads (at most HIGH_WATER, where reading pauses)."""
+        if self.proxy.config.policy == "cache_aware":
+            return self.proxy.opts.cache_max_body_bytes
+        return PEEK_BYTES
+
     async def _read_body(self, limit: int) -> bytes:
         """The body, or its first `limit` bytes when it is longer (it is held, not sent, until
-        a replica is chosen: `limit` is at most HIGH_WATER, where reading pauses)."""
+        a replica is chosen); raises _BodyLate past the head's time limit."""
         self.body_event = asyncio.Event()
-        while not self.body_complete and self.body_size < limit:
-            self.body_event.clear()
-            await self.body_event.wait()
+        deadline = self.started + self.proxy.limits.header_timeout
+        try:
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
+                while not self.body_complete and self.body_size < limit:
+                    self.body_event.clear()
+                    await self.body_event.wait()
+        except TimeoutError:
+            raise _BodyLate from None
         return b"".join(self.body)[:limit]
 
     async def _key(self) -> RequestKey:
-        proxy = self.proxy
-        policy = proxy.config.policy
-        if policy == "prefix_affinity" and self.has_body:
-            head = await self._read_body(PEEK_BYTES)
-            return RequestKey(prefix=prompt_prefix(head, proxy.opts.prefix_chars))
-        selector = proxy.replicas.selector
-        if policy == "cache_aware" and self.has_body and isinstance(selector, CacheAware):
-            body = await self._read_body(proxy.opts.cache_max_body_bytes)
-            # A whole body is parsed; of a longer one, the start of its first prompt field.
-            text = prompt_text(body) if self.body_complete else prompt_prefix(body, 1 << 20)
-            if text is None:
-                return NO_KEY
-            return RequestKey(prefix=text[: selector.block_chars], blocks=selector.keys(text))
+        if self.proxy.config.policy in BODY_POLICIES and self.has_body:
+            return self._body_key(await self._read_body(self._body_limit()))
         return self._header_key()
+
+    def _body_key(self, body: bytes) -> RequestKey:
+        """What a body policy keys on: the prompt's start (prefix_affinity) or its blocks
+        (cache_aware: a whole body is parsed; of a longer one, its first prompt field's start)."""
+        proxy = self.proxy
+        if proxy.config.policy == "prefix_affinity":
+            return RequestKey(prefix=prompt_prefix(body[:PEEK_BYTES], proxy.opts.prefix_chars))
+        selector = proxy.replicas.selector
+        if not isinstance(selector, CacheAware):
+            return NO_KEY
+        text = prompt_text(body) if self.body_complete else prompt_prefix(body, 1 << 20)
+        if text is None:
+            return NO_KEY
+        return RequestKey(prefix=text[: selector.block_chars], blocks=selector.keys(text))
 
     async def _attempt(self, upstream: Upstream) -> int:
         proxy = self.proxy

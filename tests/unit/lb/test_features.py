@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,62 @@ async def test_cache_aware_keeps_conversations_on_their_replica_and_bodies_whole
         async with s.get(f"{lb}/v1/models") as r:
             assert r.status == 200
     assert len(replicas.upstreams) == 2
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "prefix_affinity"])
+async def test_a_body_policy_answers_408_to_a_body_that_does_not_come(
+    start: Start, policy: str
+) -> None:
+    """A policy that reads the body before choosing holds the request meanwhile: a client that
+    sends a head and too little of its body gets a 408 (the head's time limit), not a hold."""
+    upstreams = await two_upstreams(start)
+    lb, _, proxy = await make_lb_proxy(start, policy, upstreams, header_timeout_seconds=0.5)
+    port = int(lb.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": "'
+    )
+    await writer.drain()
+    started = asyncio.get_running_loop().time()
+    answer = await asyncio.wait_for(reader.read(), 5)  # and the connection is closed
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:80]
+    assert b"request_timeout" in answer
+    assert asyncio.get_running_loop().time() - started < 2
+    writer.close()
+    assert all(n == 0 for n in proxy.replicas.inflight.values())
+    # The same policy still serves a whole request at once.
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{lb}/v1/completions", json={"prompt": "hi"}) as r,
+    ):
+        assert r.status == 200
+
+
+async def test_cache_aware_answers_pipelined_and_chunked_requests_in_order(start: Start) -> None:
+    """Requests that arrive whole behind another (pipelined) and chunked bodies: each chosen
+    once its body is here, answered in order, bodies intact."""
+    lb, _ = await make_lb(start, "cache_aware", await two_upstreams(start))
+    port = int(lb.rsplit(":", 1)[1])
+    bodies = [json.dumps({"prompt": f"request {i} " * (50 + i)}).encode() for i in range(3)]
+    wire = b"".join(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b)
+        for b in bodies
+    )
+    chunked = b'{"prompt": "in two chunks"}'
+    wire += (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (10, chunked[:10], len(chunked) - 10, chunked[10:])
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(wire)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    sizes = [int(m) for m in re.findall(rb'"bytes": (\d+)', answer)]
+    assert answer.count(b"HTTP/1.1 200 ") == 4
+    assert sizes == [*(len(b) for b in bodies), len(chunked)]
 
 
 def test_prompt_prefix_extraction() -> None:
