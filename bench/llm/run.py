@@ -1,0 +1,812 @@
+"""bench/llm: fleetserve's load-balancing policies in front of fake LLM replicas that model a KV
+cache (bench/llm/replica.py, bench/llm/model.py), in one run.
+
+Starts one process of K fake replicas (default 4), then for each policy a fresh fleetserve load
+balancer (`python -m fleetserve.lb --config X.json`, that policy, --lb-option settings) with the
+replicas pushed to its admin port; for each workload (bench/llm/workloads.py) the replicas are
+reset, then the workload runs at each load in turn, open loop (Poisson arrivals), through the
+load balancer, streaming:
+
+  TTFT        time to the first SSE event carrying content, p50 / p99
+  e2e         time to the end of the stream, p50 / p99
+  req/s tok/s completed requests and output tokens per second
+  hit         prefix-cache hit rate: delta of the replicas' vllm:prefix_cache_hits/queries
+  share       the busiest replica's share of the requests (1/K is even)
+  diff        in-flight (running + waiting) of the busiest replica minus the least busy one,
+              sampled every 50 ms: mean / max
+  x LL        ratios to least_load at the same workload and load
+
+Each run: `--warmup` seconds of arrivals that load the fleet but are not measured, then
+`--seconds` measured; nothing is sent after that, and what is still in flight gets at most
+`--drain` seconds. First, the unloaded TTFT of each workload (its first requests one at a time,
+max_tokens 1): the report says from which load least_load's TTFT p50 is 3x that.
+
+    .venv/bin/python bench/llm/run.py [--quick] [--policies round_robin,least_load,...]
+        [--workloads chat,shared,skewed,unique] [--loads 8,16,24 | --loads chat:4,8]
+        [--lb-option key=value | --lb-option policy:key=value] [--lb-workers 1]
+        [--json out.json] [--plot out.png] [model options: see replica.py --help]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+from replica import config_of, model_options
+from workloads import UNITS, WORKLOADS, Session, Turn, request_body
+
+HERE = Path(__file__).resolve().parent
+POLICIES = ["round_robin", "least_load", "power_of_two", "prefix_affinity", "cache_aware"]
+# Highest load: least_load queues (its TTFT p50 >= 3x unloaded) with the default model.
+LOADS = {
+    "chat": [8.0, 16.0, 24.0],
+    "shared": [10.0, 20.0, 40.0],
+    "skewed": [16.0, 32.0, 48.0],
+    "unique": [6.0, 12.0, 18.0],
+}
+QUICK_WORKLOADS = ["shared"]
+QUEUEING = 3.0  # "queueing": least_load's TTFT p50 at least this many times the unloaded one
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Procs:
+    """Every process this benchmark starts, stopped by pid."""
+
+    workdir: Path
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
+        out = open(self.workdir / log, "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self.started.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    def stop_all(self) -> None:
+        for p in self.started:
+            self.stop(p)
+
+    def tail(self, log: str, lines: int = 6) -> str:
+        """The last non-empty lines of a child's log, joined."""
+        try:
+            text = (self.workdir / log).read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join([line for line in text.splitlines() if line.strip()][-lines:])
+
+
+def start_replicas(procs: Procs, args: argparse.Namespace) -> tuple[list[int], int]:
+    ready = procs.workdir / "replicas.json"
+    cmd = [sys.executable, str(HERE / "replica.py"), "--replicas", str(args.replicas)]
+    cmd += ["--ready-file", str(ready)]
+    for name, value in asdict(config_of(args)).items():
+        cmd += ["--" + name.replace("_", "-"), str(value)]
+    proc = procs.start(cmd, "replicas.log")
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"the replicas did not start:\n{procs.tail('replicas.log')}")
+        time.sleep(0.05)
+    return [int(p) for p in json.loads(ready.read_text())["ports"]], proc.pid
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def lb_options(args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """The `options` of `policy`'s LbConfig: workers, then every --lb-option that applies."""
+    from fleetserve.spec.models import LoadBalancerOptions
+
+    opts: dict[str, Any] = {"workers": args.lb_workers}
+    if policy == "cache_aware":
+        # Tell a cache-aware policy the replicas' cache geometry, if it has these options.
+        known = LoadBalancerOptions.model_fields
+        if "cache_block_chars" in known:
+            opts["cache_block_chars"] = args.block_tokens * 4
+        if "cache_blocks" in known:
+            opts["cache_blocks"] = args.cache_blocks
+    for item in args.lb_option:
+        key, _, value = item.partition("=")
+        scope, _, name = key.rpartition(":")
+        if scope in ("", policy):
+            opts[name] = parse_value(value)
+    return opts
+
+
+@dataclass
+class Lb:
+    policy: str
+    port: int
+    pid: int
+    proc: subprocess.Popen[bytes]
+    options: dict[str, Any]
+
+
+def start_lb(procs: Procs, policy: str, options: dict[str, Any], ports: list[int]) -> Lb | str:
+    """A fresh load balancer with `policy`, serving `ports`; or why it refused."""
+    from pydantic import ValidationError
+
+    from fleetserve.lb.config import LbConfig
+    from fleetserve.spec.models import LoadBalancerOptions
+
+    port, admin = free_port(), free_port()
+    try:
+        config = LbConfig(
+            service="bench-llm",
+            port=port,
+            admin_port=admin,
+            policy=policy,
+            options=LoadBalancerOptions(**options),
+        )
+    except ValidationError as e:
+        errors = (f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        return "the load balancer's config refuses it: " + "; ".join(errors)
+    path = procs.workdir / f"lb-{policy}.json"
+    config.write(path)
+    log = f"lb-{policy}.log"
+    proc = procs.start([sys.executable, "-m", "fleetserve.lb", "--config", str(path)], log)
+    deadline = time.monotonic() + 20
+    while not listening(admin):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            procs.stop(proc)
+            return f"the load balancer exited: {procs.tail(log, 3) or 'no output'}"
+        time.sleep(0.05)
+    body = {
+        "replicas": [
+            {"replica_id": i + 1, "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(ports)
+        ]
+    }
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{admin}/-/replicas", data=json.dumps(body).encode(), method="PUT"
+    )
+    urllib.request.urlopen(req, timeout=10).read()
+    while not listening(port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            procs.stop(proc)
+            return f"the load balancer exited: {procs.tail(log, 3) or 'no output'}"
+        time.sleep(0.05)
+    time.sleep(0.2)  # with several workers, the push reaches the others
+    return Lb(policy, port, proc.pid, proc, options)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its children (the LB's other workers)."""
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for q in procs:
+        with contextlib.suppress(psutil.Error):
+            t = q.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+# ---------------------------------------------------------------- one run
+
+
+@dataclass
+class Record:
+    sent: float  # from the start of the run
+    measured: bool
+    max_tokens: int
+    late: float = 0.0  # sent this long after it was due (the driver's own lag)
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0
+    replica: str | None = None
+    error: str | None = None
+    done: bool = False
+
+
+@dataclass
+class Fleet:
+    lb_url: str
+    stats_url: str
+    reset_urls: list[str]
+
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile; nan when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+async def stream(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], rec: Record
+) -> str | None:
+    """Send one request, read its SSE stream into `rec`; the reply's text, or None."""
+    loop = asyncio.get_running_loop()
+    chat = "messages" in body
+    t0 = loop.time()
+    parts: list[str] = []
+    try:
+        async with http.post(url, json=body) as resp:
+            rec.replica = resp.headers.get("X-Replica")
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}"
+                await resp.read()
+                return None
+            finished = False
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    finished = True
+                    break
+                choice = json.loads(data)["choices"][0]
+                piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
+                if piece:
+                    if rec.ttft is None:
+                        rec.ttft = loop.time() - t0
+                    parts.append(piece)
+                    rec.tokens += 1
+            rec.e2e = loop.time() - t0
+            if not finished or rec.tokens != rec.max_tokens:
+                rec.error = f"short stream: {rec.tokens} of {rec.max_tokens} tokens"
+                return None
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        rec.error = type(e).__name__
+        return None
+    rec.done = True
+    return "".join(parts)
+
+
+@dataclass
+class Plan:
+    warmup: float
+    seconds: float
+    drain: float
+    max_requests: int
+
+
+async def run_sessions(
+    http: aiohttp.ClientSession, fleet: Fleet, sessions: list[Session], plan: Plan
+) -> tuple[list[Record], list[tuple[float, list[dict[str, Any]]]], dict[str, Any], float]:
+    """Play `sessions` (start times from now); sample the replicas every 50 ms. Returns the
+    records, the samples, the replicas' stats at the end of the warm-up, and the run's span."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    window_end = plan.warmup + plan.seconds
+    records: list[Record] = []
+    samples: list[tuple[float, list[dict[str, Any]]]] = []
+    at_warmup: dict[str, Any] = {}
+
+    async def stats() -> list[dict[str, Any]]:
+        async with http.get(fleet.stats_url) as r:
+            return list((await r.json())["replicas"])
+
+    async def session(s: Session) -> None:
+        history: list[dict[str, str]] = []
+        due = s.start_s  # when the next request is to be sent, from t0 (open loop: a late
+        # start, under CPU contention, is recorded, not dropped)
+        for k, turn in enumerate(s.turns):
+            if k:
+                due = loop.time() - t0 + turn.think_s
+            if due >= window_end or len(records) >= plan.max_requests:
+                return
+            await asyncio.sleep(max(0.0, t0 + due - loop.time()))
+            now = loop.time() - t0
+            rec = Record(sent=now, measured=due >= plan.warmup, max_tokens=turn.max_tokens)
+            rec.late = now - due
+            records.append(rec)
+            path, body = request_body(s, history, turn)
+            reply = await stream(http, fleet.lb_url + path, body, rec)
+            if reply is None:
+                return
+            history += [
+                {"role": "user", "content": turn.user},
+                {"role": "assistant", "content": reply},
+            ]
+
+    async def sampler() -> None:
+        while True:
+            t = loop.time() - t0
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                got = await stats()
+                samples.append((t, got))
+                if not at_warmup and t >= plan.warmup:
+                    at_warmup["replicas"] = got
+            await asyncio.sleep(0.05)
+
+    sampling = asyncio.create_task(sampler())
+    tasks = [asyncio.create_task(session(s)) for s in sessions]
+    if tasks:
+        await asyncio.wait(tasks, timeout=window_end + plan.drain)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    span = loop.time() - t0
+    sampling.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sampling
+    end = await stats()
+    samples.append((span, end))
+    if not at_warmup:
+        at_warmup["replicas"] = samples[0][1] if samples else end
+    for rec in records:
+        if not rec.done and rec.error is None:
+            rec.error = "unfinished at the deadline"
+    return records, samples, at_warmup, span
+
+
+def summarize(
+    records: list[Record],
+    samples: list[tuple[float, list[dict[str, Any]]]],
+    at_warmup: dict[str, Any],
+    plan: Plan,
+) -> dict[str, Any]:
+    measured = [r for r in records if r.measured]
+    ok = [r for r in measured if r.done]
+    ttft = [r.ttft for r in measured if r.ttft is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    if ok:
+        last = max(r.sent + (r.e2e or 0.0) for r in ok)
+        span = max(last - plan.warmup, plan.seconds)
+    else:
+        span = plan.seconds
+    before = {r["replica"]: r for r in at_warmup["replicas"]}
+    end = samples[-1][1]
+
+    def delta(key: str) -> list[float]:
+        return [r[key] - before.get(r["replica"], {}).get(key, 0) for r in end]
+
+    queries, hits = sum(delta("prefix_cache_queries")), sum(delta("prefix_cache_hits"))
+    requests = delta("requests")
+    shares = [n / sum(requests) for n in requests] if sum(requests) else []
+    diffs = []
+    for t, reps in samples:
+        if t >= plan.warmup:
+            inflight = [r["running"] + r["waiting"] for r in reps]
+            diffs.append(max(inflight) - min(inflight))
+    errors: dict[str, int] = {}
+    for r in measured:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "requests": len(measured),
+        "completed": len(ok),
+        "failed": len(measured) - len(ok),
+        "errors": errors,
+        "warmup_requests": len(records) - len(measured),
+        "ttft_p50_ms": pct(ttft, 50) * 1e3,
+        "ttft_p99_ms": pct(ttft, 99) * 1e3,
+        "e2e_p50_s": pct(e2e, 50),
+        "e2e_p99_s": pct(e2e, 99),
+        "throughput_rps": len(ok) / span,
+        "tokens_per_s": sum(r.tokens for r in ok) / span,
+        "hit_rate": hits / queries if queries else math.nan,
+        "prompt_tokens_queried": queries,
+        "replica_requests": requests,
+        "shares": shares,
+        "max_share": max(shares) if shares else math.nan,
+        "inflight_diff_mean": sum(diffs) / len(diffs) if diffs else math.nan,
+        "inflight_diff_max": max(diffs) if diffs else math.nan,
+        "samples": len(diffs),
+        "driver_late_max_ms": max((r.late for r in records), default=0.0) * 1e3,
+    }
+
+
+async def reset(http: aiohttp.ClientSession, fleet: Fleet) -> None:
+    for url in fleet.reset_urls:
+        async with http.post(url) as r:
+            await r.read()
+
+
+async def wait_idle(http: aiohttp.ClientSession, fleet: Fleet, seconds: float) -> bool:
+    """Until no replica runs or queues anything (True), or `seconds` pass (False)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        async with http.get(fleet.stats_url) as r:
+            reps = (await r.json())["replicas"]
+        if all(x["running"] + x["waiting"] == 0 for x in reps):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def unloaded_ttft(
+    http: aiohttp.ClientSession, fleet: Fleet, workload: str, seed: int, count: int
+) -> dict[str, Any]:
+    """The workload's first `count` requests one at a time (max_tokens 1), from a reset
+    cache: TTFT p50 / max in ms."""
+    await reset(http, fleet)
+    ttfts: list[float] = []
+    deadline = time.monotonic() + 30
+    for s in WORKLOADS[workload](1.0, seed, 1e9, count, traffic=1000):
+        history: list[dict[str, str]] = []
+        for turn in s.turns:
+            if len(ttfts) >= count or time.monotonic() > deadline:
+                break
+            path, body = request_body(s, history, Turn(turn.user, 1))
+            rec = Record(0.0, True, 1)
+            reply = await stream(http, fleet.lb_url + path, body, rec)
+            if reply is None or rec.ttft is None:
+                break
+            ttfts.append(rec.ttft)
+            history += [
+                {"role": "user", "content": turn.user},
+                {"role": "assistant", "content": reply},
+            ]
+    return {
+        "requests": len(ttfts),
+        "ttft_p50_ms": pct(ttfts, 50) * 1e3,
+        "ttft_max_ms": max(ttfts) * 1e3 if ttfts else math.nan,
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(v: float, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def ratio(a: float, b: float) -> str:
+    if any(isinstance(x, float) and math.isnan(x) for x in (a, b)) or not b:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+HEADER = (
+    f"{'policy':<16}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>9}{'p99':>6}{'req/s':>7}{'tok/s':>7}"
+    f"{'hit':>6}{'fail':>5}{'share':>7}{'diff':>9}   x LL: TTFT p50    p99 e2e p50  req/s"
+)
+
+
+def table(runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    keys: list[tuple[str, float]] = []
+    for r in runs:
+        if (r["workload"], r["load"]) not in keys:
+            keys.append((r["workload"], r["load"]))
+    for wl, load in sorted(keys, key=lambda k: (list(WORKLOADS).index(k[0]), k[1])):
+        rows = [r for r in runs if r["workload"] == wl and r["load"] == load]
+        base = next((r for r in rows if r["policy"] == "least_load"), None)
+        u = unloaded.get(wl, {}).get("ttft_p50_ms", math.nan)
+        out.append("")
+        out.append(
+            f"{wl}, {load:g} {UNITS[wl]} (unloaded TTFT p50 {fmt(u, '.0f')} ms; "
+            "TTFT in ms, e2e in s)"
+        )
+        out.append(HEADER)
+        for r in rows:
+            cells = [
+                (fmt(r["ttft_p50_ms"], ".0f"), 9),
+                (fmt(r["ttft_p99_ms"], ".0f"), 7),
+                (fmt(r["e2e_p50_s"], ".2f"), 9),
+                (fmt(r["e2e_p99_s"], ".2f"), 6),
+                (fmt(r["throughput_rps"], ".1f"), 7),
+                (fmt(r["tokens_per_s"], ".0f"), 7),
+                (fmt(r["hit_rate"] * 100, ".0f") + "%", 6),
+                (str(r["failed"]), 5),
+                (fmt(r["max_share"], ".2f"), 7),
+                (fmt(r["inflight_diff_mean"], ".1f") + "/" + fmt(r["inflight_diff_max"], ".0f"), 9),
+            ]
+            line = f"{r['policy']:<16}" + "".join(f"{text:>{width}}" for text, width in cells)
+            if base is not None:
+                line += (
+                    f"{'':>13}{ratio(r['ttft_p50_ms'], base['ttft_p50_ms']):>7}"
+                    f"{ratio(r['ttft_p99_ms'], base['ttft_p99_ms']):>7}"
+                    f"{ratio(r['e2e_p50_s'], base['e2e_p50_s']):>8}"
+                    f"{ratio(r['throughput_rps'], base['throughput_rps']):>7}"
+                )
+            out.append(line)
+    return out
+
+
+def queueing_from(
+    runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]
+) -> dict[str, float | None]:
+    """Per workload: the lowest load at which least_load's TTFT p50 >= 3x unloaded."""
+    out: dict[str, float | None] = {}
+    for wl, u in unloaded.items():
+        ll = sorted(
+            (r for r in runs if r["workload"] == wl and r["policy"] == "least_load"),
+            key=lambda r: r["load"],
+        )
+        if not ll:
+            continue
+        out[wl] = next(
+            (r["load"] for r in ll if r["ttft_p50_ms"] >= QUEUEING * u["ttft_p50_ms"]), None
+        )
+    return out
+
+
+def no_nan(value: Any) -> Any:
+    """JSON has no NaN: null instead (a figure with no sample)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [no_nan(v) for v in value]
+    return value
+
+
+def plot(path: Path, runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in runs)]
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        for i, policy in enumerate(policies):
+            rows = sorted(
+                (r for r in runs if r["workload"] == wl and r["policy"] == policy),
+                key=lambda r: r["load"],
+            )
+            x = [r["load"] for r in rows]
+            c = colors[i % len(colors)]
+            ax.plot(x, [r["ttft_p50_ms"] for r in rows], "o-", color=c, label=f"{policy} p50")
+            ax.plot(x, [r["ttft_p99_ms"] for r in rows], "x--", color=c, label=f"{policy} p99")
+        if wl in unloaded:
+            ax.axhline(unloaded[wl]["ttft_p50_ms"], color="grey", lw=0.8, label="unloaded p50")
+        ax.set_yscale("log")
+        ax.set_title(wl)
+        ax.set_xlabel(UNITS[wl])
+        ax.set_ylabel("TTFT (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_loads(items: Iterable[str], workloads: list[str]) -> dict[str, list[float]]:
+    loads = {w: list(LOADS[w]) for w in workloads}
+    for item in items:
+        scope, _, values = item.rpartition(":")
+        parsed = [float(v) for v in values.split(",") if v]
+        if scope and scope not in WORKLOADS:
+            sys.exit(f"--loads {item}: no workload {scope!r}")
+        for w in [scope] if scope else workloads:
+            if w in loads:
+                loads[w] = parsed
+    return loads
+
+
+async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    ports, replicas_pid = start_replicas(procs, args)
+    stats_url = f"http://127.0.0.1:{ports[0]}/-/stats"
+    reset_urls = [f"http://127.0.0.1:{p}/-/reset" for p in ports]
+    plan = Plan(args.warmup, args.seconds, args.drain, args.max_requests)
+    loads = parse_loads(args.loads, args.workloads)
+    results: dict[str, Any] = {
+        "model": asdict(config_of(args)),
+        "replicas": args.replicas,
+        "plan": asdict(plan),
+        "loads": loads,
+        "seed": args.seed,
+        "unloaded": {},
+        "runs": [],
+        "skipped": {},
+    }
+    log = print if not args.quiet else (lambda *a, **k: None)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        # The unloaded TTFT, through a least_load balancer, one request at a time.
+        lb = start_lb(procs, "least_load", {"workers": args.lb_workers}, ports)
+        if isinstance(lb, str):
+            sys.exit(f"the least_load balancer (for the unloaded TTFT) did not start: {lb}")
+        fleet = Fleet(f"http://127.0.0.1:{lb.port}", stats_url, reset_urls)
+        for wl in args.workloads:
+            u = await unloaded_ttft(http, fleet, wl, args.seed, args.unloaded_requests)
+            results["unloaded"][wl] = u
+            log(f"unloaded {wl}: TTFT p50 {u['ttft_p50_ms']:.0f} ms ({u['requests']} requests)")
+        procs.stop(lb.proc)
+
+        for policy in args.policies:
+            options = lb_options(args, policy)
+            lb = start_lb(procs, policy, options, ports)
+            if isinstance(lb, str):
+                results["skipped"][policy] = lb
+                log(f"{policy}: skipped: {lb}")
+                continue
+            fleet = Fleet(f"http://127.0.0.1:{lb.port}", stats_url, reset_urls)
+            for wl in args.workloads:
+                await reset(http, fleet)
+                for i, load in enumerate(loads[wl]):
+                    reset_before = not await wait_idle(http, fleet, 5)
+                    if reset_before:
+                        await reset(http, fleet)  # the last run's leftovers, aborted
+                    sessions = list(
+                        WORKLOADS[wl](
+                            load, args.seed, plan.warmup + plan.seconds, plan.max_requests, i
+                        )
+                    )
+                    cpu0 = (cpu_seconds(lb.pid), cpu_seconds(replicas_pid), time.process_time())
+                    records, samples, at_warmup, span = await run_sessions(
+                        http, fleet, sessions, plan
+                    )
+                    cpu1 = (cpu_seconds(lb.pid), cpu_seconds(replicas_pid), time.process_time())
+                    run = {
+                        "policy": policy,
+                        "workload": wl,
+                        "load": load,
+                        "unit": UNITS[wl],
+                        **summarize(records, samples, at_warmup, plan),
+                        "span_s": span,
+                        "reset_before": reset_before,
+                        "cpu_pct": {
+                            name: 100 * (b - a) / span
+                            for name, a, b in zip(
+                                ("lb", "replicas", "driver"), cpu0, cpu1, strict=True
+                            )
+                        },
+                    }
+                    results["runs"].append(run)
+                    cpu = run["cpu_pct"]
+                    log(
+                        f"{policy} {wl} {load:g}: TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
+                        f"{run['completed']}/{run['requests']} ok, hit "
+                        f"{run['hit_rate']:.2f}, {span:.1f} s, cpu lb {cpu['lb']:.0f}% "
+                        f"replicas {cpu['replicas']:.0f}% driver {cpu['driver']:.0f}%"
+                    )
+            procs.stop(lb.proc)
+    results["queueing_from"] = queueing_from(results["runs"], results["unloaded"])
+    return results
+
+
+def report(results: dict[str, Any]) -> None:
+    m = results["model"]
+    plan = results["plan"]
+    print(
+        f"\n{results['replicas']} replicas: prefill {m['prefill_ms_per_token']} ms/token, "
+        f"decode {m['decode_ms_per_step']} ms/step, batch {m['max_batch']}, cache "
+        f"{m['cache_blocks']} blocks x {m['block_tokens']} tokens; runs: "
+        f"{plan['warmup']:g} s warm-up + {plan['seconds']:g} s measured (drain <= "
+        f"{plan['drain']:g} s)"
+    )
+    for line in table(results["runs"], results["unloaded"]):
+        print(line)
+    print("\nshare: the busiest replica's share of requests; diff: in-flight busiest - least")
+    print("busy replica, mean/max of 50 ms samples; x LL: ratio to least_load, same load")
+    for wl, load in results["queueing_from"].items():
+        u = results["unloaded"][wl]["ttft_p50_ms"]
+        where = f"from {load:g} {UNITS[wl]}" if load is not None else "at none of the loads"
+        print(f"{wl}: least_load's TTFT p50 >= {QUEUEING:g}x unloaded ({u:.0f} ms) {where}")
+    for policy, why in results["skipped"].items():
+        print(f"{policy}: skipped: {why}")
+    if results["runs"]:
+        peak = {
+            k: max(r["cpu_pct"][k] for r in results["runs"]) for k in ("lb", "replicas", "driver")
+        }
+        print(
+            f"highest CPU of a run (% of one core): load balancer {peak['lb']:.0f}, "
+            f"replicas {peak['replicas']:.0f}, driver {peak['driver']:.0f}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"only {', '.join(QUICK_WORKLOADS)}, at the middle load, short runs (< 1 min)",
+    )
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--workloads", help=f"default {','.join(WORKLOADS)}")
+    ap.add_argument(
+        "--loads",
+        action="append",
+        default=[],
+        help="comma-separated, for every workload, or WORKLOAD:a,b,c (repeatable); "
+        + "default "
+        + " ".join(f"{w}:{','.join(f'{x:g}' for x in v)}" for w, v in LOADS.items()),
+    )
+    ap.add_argument("--warmup", type=float, help="seconds of unmeasured arrivals (default 1.5)")
+    ap.add_argument("--seconds", type=float, help="measured seconds of arrivals (default 3)")
+    ap.add_argument("--drain", type=float, help="most seconds to finish after (default 8)")
+    ap.add_argument("--max-requests", type=int, default=400, help="per run, warm-up included")
+    ap.add_argument("--unloaded-requests", type=int, help="for the unloaded TTFT (default 8)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--lb-option",
+        action="append",
+        default=[],
+        help="KEY=VALUE, or POLICY:KEY=VALUE for one policy: load_balancer options (repeatable)",
+    )
+    ap.add_argument("--lb-workers", type=int, default=1)
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--plot", type=Path, help="TTFT p50/p99 against load, PNG")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, configs)")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    model_options(ap)
+    args = ap.parse_args()
+    args.policies = [p for p in args.policies.split(",") if p]
+    default_workloads = QUICK_WORKLOADS if args.quick else list(WORKLOADS)
+    args.workloads = [w for w in (args.workloads or ",".join(default_workloads)).split(",") if w]
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            sys.exit(f"no workload {w!r}: {', '.join(WORKLOADS)}")
+    quick = {"warmup": 1.0, "seconds": 2.0, "drain": 4.0, "unloaded_requests": 4}
+    full = {"warmup": 1.5, "seconds": 3.0, "drain": 8.0, "unloaded_requests": 8}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.quick and not args.loads:
+        args.loads = [f"{w}:{LOADS[w][len(LOADS[w]) // 2]:g}" for w in args.workloads]
+
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: every process started is stopped.
+    signal.signal(signal.SIGTERM, lambda _s, _f: sys.exit(143))
+    work = Path(tempfile.mkdtemp(prefix="fleetserve-bench-llm-"))
+    procs = Procs(work)
+    started = time.monotonic()
+    try:
+        results = asyncio.run(bench(args, procs))
+    finally:
+        procs.stop_all()
+        if args.keep:
+            print(f"work folder: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    results["wall_s"] = time.monotonic() - started
+    report(results)
+    print(f"wall time {results['wall_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(no_nan(results), indent=2))
+    if args.plot:
+        plot(args.plot, results["runs"], results["unloaded"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""bench/llm: the fake LLM replica's model (KV cache, prefix sharing, LRU, batching, prefill
+time), the workload generators, and one short socket test of the replicas process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+LLM = Path(__file__).resolve().parents[2] / "bench" / "llm"
+
+
+def _load(name: str) -> ModuleType:
+    """bench/llm is a folder of scripts (they import each other as top-level modules)."""
+    spec = importlib.util.spec_from_file_location(f"bench_llm_{name}", LLM / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+model = _load("model")
+workloads = _load("workloads")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(**kw: object) -> tuple[object, Clock]:
+    defaults: dict[str, object] = {
+        "block_tokens": 4,
+        "cache_blocks": 64,
+        "max_batch": 8,
+        "max_waiting": 8,
+        "prefill_ms_per_token": 1.0,
+        "decode_ms_per_step": 10.0,
+        "max_prefill_tokens": 1000,
+    }
+    clock = Clock()
+    return model.Scheduler(model.ModelConfig(**{**defaults, **kw}), clock), clock
+
+
+def step(s: object, clock: Clock) -> object:
+    st = s.schedule()  # type: ignore[attr-defined]
+    assert st is not None
+    clock.now += st.duration
+    s.complete(st)  # type: ignore[attr-defined]
+    return st
+
+
+def run_all(s: object, clock: Clock, limit: int = 10_000) -> list[object]:
+    steps = []
+    for _ in range(limit):
+        st = s.schedule()  # type: ignore[attr-defined]
+        if st is None:
+            return steps
+        clock.now += st.duration
+        s.complete(st)  # type: ignore[attr-defined]
+        steps.append(st)
+    raise AssertionError("the scheduler never went idle")
+
+
+def words(n_chars: int, seed: str = "a") -> str:
+    text = ""
+    i = 0
+    while len(text) < n_chars:
+        text += f"{seed}{i} "
+        i += 1
+    return text[:n_chars]
+
+
+# ---------------------------------------------------------------- tokens and cache
+
+
+def test_tokens_are_four_characters_from_the_start() -> None:
+    assert model.tokenize("abcdefghij") == ["abcd", "efgh", "ij"]
+    assert model.count_tokens("abcdefghij") == 3
+    # An extension shares every full token of the earlier text, not its partial last one.
+    assert model.tokenize("abcdefghijkl")[:2] == model.tokenize("abcdefghij")[:2]
+    text = words(40)
+    keys = model.block_keys(text, 4)  # 10 tokens: 2 full blocks
+    assert len(keys) == 2
+    assert model.block_keys(text[:32], 4) == keys
+    # 31 characters: 8 tokens, the last one partial; its second block is another block.
+    assert model.block_keys(text[:31], 4)[0] == keys[0]
+    assert model.block_keys(text[:31], 4)[1] != keys[1]
+
+
+def test_a_repeated_prompt_hits_the_cache_for_its_full_blocks() -> None:
+    s, clock = make()
+    prompt = words(86)  # 22 tokens: 5 full blocks of 4, 2 tokens left over
+    first = s.submit(prompt, 3)
+    run_all(s, clock)
+    assert first.cached_tokens == 0 and first.done
+    again = s.submit(prompt, 3)
+    step(s, clock)
+    assert again.cached_tokens == 20  # the 5 full blocks
+    assert s.counters.prefix_cache_queries == 44
+    assert s.counters.prefix_cache_hits == 20
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
+    s, clock = make()
+    prompt = words(64)  # 16 tokens: exactly 4 blocks
+    s.submit(prompt, 2)
+    run_all(s, clock)
+    again = s.submit(prompt, 2)
+    st = step(s, clock)
+    # vLLM's rule: hits stop before the last token, so the last block is computed again.
+    assert again.cached_tokens == 12
+    assert st.prefill == [(again, 4)]
+
+
+def test_an_extension_hits_the_earlier_prompts_blocks() -> None:
+    s, clock = make()
+    base = words(80)  # 20 tokens, 5 blocks
+    s.submit(base, 2)
+    run_all(s, clock)
+    longer = s.submit(base + words(50, "b"), 2)
+    step(s, clock)
+    assert longer.cached_tokens == 20
+    other = s.submit(words(130, "c"), 2)
+    step(s, clock)
+    assert other.cached_tokens == 0
+
+
+def test_the_next_chat_turn_hits_the_prompt_and_the_reply() -> None:
+    s, clock = make(cache_blocks=256)
+    turn1 = [{"role": "system", "content": words(101)}, {"role": "user", "content": "hi there"}]
+    first = s.submit(model.render_chat(turn1), 9)
+    run_all(s, clock)
+    assert first.reply == model.reply_text(model.render_chat(turn1), 9)  # deterministic
+    turn2 = [*turn1, {"role": "assistant", "content": first.reply}]
+    turn2.append({"role": "user", "content": "and then?"})
+    second = s.submit(model.render_chat(turn2), 2)
+    step(s, clock)
+    # Every full block of the first prompt and its reply, cut into tokens again.
+    full_tokens = len(model.render_chat(turn1) + first.reply) // 4
+    assert second.cached_tokens == full_tokens // 4 * 4
+    assert second.cached_tokens > model.count_tokens(model.render_chat(turn1))
+
+
+def test_lru_evicts_the_least_recently_used_unreferenced_block() -> None:
+    cache = model.KvCache(3)
+    for key in (1, 2, 3):
+        cache.reserve(1)
+        cache.publish(key)
+        cache.release(key)  # all unreferenced, 1 the least recently used
+    cache.acquire(1)
+    cache.release(1)  # 1 used again: now 2 is the least recently used
+    assert cache.add(4)  # evicts 2
+    assert set(cache.refs) == {1, 3, 4}
+    cache.release(4)
+    assert list(cache.lru) == [3, 1, 4]
+    cache.acquire(3)  # referenced: never evicted, although the least recently used
+    for key in (5, 6):
+        assert cache.add(key)
+        cache.release(key)
+    assert set(cache.refs) == {3, 5, 6} and cache.evictions == 3
+    cache.acquire(5)
+    cache.acquire(6)
+    assert not cache.can_take([], 1)  # every block referenced: no room
+    assert not cache.add(7)
+    assert set(cache.refs) == {3, 5, 6}
+
+
+def test_a_running_requests_blocks_are_never_evicted() -> None:
+    s, clock = make(cache_blocks=10)
+    a = s.submit(words(24), 4)  # 6 + 4 tokens: 3 blocks
+    b = s.submit(words(24, "b"), 4)
+    step(s, clock)
+    assert a in s.running and b in s.running  # 6 blocks reserved
+    c = s.submit(words(40, "c"), 4)  # 10 + 4 tokens: 4 blocks, the last 4 free
+    d = s.submit(words(60, "d"), 4)  # 15 + 4 tokens: 5 blocks; a's and b's are in use: waits
+    step(s, clock)
+    assert c in s.running and d in s.waiting
+    assert s.cache.used <= 10
+    run_all(s, clock)
+    assert d.done and s.cache.used <= 10
+
+
+def test_the_cache_makes_room_by_evicting_finished_requests_blocks() -> None:
+    s, clock = make(cache_blocks=12)
+    old = words(40, "old")  # 10 tokens + 2 out: 3 blocks, 2 of them full prompt blocks
+    s.submit(old, 2)
+    run_all(s, clock)
+    assert s.cache.used > 0 and not s.running
+    for i in range(4):  # 4 x 3 blocks: the old prompt's blocks must go
+        s.submit(words(40, f"n{i}"), 2)
+    run_all(s, clock)
+    again = s.submit(old, 2)
+    step(s, clock)
+    assert again.cached_tokens == 0
+    assert s.cache.evictions > 0
+
+
+# ---------------------------------------------------------------- time and batching
+
+
+def test_prefill_time_grows_with_uncached_tokens() -> None:
+    s, clock = make(cache_blocks=256)
+    short = s.submit(words(40), 1)
+    st1 = step(s, clock)
+    long = s.submit(words(400, "x"), 1)
+    st2 = step(s, clock)
+    assert short.done and long.done
+    assert st1.duration == pytest.approx((10 + 1.0 * 10) / 1000)
+    assert st2.duration == pytest.approx((10 + 1.0 * 100) / 1000)
+    again = s.submit(words(400, "x"), 1)  # cached but the last block
+    st3 = step(s, clock)
+    assert again.cached_tokens == 96
+    assert st3.duration == pytest.approx((10 + 1.0 * 4) / 1000)
+
+
+def test_chunked_prefill_and_one_token_per_step() -> None:
+    s, clock = make(max_prefill_tokens=40, cache_blocks=256)
+    req = s.submit(words(400), 3)  # 100 tokens: 40 + 40 + 20
+    durations = [step(s, clock).duration for _ in range(5)]
+    # Two steps of prefill only (no token yet), the last chunk with the first token, then
+    # one token per decode step.
+    assert durations == pytest.approx([0.04, 0.04, 0.03, 0.01, 0.01])
+    assert req.done and req.generated == 3
+    assert req.first_token_at == pytest.approx(0.11)
+    assert req.finished_at == pytest.approx(0.13)
+    assert s.schedule() is None
+
+
+def test_batch_bound_and_fifo_queue() -> None:
+    s, clock = make(max_batch=2, max_waiting=3)
+    reqs = [s.submit(words(20, f"r{i}"), 3) for i in range(2)]
+    step(s, clock)
+    reqs += [s.submit(words(20, f"r{i}"), 2) for i in range(2, 5)]
+    with pytest.raises(model.Rejected) as e:
+        s.submit(words(20, "z"), 2)  # 3 already waiting
+    assert e.value.status == 503
+    assert s.running == reqs[:2] and list(s.waiting) == reqs[2:]
+    order = list(s.running)
+    for _ in range(100):
+        st = s.schedule()
+        if st is None:
+            break
+        assert len(s.running) <= 2
+        order += [r for r in s.running if r not in order]
+        clock.now += st.duration
+        s.complete(st)
+    assert order == reqs and all(r.done for r in reqs)
+
+
+def test_fifo_head_blocks_smaller_requests_behind_it() -> None:
+    s, clock = make(cache_blocks=10, max_batch=8)
+    s.submit(words(100), 4)  # 25 + 4 tokens: 8 blocks
+    step(s, clock)
+    big = s.submit(words(40, "big"), 4)  # 14 tokens: 4 blocks, does not fit beside `first`
+    small = s.submit(words(4, "s"), 1)  # 1 block: would fit, but waits its turn
+    step(s, clock)
+    assert list(s.waiting) == [big, small]
+    run_all(s, clock)
+    assert big.admitted is not None and small.admitted is not None
+    assert big.admitted <= small.admitted
+
+
+def test_too_big_requests_and_aborts() -> None:
+    s, clock = make(cache_blocks=4)
+    with pytest.raises(model.Rejected) as e:
+        s.submit(words(100), 4)
+    assert e.value.status == 400
+    req = s.submit(words(20), 4)
+    step(s, clock)
+    s.abort(req)
+    assert not s.running and s.cache.in_use == 0
+    assert s.schedule() is None
+
+
+def test_reset_empties_cache_and_counters() -> None:
+    s, clock = make()
+    s.submit(words(40), 2)
+    run_all(s, clock)
+    busy = s.submit(words(40, "b"), 2)
+    assert s.reset() == [busy] and busy.aborted
+    assert s.cache.used == 0 and s.counters.requests == 0 and s.schedule() is None
+
+
+# ---------------------------------------------------------------- workloads
+
+
+@pytest.mark.parametrize("name", list(workloads.WORKLOADS))
+def test_workloads_are_deterministic_per_seed(name: str) -> None:
+    gen = workloads.WORKLOADS[name]
+    a = list(gen(10.0, 1, 5.0, 200))
+    assert a == list(gen(10.0, 1, 5.0, 200))
+    assert a != list(gen(10.0, 2, 5.0, 200))
+    assert a != list(gen(10.0, 1, 5.0, 200, traffic=1))
+    assert 0 < sum(len(s.turns) for s in a) <= 200
+    assert all(0 <= s.start_s < 5.0 for s in a)
+    assert [s.start_s for s in a] == sorted(s.start_s for s in a)
+    # The same sessions at another rate, only sooner.
+    slow, fast = list(gen(10.0, 1, 5.0, 10_000)), list(gen(20.0, 1, 5.0, 10_000))
+    assert [s.turns for s in fast[: len(slow)]] == [s.turns for s in slow]
+    assert fast[0].start_s == pytest.approx(slow[0].start_s / 2)
+
+
+def test_workload_bounds_in_requests() -> None:
+    sessions = list(workloads.chat(50.0, 0, 10.0, 30))
+    assert sum(len(s.turns) for s in sessions) == 30
+
+
+def test_a_chat_turn_extends_its_history() -> None:
+    session = next(s for s in workloads.chat(5.0, 3, 10.0, 100) if len(s.turns) >= 3)
+    history: list[dict[str, str]] = []
+    previous = None
+    for turn in session.turns:
+        path, body = workloads.request_body(session, history, turn)
+        assert path == "/v1/chat/completions"
+        text = model.render_chat(body["messages"])
+        if previous is not None:
+            prev_text, reply = previous
+            assert text.startswith(prev_text + reply)
+            assert body["messages"][-2] == {"role": "assistant", "content": reply}
+        reply = model.reply_text(text, turn.max_tokens)
+        previous = (text, reply)
+        history += [
+            {"role": "user", "content": turn.user},
+            {"role": "assistant", "content": reply},
+        ]
+    assert body["messages"][0] == {"role": "system", "content": session.system}
+
+
+def test_shared_and_skewed_share_prefixes_and_unique_does_not() -> None:
+    def prompts(name: str) -> list[str]:
+        out = []
+        for s in workloads.WORKLOADS[name](20.0, 0, 5.0, 60):
+            _, body = workloads.request_body(s, [], s.turns[0])
+            out.append(
+                model.render_chat(body["messages"]) if "messages" in body else body["prompt"]
+            )
+        return out
+
+    def first_block(p: str) -> str:
+        return p[:64]
+
+    shared = prompts("shared")
+    assert len({first_block(p) for p in shared}) <= 8 < len(shared)
+    skewed = prompts("skewed")
+    hot = max({first_block(p) for p in skewed}, key=[first_block(p) for p in skewed].count)
+    assert sum(first_block(p) == hot for p in skewed) / len(skewed) > 0.75
+    unique = prompts("unique")
+    assert len({first_block(p) for p in unique}) == len(unique)
+    sizes = [model.count_tokens(p) for p in shared + unique]
+    assert min(sizes) >= 100 and max(sizes) <= 5000
+
+
+# ---------------------------------------------------------------- the replicas process
+
+
+def test_replicas_process_streams_a_chat_and_exports_metrics(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    log = open(tmp_path / "replicas.log", "wb")  # noqa: SIM115 - the child's
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, str(LLM / "replica.py"), "--replicas", "2"),
+            *("--ready-file", str(ready), "--decode-ms-per-step", "2"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while not ready.exists():
+            assert proc.poll() is None, (tmp_path / "replicas.log").read_text()
+            assert time.monotonic() < deadline, "the replicas did not start in 15 s"
+            time.sleep(0.05)
+        ports = json.loads(ready.read_text())["ports"]
+        assert len(ports) == 2 and all(isinstance(p, int) for p in ports)
+        base = f"http://127.0.0.1:{ports[1]}"
+        messages = [
+            {"role": "system", "content": "You answer in five words. " * 8},
+            {"role": "user", "content": "What is a KV cache?"},
+        ]
+        body = {"model": "fake", "messages": messages, "max_tokens": 5, "stream": True}
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            events = [
+                line[6:].strip()
+                for line in resp.read().decode().splitlines()
+                if line.startswith("data: ")
+            ]
+        assert events[-1] == "[DONE]"
+        pieces = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]]
+        assert len(pieces) == 5
+        assert "".join(pieces) == model.reply_text(model.render_chat(messages), 5)
+
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        values = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("vllm:")
+        }
+        prompt_tokens = model.count_tokens(model.render_chat(messages))
+        assert values["vllm:request_success_total"] == 1
+        assert values["vllm:prompt_tokens_total"] == prompt_tokens
+        assert values["vllm:prefix_cache_queries_total"] == prompt_tokens
+        assert values["vllm:prefix_cache_hits_total"] == 0
+        assert values["vllm:generation_tokens_total"] == 5
+        assert values["vllm:num_requests_running"] == 0
+        assert values["vllm:num_requests_waiting"] == 0
+        assert 0 <= values["vllm:kv_cache_usage_perc"] <= 1
+        assert "vllm:gpu_cache_usage_perc" in values
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/-/stats", timeout=10) as r:
+            stats = json.loads(r.read())["replicas"]
+        assert [s["requests"] for s in stats] == [0, 1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
