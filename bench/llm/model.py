@@ -67,7 +67,7 @@ def reply_text(prompt: str, tokens: int) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     block_tokens: int = 16  # vLLM's default block size on GPUs
-    cache_blocks: int = 1024  # per replica: 16,384 tokens of KV cache
+    cache_blocks: int = 8192  # per replica: 131,072 tokens of KV cache
     max_batch: int = 16  # running requests (vLLM: max_num_seqs)
     max_waiting: int = 256  # waiting requests; past it, 503
     prefill_ms_per_token: float = 0.15

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import shutil
 import signal
 import socket
@@ -162,6 +163,7 @@ class Lb:
     pid: int
     proc: subprocess.Popen[bytes]
     options: dict[str, Any]
+    admin: int = 0
 
 
 def start_lb(procs: Procs, policy: str, options: dict[str, Any], ports: list[int]) -> Lb | str:
@@ -210,7 +212,7 @@ def start_lb(procs: Procs, policy: str, options: dict[str, Any], ports: list[int
             return f"the load balancer exited: {procs.tail(log, 3) or 'no output'}"
         time.sleep(0.05)
     time.sleep(0.2)  # with several workers, the push reaches the others
-    return Lb(policy, port, proc.pid, proc, options)
+    return Lb(policy, port, proc.pid, proc, options, admin)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -636,6 +638,8 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         "unloaded": {},
         "runs": [],
         "skipped": {},
+        "lb_metrics": {},
+        "max_extra_load": {},
     }
     log = print if not args.quiet else (lambda *a, **k: None)
     connector = aiohttp.TCPConnector(limit=0)
@@ -659,6 +663,7 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 log(f"{policy}: skipped: {lb}")
                 continue
             fleet = Fleet(f"http://127.0.0.1:{lb.port}", stats_url, reset_urls)
+            results["max_extra_load"][policy] = max_extra_load(policy, options)
             for wl in args.workloads:
                 await reset(http, fleet)
                 for i, load in enumerate(loads[wl]):
@@ -698,9 +703,43 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                         f"{run['hit_rate']:.2f}, {span:.1f} s, cpu lb {cpu['lb']:.0f}% "
                         f"replicas {cpu['replicas']:.0f}% driver {cpu['driver']:.0f}%"
                     )
+            if policy == "cache_aware":
+                results["lb_metrics"][policy] = lb_choice_metrics(lb)
             procs.stop(lb.proc)
     results["queueing_from"] = queueing_from(results["runs"], results["unloaded"])
     return results
+
+
+_LB_METRIC = re.compile(
+    r"^(fleetserve_lb_choice_extra_load_max|fleetserve_lb_prompt_blocks_total)"
+    r'\{[^}]*?(?:kind="(\w+)")?[^}]*\}\s+([0-9.eE+-]+)$',
+    re.M,
+)
+
+
+def max_extra_load(policy: str, options: dict[str, Any]) -> int | None:
+    """The threshold the balancer of `policy` runs with (its default when not given)."""
+    from fleetserve.policies.lb import make_selector
+
+    selector = make_selector(policy, max_extra_load=options.get("max_extra_load"))
+    value = getattr(selector, "max_extra_load", None)
+    return value if isinstance(value, int) else None
+
+
+def lb_choice_metrics(lb: Lb) -> dict[str, float]:
+    """What the cache_aware balancer says of its own choices, over all of its runs: the most
+    requests a chosen replica had in flight beyond the least loaded one, and the share of
+    prompt blocks its prefix index matched."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{lb.admin}/metrics", timeout=10).read()
+    found: dict[str, float] = {}
+    for _name, kind, value in _LB_METRIC.findall(text.decode()):
+        found[kind or "extra_load_max"] = float(value)
+    out = {"extra_load_max": found.get("extra_load_max", float("nan"))}
+    if found.get("routed"):
+        out["index_match_rate"] = found.get("matched", 0.0) / found["routed"]
+    return out
 
 
 def report(results: dict[str, Any]) -> None:
@@ -721,6 +760,14 @@ def report(results: dict[str, Any]) -> None:
         u = results["unloaded"][wl]["ttft_p50_ms"]
         where = f"from {load:g} {UNITS[wl]}" if load is not None else "at none of the loads"
         print(f"{wl}: least_load's TTFT p50 >= {QUEUEING:g}x unloaded ({u:.0f} ms) {where}")
+    for policy, found in results["lb_metrics"].items():
+        threshold = results.get("max_extra_load", {}).get(policy)
+        print(
+            f"{policy}, at its choices (all runs): a chosen replica had at most "
+            f"{found['extra_load_max']:g} more requests in flight than the least loaded one "
+            f"(max_extra_load {threshold}); its prefix index matched "
+            f"{100 * found.get('index_match_rate', 0):.0f}% of the prompt blocks it routed"
+        )
     for policy, why in results["skipped"].items():
         print(f"{policy}: skipped: {why}")
     if results["runs"]:

@@ -88,6 +88,14 @@ class Metrics:
         )
         self._routed_blocks = prompt_blocks.labels(service, "routed")
         self._matched_blocks = prompt_blocks.labels(service, "matched")
+        self._extra_load = Gauge(
+            "fleetserve_lb_choice_extra_load_max",
+            "cache_aware: the most requests in flight a chosen replica had beyond the least "
+            "loaded one, since the load balancer started (below max_extra_load by design).",
+            ["service"],
+            registry=self.registry,
+        ).labels(service)
+        self._extra_load_max = 0
         self.service = service
         self.policy = policy
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -104,9 +112,12 @@ class Metrics:
         children[0].inc()
         children[1].observe(seconds)
 
-    def prompt_blocks(self, matched: int, routed: int) -> None:
+    def prompt_blocks(self, matched: int, routed: int, extra_load: int) -> None:
         self._routed_blocks.inc(routed)
         self._matched_blocks.inc(matched)
+        if extra_load > self._extra_load_max:
+            self._extra_load_max = extra_load
+            self._extra_load.set(extra_load)
 
     def error(self, replica: str, kind: str) -> None:
         self.upstream_errors.labels(self.service, self.policy, replica, kind).inc()

@@ -164,9 +164,11 @@ class PrefixIndex:
 class CacheAware:
     """The cache_aware selector (see the module's docstring)."""
 
+    DEFAULT_MAX_EXTRA_LOAD = 8
+
     def __init__(
         self,
-        max_extra_load: int = 4,
+        max_extra_load: int = DEFAULT_MAX_EXTRA_LOAD,
         block_chars: int = DEFAULT_BLOCK_CHARS,
         blocks: int = DEFAULT_BLOCKS,
     ) -> None:
@@ -179,8 +181,9 @@ class CacheAware:
         # The replicas' own running + waiting counts, when the LB reads their metrics
         # (`replica_metrics_seconds`): a replica's load is the larger of that and our count.
         self.reported: dict[int, int] = {}
-        # Told of each decision (blocks matched, blocks of the prompt): the LB's metrics.
-        self.on_choice: Callable[[int, int], None] | None = None
+        # Told of each decision (blocks matched, blocks of the prompt, how many more requests
+        # the chosen replica had in flight than the least loaded one): the LB's metrics.
+        self.on_choice: Callable[[int, int, int], None] | None = None
 
     def keys(self, text: str | None) -> tuple[int, ...]:
         return () if not text else block_keys(text, self.block_chars)
@@ -228,5 +231,5 @@ class CacheAware:
             choice = self.ring.lookup(candidates, first, others) or within[0]
         self.index.record(choice, keys)
         if self.on_choice is not None:
-            self.on_choice(depth, len(keys))
+            self.on_choice(depth, len(keys), inflight.get(choice, 0) - least)
         return choice

@@ -175,7 +175,9 @@ class PrefixAffinity:
     that prefix), unless that replica has `max_extra_load` more requests in flight than the
     least loaded one: then least load wins."""
 
-    def __init__(self, max_extra_load: int = 4) -> None:
+    DEFAULT_MAX_EXTRA_LOAD = 4
+
+    def __init__(self, max_extra_load: int = DEFAULT_MAX_EXTRA_LOAD) -> None:
         self.ring = HashRing()
         self.fallback = LeastLoad()
         self.max_extra_load = max_extra_load
@@ -202,7 +204,7 @@ def make_selector(
     policy: str,
     weights: Mapping[int, float] | None = None,
     rng: random.Random | None = None,
-    max_extra_load: int = 4,
+    max_extra_load: int | None = None,
     cache_block_chars: int = 64,
     cache_blocks: int = 8192,
 ) -> Selector:
@@ -218,9 +220,11 @@ def make_selector(
     if policy == "sticky":
         return Sticky()
     if policy == "prefix_affinity":
-        return PrefixAffinity(max_extra_load)
+        return PrefixAffinity(max_extra_load or PrefixAffinity.DEFAULT_MAX_EXTRA_LOAD)
     if policy == "cache_aware":
         from fleetserve.policies.cache_aware import CacheAware  # it builds on this module
 
-        return CacheAware(max_extra_load, cache_block_chars, cache_blocks)
+        return CacheAware(
+            max_extra_load or CacheAware.DEFAULT_MAX_EXTRA_LOAD, cache_block_chars, cache_blocks
+        )
     raise ValueError(f"unknown load_balancing_policy {policy!r}; use one of {', '.join(POLICIES)}")

@@ -250,8 +250,9 @@ class LoadBalancerOptions(_Strict):
     session_cookie: str | None = None  # sticky: or a cookie
     prefix_chars: Annotated[int, Field(ge=1, le=100_000)] = 256  # prefix_affinity key length
     # prefix_affinity, cache_aware: a replica this many requests busier than the least loaded
-    # one is passed over, whatever it holds.
-    max_extra_load: Annotated[int, Field(ge=1, le=100_000)] = 4
+    # one is passed over, whatever it holds. Unset: 4 for prefix_affinity, 8 for cache_aware
+    # (LLM servers batch: a few more in flight cost less than a lost prefix; bench/llm).
+    max_extra_load: Annotated[int, Field(ge=1, le=100_000)] | None = None
     # cache_aware (docs/load-balancer.md): the block size of the LB's prefix index, in
     # characters (~4 per token), and how many blocks it remembers per replica (its KV cache).
     cache_block_chars: Annotated[int, Field(ge=8, le=4096)] = 64

@@ -89,8 +89,8 @@ def test_index_evicts_least_recently_used_and_forgets_replicas() -> None:
 
 def test_a_conversation_stays_on_its_replica() -> None:
     sel = CacheAware(max_extra_load=4, block_chars=32)
-    told: list[tuple[int, int]] = []
-    sel.on_choice = lambda matched, routed: told.append((matched, routed))
+    told: list[tuple[int, int, int]] = []
+    sel.on_choice = lambda matched, routed, extra: told.append((matched, routed, extra))
     load = {1: 0, 2: 0, 3: 0}
     first = sel.select([1, 2, 3], load, frozenset(), key_of(sel, chat("question one " * 10)))
     assert first is not None
@@ -103,7 +103,8 @@ def test_a_conversation_stays_on_its_replica() -> None:
     later = chat("question one " * 10, "answer " * 20, "question two " * 5)
     assert sel.select([1, 2, 3], load, frozenset(), key_of(sel, later)) == first
     assert told[0][0] == 0 and told[0][1] > 0  # the first turn matched nothing
-    matched, routed = told[-1]
+    matched, routed, extra = told[-1]
+    assert extra == 1  # it chose the replica busy with the first turn: one more than the least
     first_turn = len(key_of(sel, chat("question one " * 10)).blocks)
     assert first_turn - 1 <= matched < routed  # all of the earlier turn's full blocks
 
@@ -171,6 +172,13 @@ def test_new_prompts_are_placed_the_same_way_by_separate_processes() -> None:
         assert a.select([1, 2, 3, 4], {}, frozenset(), key_of(a, body)) == b.select(
             [1, 2, 3, 4], {}, frozenset(), key_of(b, body)
         )
+
+
+def test_make_selector_defaults_the_threshold_per_policy() -> None:
+    cache = make_selector("cache_aware")
+    assert isinstance(cache, CacheAware) and cache.max_extra_load == 8
+    prefix = make_selector("prefix_affinity")
+    assert getattr(prefix, "max_extra_load", None) == 4
 
 
 def test_make_selector_builds_it_with_options() -> None:
