@@ -144,14 +144,22 @@ def main(infra: Infra | None = None) -> None:
     )
     server = uvicorn.Server(config)
     logging.getLogger("fleetserve.controller").info(
-        "controller starting on %s://%s:%s (home %s, home id %s, store %s)",
+        "controller starting on %s://%s:%s (home %s, home id %s, host %s, store %s)",
         settings.api_scheme,
         settings.api_host,
         settings.api_port,
         settings.home,
         controller.home_id,
+        controller.host,
         controller.store.where,  # a PostgreSQL URL without its password
     )
+    if controller.store.joined is not None:
+        logging.getLogger("fleetserve.controller").info(
+            "high availability across homes: this home joined the home id %s of the database, "
+            "first claimed by the home %s",
+            controller.home_id,
+            controller.store.joined,
+        )
     # What exists by now (modules, the app, the store) lives as long as the process: kept out
     # of the garbage collector's full passes, which otherwise walk it all again and again
     # (pauses of 100 ms with a thousand replicas; docs/scaling.md).

@@ -32,6 +32,7 @@ from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra, WatchesExits
+from fleetserve.infra.host import elsewhere, host_id
 from fleetserve.infra.jobs import JobRunner
 from fleetserve.infra.local import LocalInfra, rotate_log
 from fleetserve.infra.zones import Held
@@ -60,7 +61,10 @@ class Controller:
         self.clock = clock or SystemClock()
         # Refuses an empty, corrupt, foreign or newer database before anything is touched.
         self.store = store or Store.open(settings.db_path, settings.store_url())
-        self.home_id = self.store.claim_home(settings.home)
+        # With high availability on PostgreSQL, controllers of other homes (other hosts) join
+        # the database's home id; each touches only the processes of its own host.
+        self.home_id = self.store.claim_home(settings.home, join=settings.ha)
+        self.host = host_id()
         legacy = self.store.legacy_home()
         self.infra: Infra = infra or LocalInfra(
             settings.home,
@@ -71,13 +75,14 @@ class Controller:
             replica_net=settings.replica_net,
             replica_netns=settings.replica_netns,
             zones=list(settings.local_zones),
+            host=self.host,
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self._watch_exits(self.infra)
         self.http = httpx.AsyncClient(trust_env=False)
         # Every service's readiness probes: kept-alive connections, bounded concurrency.
         self.probes = ProbeClient()
-        self.lb = LbManager(settings, self.http, self.home_id, legacy)
+        self.lb = LbManager(settings, self.http, self.home_id, legacy, host=self.host)
         # GET /metrics (docs/metrics.md): counts the store's replica transitions from now on.
         self.metrics = ControllerMetrics(self.store, active=lambda: self.role == "active")
         self.reconcilers: dict[str, ServiceReconciler] = {}
@@ -176,12 +181,15 @@ class Controller:
         self.reconcilers.clear()
 
     async def _take_over(self) -> None:
-        """Start acting: what a restart does (adopt what the store names, sweep the rest)."""
+        """Start acting: what a restart does (adopt what the store names, sweep the rest).
+
+        Only as the active controller: processes of this home on this host that the rows
+        record on another host (this host's controller lost a takeover while they ran) are
+        stale, and stopped with the orphans; another host's processes are never touched."""
         services = self.store.list_services()
-        tokens = {r.launch_token for s in services for r in self.store.list_replicas(s.name)}
-        kinds = {self.infra.name} | {
-            r.infra for s in services for r in self.store.list_replicas(s.name)
-        }
+        rows = [r for s in services for r in self.store.list_replicas(s.name)]
+        tokens = {r.launch_token for r in rows if not elsewhere(r.host, self.host)}
+        kinds = {self.infra.name} | {r.infra for r in rows}
         orphans = 0
         for kind in sorted(kinds):
             orphans += await self.infra_for(kind).sweep(tokens)

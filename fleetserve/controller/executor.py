@@ -20,6 +20,7 @@ from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
 from fleetserve.infra.git import GitSource
+from fleetserve.infra.host import elsewhere, host_of
 from fleetserve.infra.zones import NoCapacity
 from fleetserve.spec.models import ServiceTask, WorkdirGit
 from fleetserve.store import Store
@@ -113,6 +114,7 @@ class Executor:
             status=ReplicaStatus.PROVISIONING,
             launched_at=self.clock.now(),
             zone=zone,
+            host=host_of(self.infra),  # before it acts: its processes will be this host's
         )
         task = asyncio.create_task(self._launch(rec, spec), name=f"launch-{rec.replica_id}")
         self.launches[rec.replica_id] = task
@@ -236,7 +238,17 @@ class Executor:
         elif drain_seconds > 0 and rec.handle:
             await self._drain(rec.replica_id, drain_seconds)
         try:
-            await self.infra.terminate(rec.handle, rec.launch_token)
+            if elsewhere(rec.host, host_of(self.infra)):
+                # Processes of another host: nothing of them is ours to stop here (their
+                # host's controller is gone; a pid or a folder of this host is not theirs).
+                log.info(
+                    "replica %s/%s ran on host %s: nothing to stop on this host",
+                    rec.service,
+                    rec.replica_id,
+                    rec.host,
+                )
+            else:
+                await self.infra.terminate(rec.handle, rec.launch_token)
         except Exception as e:
             self.store.update_replica(
                 rec,

@@ -23,6 +23,7 @@ import psutil
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServiceRecord
+from fleetserve.infra.host import elsewhere, host_id
 from fleetserve.infra.local import (
     HOME_ID_ENV,
     listeners_on,
@@ -89,10 +90,14 @@ class LbManager:
         client: httpx.AsyncClient,
         home_id: str = "",
         legacy_home: str | None = None,
+        host: str | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.home_id = home_id
+        # This host (fleetserve.infra.host): an LB recorded on another host is never probed,
+        # adopted or stopped here (its pid means nothing on this one).
+        self.host = host or host_id()
         self.legacy_home = legacy_home  # LBs started before home ids carry only the path
         self._state: dict[str, LbState] = {}
         self._ours_checked: set[tuple[int, float]] = set()  # LB processes known to be ours
@@ -107,6 +112,8 @@ class LbManager:
         self.reap(svc.name)  # an LB this controller started and that died is a zombie until reaped
         if svc.lb_pid is None or svc.lb_create_time is None:
             return False
+        if elsewhere(svc.lb_host, self.host):
+            return False  # another host's process: not ours to probe (or to adopt)
         key = (svc.lb_pid, svc.lb_create_time)
         if key in self._ours_checked:
             if find_process(*key) is not None:
@@ -268,8 +275,14 @@ class LbManager:
 
     async def sweep(self, services: list[ServiceRecord]) -> int:
         """Stop load balancers of this home (by its id) that belong to no service (or an old
-        process)."""
-        known = {s.name: (s.lb_pid, s.lb_create_time) for s in services}
+        process). A service whose LB is recorded on another host has none on this one: an LB
+        of it here is stale (this host's controller lost a takeover while it ran)."""
+        known: dict[str, tuple[int | None, float | None]] = {
+            s.name: (s.lb_pid, s.lb_create_time) for s in services
+        }
+        for s in services:
+            if elsewhere(s.lb_host, self.host):
+                known[s.name] = (None, None)
 
         def orphan(env: dict[str, str]) -> bool:
             legacy = (

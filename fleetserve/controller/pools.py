@@ -22,6 +22,7 @@ from fleetserve.core.errors import FleetserveError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord
 from fleetserve.infra.base import InstanceKind
+from fleetserve.infra.host import elsewhere, host_of
 from fleetserve.infra.jobs import JobRequest, JobRunner, WorkerBroken
 from fleetserve.policies.jobs import (
     DEFAULT_DOWNSCALE_DELAY,
@@ -91,6 +92,9 @@ class PoolRunner:
         self.wake = wake
         self.watchers: dict[int, asyncio.Task[None]] = {}
         self.sweeps: set[asyncio.Task[None]] = set()
+        # Workers recorded on another host (a takeover from there): their jobs are never
+        # polled here (a pid of theirs means nothing on this host); they are requeued.
+        self.away: set[int] = set()
         # A worker that cannot take jobs: the reconciler replaces it.
         self.on_broken: Callable[[ReplicaRecord, str], None] = lambda _w, _why: None
 
@@ -150,7 +154,9 @@ class PoolRunner:
         )
         if not jobs:
             return
-        by_worker = {w.replica_id: w for w in workers}
+        mine = host_of(self.jobs)
+        self.away |= {w.replica_id for w in workers if elsewhere(w.host, mine)}
+        by_worker = {w.replica_id: w for w in workers if w.replica_id not in self.away}
         interrupted = [j for j in jobs if j.status is JobStatus.RUNNING and not j.handle]
         for job in interrupted:
             await self._recover_start(job, by_worker.get(job.worker_id or 0))
@@ -158,6 +164,8 @@ class PoolRunner:
             return  # the next round plans with what was found (a wake-up is due)
         exits: dict[int, JobExit] = {}
         for job in jobs:
+            if job.worker_id in self.away:
+                continue  # its worker (lost with its host) is gone: the job is requeued
             if job.status is JobStatus.RUNNING and job.handle:
                 state = await self.jobs.poll_job(job.handle)
                 if state.kind is InstanceKind.EXITED and state.exit_code is not None:
@@ -174,6 +182,7 @@ class PoolRunner:
                 or (w.status is ReplicaStatus.STARTING),
             )
             for w in workers
+            if w.replica_id not in self.away
         ]
         by_id = {j.job_id: j for j in jobs}
         by_worker = {w.replica_id: w for w in workers}

@@ -34,6 +34,7 @@ from fleetserve.core.types import (
     ServiceRecord,
 )
 from fleetserve.infra.base import Infra, InstanceKind
+from fleetserve.infra.host import elsewhere, host_of
 from fleetserve.infra.jobs import JobRunner
 from fleetserve.infra.local import free_port, port_free
 from fleetserve.infra.zones import NoCapacity
@@ -235,11 +236,34 @@ class ServiceReconciler:
 
     # -- recovery ------------------------------------------------------------------------
 
+    def _away(self, r: ReplicaRecord) -> bool:
+        """Whether the replica's processes were recorded on another host than this
+        controller's (a local replica after a takeover by a controller on another host)."""
+        return elsewhere(r.host, host_of(self.infra))
+
     async def recover(self) -> None:
-        """Adopt what still runs and redo what a previous controller left half done."""
+        """Adopt what still runs and redo what a previous controller left half done.
+
+        Local replicas recorded on another host are never adopted (nor probed, nor stopped)
+        here: the first round takes them as lost and replaces them on this host."""
         now = self.clock.now()
         for r in self.store.list_replicas(self.name):
             if r.status is ReplicaStatus.PROVISIONING:
+                if self._away(r):
+                    # Cut short on another host: what it started there is not ours to stop.
+                    self.store.update_replica(
+                        r,
+                        now,
+                        message=f"launch interrupted on host {r.host}, whose controller is "
+                        "gone: relaunching on this host",
+                        status=ReplicaStatus.PENDING,
+                        launch_token=new_launch_token(self.home_id),
+                        handle=None,
+                        endpoint=None,
+                        port=None,
+                        host=None,
+                    )
+                    continue
                 # The launch was cut short: clean up whatever it started, then launch again.
                 await self.infra.terminate(r.handle, r.launch_token)
                 self.store.update_replica(
@@ -255,6 +279,8 @@ class ServiceReconciler:
             elif r.status is ReplicaStatus.SHUTTING_DOWN:
                 final = ReplicaStatus.FAILED if not r.scale_down else r.status
                 self.executor.terminate(r, final, r.reason or "terminating", r.scale_down)
+            elif r.status in _RUNNING and r.handle and self._away(r):
+                continue  # another host's: lost (the first round replaces it)
             elif r.status in _RUNNING and r.handle:
                 state = await self.infra.poll(r.handle)
                 if state.kind is InstanceKind.RUNNING:
@@ -443,6 +469,18 @@ class ServiceReconciler:
             if r.status not in _RUNNING or not r.handle or self.executor.busy(r.replica_id):
                 self.prober.forget(self.key(r.replica_id))
                 continue
+            if self._away(r):
+                # Its processes run on another host, whose controller is gone (this one took
+                # over): never probed by pid here, lost, and replaced on this host.
+                self.prober.forget(self.key(r.replica_id))
+                lost = InstanceObservation(
+                    alive=False,
+                    lost=True,
+                    detail=f"it ran on host {r.host}, whose controller is gone, and this "
+                    f"controller runs on {host_of(self.infra)}: replaced on this host",
+                )
+                out[r.replica_id] = Observation(instance=lost, probe=None)
+                continue
             state = await self.infra.poll(r.handle)
             inst = InstanceObservation(
                 alive=state.kind is InstanceKind.RUNNING,
@@ -490,18 +528,22 @@ class ServiceReconciler:
             elif isinstance(action, Terminate):
                 self.prober.forget(self.key(action.replica_id))
                 rec = by_id[action.replica_id]
+                away = self._away(rec)
                 if (
                     action.final_status is ReplicaStatus.PREEMPTED
                     and rec.spot
                     and rec.zone
                     and self.spot is not None
+                    and not away  # a lost host, not a preempted zone
                 ):
                     self.spot.preempted(rec.replica_id, rec.zone)
                 self.executor.terminate(
                     by_id[action.replica_id],
                     action.final_status,
                     action.reason,
-                    action.delete_row,
+                    # Another host's replica: its row goes, so that its processes, if that
+                    # host's controller comes back, are orphans there and stopped.
+                    action.delete_row or away,
                     action.exit_code,
                     drain_seconds=self.settings.drain_seconds if action.drain else 0.0,
                 )
@@ -562,6 +604,7 @@ class ServiceReconciler:
 
     async def _ensure_lb(self, svc: ServiceRecord, spec: ServiceTask) -> ServiceRecord:
         old: tuple[int | None, float | None] | None = None
+        host = lb_host(spec, self.infra.name)
         if self.lb.is_running(svc):
             if not self._lb_outdated(svc, spec):
                 return svc
@@ -574,6 +617,26 @@ class ServiceReconciler:
                 "service",
                 "load balancer settings changed: replacing it",
             )
+        elif elsewhere(svc.lb_host, self.lb.host):
+            # Its LB runs (or ran) on another host, whose controller is gone: that process is
+            # not touched; this controller starts one of its own, on the same port if it is
+            # free here. The endpoint moves to this host.
+            if svc.lb_pid is not None:
+                self.store.add_event(
+                    self.name,
+                    self.clock.now(),
+                    "service",
+                    f"load balancer recorded on host {svc.lb_host}; this controller runs on "
+                    f"{self.lb.host}: starting one here",
+                )
+            if svc.lb_port is not None and not port_free(svc.lb_port, host):
+                self.store.add_event(
+                    self.name,
+                    self.clock.now(),
+                    "service",
+                    f"load balancer port {svc.lb_port} is taken on this host: choosing another",
+                )
+                svc = self.store.update_service(self.name, self.clock.now(), lb_port=None)
         elif svc.lb_pid is not None:
             self.store.add_event(
                 self.name, self.clock.now(), "service", "load balancer not running: restarting it"
@@ -581,7 +644,6 @@ class ServiceReconciler:
         try:
             # The port (and the admin secret) are the service's in the store before the LB
             # starts: two services started at once never share an endpoint.
-            host = lb_host(spec, self.infra.name)
             svc = self.store.reserve_lb_port(
                 self.name, self.settings.lb_port_start, lambda p: port_free(p, host)
             )
@@ -620,6 +682,7 @@ class ServiceReconciler:
             lb_create_time=create_time,
             lb_port=port,
             lb_admin_port=admin_port,
+            lb_host=self.lb.host,
             failure_reason=None,
         )
 
@@ -683,7 +746,10 @@ class ServiceReconciler:
                 f"`fleetserve down {self.name} --purge` removes the service anyway",
             )
             return True
-        await self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time)
+        if elsewhere(svc.lb_host, self.lb.host):
+            await self.lb.stop(self.name, None, None)  # another host's process: not stopped
+        else:
+            await self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time)
         pool = self._pool_runner(self.spec(svc.active_version))
         if pool is not None:
             pool.end_all("the pool was taken down")

@@ -51,6 +51,7 @@ class ReplicaRecord:
     purge: bool = False  # delete the row once terminated, even if it failed
     zone: str | None = None  # where it runs (set at launch), when the infra has zones
     spot: bool = False  # a spot instance: may be preempted
+    host: str | None = None  # the host its local processes run on (None: this one, or Ray)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class ServiceRecord:
     update_mode: str | None = None
     traffic_percent: int | None = None
     lb_secret: str | None = None  # the LB admin API's bearer secret; never shown
+    lb_host: str | None = None  # the host its LB process runs on (None: this one)
 
     @property
     def serving_version(self) -> int:

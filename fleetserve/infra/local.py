@@ -36,6 +36,7 @@ from fleetserve.infra.base import (
     Location,
 )
 from fleetserve.infra.git import clone
+from fleetserve.infra.host import host_id
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 from fleetserve.infra.procs import (
@@ -203,8 +204,12 @@ class LocalInfra:
         replica_net: str | None = None,
         replica_netns: str = "auto",
         zones: list[ZoneConfig] | None = None,
+        host: str | None = None,
     ) -> None:
         self.home = home
+        # This host (fleetserve.infra.host): a replica's row records it at launch, and a
+        # controller on another host never touches that replica's processes.
+        self.host = host or host_id()
         self.zones = ZoneBook(zones or [ZoneConfig("local")])
         self._preempted: dict[int, str] = {}  # pid -> why (preempted replicas poll LOST)
         self.jobs = LocalJobs(home, home_id, TOKEN_ENV, HOME_ID_ENV, umask, grace_seconds)

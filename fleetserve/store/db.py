@@ -153,6 +153,9 @@ class Store:
         # (holder, generation) of this controller's lease when it runs with a standby: every
         # write checks it first (fleetserve.store.leader). None: the only controller.
         self.fence: tuple[str, int] | None = None
+        # The home that first claimed the database, when this one joined its home id
+        # (`claim_home` with `join`); None otherwise.
+        self.joined: str | None = None
         options: dict[str, Any] = {}
         if self.postgres:
             # pre_ping: a connection the server dropped (a restart, a failover) is replaced
@@ -311,11 +314,15 @@ class Store:
 
     # -- identity ------------------------------------------------------------------------
 
-    def claim_home(self, home: Path) -> str:
+    def claim_home(self, home: Path, join: bool = False) -> str:
         """The home id this database carries, written at its first use in `home`.
 
         A database copied or moved into another home refuses: its rows name processes of the
-        first home, which this controller must neither adopt nor stop."""
+        first home, which this controller must neither adopt nor stop. With `join` (high
+        availability) a PostgreSQL database is shared on purpose by controllers of other
+        homes, on other hosts: they take its home id (Ray actors are found by it), and each
+        touches only the processes recorded on its own host (fleetserve.infra.host). An SQLite
+        file in another home is still a copy, and refused."""
         where = str(home.resolve())
         for attempt in range(2):
             try:
@@ -337,9 +344,21 @@ class Store:
             except IntegrityError:  # another controller claimed it meanwhile: read its claim
                 if attempt:
                     raise
+        if owner != where and join and self.postgres:
+            self.joined = owner
+            log.info(
+                "home %s joins the home id %s of %s (first claimed by the home %s): a "
+                "controller of the same high-availability deployment",
+                where,
+                home_id,
+                self._where(),
+                owner,
+            )
+            return str(home_id)
         if owner != where:
             fix = (
-                "or point FLEETSERVE_DB_URL at another database"
+                "or point FLEETSERVE_DB_URL at another database (controllers of one "
+                "high-availability deployment on other hosts: FLEETSERVE_HA=1 on each)"
                 if self.postgres
                 else "or move the file away to start an empty home here"
             )

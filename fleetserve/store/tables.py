@@ -42,6 +42,8 @@ services = Table(
     Column("traffic_percent", Integer),  # a canary's share of requests, until `promote`
     # Migration 0003: the secret the LB's admin API requires (and its wake-up call carries).
     Column("lb_secret", String(128)),
+    # Migration 0007: the host its LB process runs on (fleetserve.infra.host); NULL: this one.
+    Column("lb_host", String(128)),
     UniqueConstraint("lb_port", name="uq_services_lb_port"),  # one service per LB port
 )
 
@@ -86,6 +88,9 @@ replicas = Table(
     # Migration 0004: where the replica runs and whether it is a spot instance.
     Column("zone", String(64)),
     Column("spot", Boolean, nullable=False, default=False),
+    # Migration 0007: the host a local replica's processes run on; NULL: this one (or an
+    # infra whose replicas are not processes of a controller's host, such as Ray).
+    Column("host", String(128)),
     ForeignKeyConstraint(["service"], ["services.name"], ondelete="CASCADE"),
 )
 

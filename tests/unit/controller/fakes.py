@@ -34,7 +34,10 @@ class FakeInfra:
 
     name = "fake"
 
-    def __init__(self) -> None:
+    def __init__(self, host: str | None = None) -> None:
+        # Like the local infra's: the host its replicas' processes run on (None: not a
+        # host's processes, like Ray's actors). fleetserve.infra.host.
+        self.host = host
         self.errors: list[Exception] = []
         self.always: Exception | None = None
         self.gate: asyncio.Event | None = None
@@ -109,7 +112,8 @@ class FakeLb:
     """The parts of `LbManager` a `ServiceReconciler` calls, with no process and no HTTP: an
     LB "runs" from `start` until `stop`, and a push is recorded."""
 
-    def __init__(self, first_pid: int = 50_000) -> None:
+    def __init__(self, first_pid: int = 50_000, host: str | None = None) -> None:
+        self.host = host  # the host its LBs run on (LbManager.host)
         self._next_pid = first_pid
         self.pids: dict[str, int] = {}  # service -> the pid of its running LB
         self.configs: dict[str, LbConfig] = {}

@@ -93,3 +93,33 @@ async def test_an_interrupted_start_that_never_ran_is_requeued_and_started_once(
     assert (job.status, job.handle, job.attempts) == (JobStatus.RUNNING, "h1", 1)
     assert jobs.started == [1]
     runner.close()
+
+
+async def test_jobs_of_a_worker_recorded_on_another_host_are_requeued_never_polled(
+    store: Store, clock: FakeClock
+) -> None:
+    """A takeover from another host: the worker there is lost (fleetserve.infra.host), its
+    running job's process is never polled by pid here; the job is requeued, and starts on a
+    worker of this host."""
+    runner, jobs = setup(store, clock, found=None)
+    job = store.list_jobs(pool="p")[0]
+    store.update_job(job, clock.now(), handle="h-on-host-a")
+    store.update_replica(store.replica("p", 1), clock.now(), host="host-a")
+    polled: list[str] = []
+
+    async def poll_job(handle: str) -> InstanceState:
+        polled.append(handle)
+        return InstanceState(InstanceKind.RUNNING)
+
+    jobs.poll_job = poll_job  # type: ignore[method-assign]
+    jobs.host = "host-b"  # type: ignore[attr-defined]
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    job = store.list_jobs(pool="p")[0]
+    assert polled == [] and job.status is JobStatus.PENDING
+    assert "worker 1 was lost" in (job.reason or "")
+    here = store.allocate_replica("p", 1, "local", "wtok2", clock.now())
+    store.update_replica(here, clock.now(), status=ReplicaStatus.READY, handle="{}", host="host-b")
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    job = store.list_jobs(pool="p")[0]
+    assert (job.status, job.worker_id) == (JobStatus.RUNNING, 2) and jobs.started == [1]
+    runner.close()

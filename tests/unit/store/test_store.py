@@ -119,6 +119,60 @@ def test_a_database_of_the_first_schema_is_upgraded_in_place(backend: Backend) -
     assert store.allocate_replica("old", 1, "local", "tok2", 5.0, spot=True).spot is True
 
 
+def test_a_database_of_revision_0006_gains_the_hosts_with_its_rows_intact(
+    backend: Backend,
+) -> None:
+    """Migration 0007: services.lb_host and replicas.host, NULL for the rows already there
+    (recorded before hosts were: this host's), written and read back afterwards."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from fleetserve.store.db import _MIGRATIONS
+    from fleetserve.store.url import is_postgres, normalize_db_url
+
+    url = normalize_db_url(backend.url) if is_postgres(backend.url) else backend.url
+    engine = create_engine(url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0006")
+        conn.execute(
+            text(
+                "INSERT INTO services (name, phase, active_version, created_at, updated_at, "
+                "next_replica_id, purge, lb_port, lb_pid, lb_create_time) VALUES ('old', "
+                "'ACTIVE', 1, 1.0, 1.0, 2, false, 30001, 4242, 12.5)"
+            ),
+        )
+        conn.execute(
+            text(
+                "INSERT INTO replicas (service, replica_id, version, status, infra, "
+                "launch_token, created_at, updated_at, scale_down, purge, spot) VALUES "
+                "('old', 1, 1, 'READY', 'local', 'tok', 1.0, 1.0, false, false, false)"
+            )
+        )
+    engine.dispose()
+    store = backend.open()
+    svc, rep = store.service("old"), store.replica("old", 1)
+    assert (svc.lb_pid, svc.lb_port, svc.lb_host) == (4242, 30001, None)
+    assert (rep.launch_token, rep.status, rep.host) == ("tok", ReplicaStatus.READY, None)
+    assert store.update_service("old", 2.0, lb_host="host-a").lb_host == "host-a"
+    assert store.update_replica(rep, 3.0, host="h" * 128).host == "h" * 128
+    assert store.replica("old", 1).host == "h" * 128  # the column holds the longest host id
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0007"
+    store.close()
+    # and back down: 0007 is reversible on both
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0006")
+        columns = {c["name"] for c in inspect(conn).get_columns("replicas")}
+        assert "host" not in columns and "zone" in columns
+    engine.dispose()
+
+
 # -- a database that is not this home's own: refused, never turned into a new home ----------
 
 
@@ -182,7 +236,39 @@ def test_a_database_belongs_to_the_home_that_first_used_it(
         copy = backend.open()
     with pytest.raises(UnusableStore, match=f"belongs to the fleetserve home {first}"):
         copy.claim_home(second)
+    assert copy.joined is None
     copy.close()
+
+
+def test_with_high_availability_another_home_joins_a_postgresql_database(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """FLEETSERVE_HA=1 (`join`): a controller of another home (another host) on the same
+    PostgreSQL database takes its home id, so that it finds the deployment's Ray actors.
+    An SQLite file in another home is a copy, and still refused, HA or not."""
+    import shutil
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    s = Store.at_path(first / "fleetserve.db") if backend.path else backend.open()
+    home_id = s.claim_home(first, join=True)
+    assert s.joined is None  # the first claim joins nobody
+    s.close()
+    second.mkdir()
+    if backend.path:
+        shutil.copy(first / "fleetserve.db", second / "fleetserve.db")
+        other = Store.at_path(second / "fleetserve.db")
+        with pytest.raises(UnusableStore, match=f"belongs to the fleetserve home {first}"):
+            other.claim_home(second, join=True)
+        other.close()
+        return
+    other = backend.open()
+    assert other.claim_home(second, join=True) == home_id
+    assert other.joined == str(first.resolve())
+    assert other.claim_home(second, join=True) == home_id  # again: the same, nothing written
+    with pytest.raises(UnusableStore, match="FLEETSERVE_HA=1 on each"):
+        other.claim_home(second)  # HA off: refused as before, and the message says how
+    first_again = backend.open()
+    assert first_again.claim_home(first) == home_id  # the first home keeps its claim
 
 
 # -- load-balancer ports --------------------------------------------------------------------
