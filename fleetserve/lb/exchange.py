@@ -316,7 +316,7 @@ class Exchange:
         proxy = self.proxy
         if self.local is not None:
             return False
-        if proxy.config.policy in BODY_POLICIES and self.has_body:
+        if self._reads_body():
             # Choose once the body is here (mostly in the same read as the head); a request
             # started after its body came (pipelined behind another) chooses at once.
             limit = self._body_limit()
@@ -467,8 +467,18 @@ class Exchange:
             raise _BodyLate from None
         return b"".join(self.body)[:limit]
 
+    def _reads_body(self) -> bool:
+        """Whether the policy reads this request's body before choosing: not a client that
+        waits for `100 Continue` before sending it (the replica answers that; waiting for the
+        body here would stall both until the client gives up waiting)."""
+        return (
+            self.proxy.config.policy in BODY_POLICIES
+            and self.has_body
+            and self.headers.get(b"expect", b"").lower() != b"100-continue"
+        )
+
     async def _key(self) -> RequestKey:
-        if self.proxy.config.policy in BODY_POLICIES and self.has_body:
+        if self._reads_body():
             return self._body_key(await self._read_body(self._body_limit()))
         return self._header_key()
 

@@ -168,6 +168,27 @@ async def test_cache_aware_answers_pipelined_and_chunked_requests_in_order(start
     assert sizes == [*(len(b) for b in bodies), len(chunked)]
 
 
+@pytest.mark.parametrize("policy", ["cache_aware", "prefix_affinity"])
+async def test_a_body_policy_lets_a_client_wait_for_100_continue(start: Start, policy: str) -> None:
+    """A client that sends `Expect: 100-continue` holds its body until told to go on: a body
+    policy must not wait for that body (it is chosen by load; the replica says 100)."""
+    lb, _ = await make_lb(start, policy, await two_upstreams(start))
+    port = int(lb.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = b'{"prompt": "hello there"}'
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    await writer.drain()
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+    assert interim.startswith(b"HTTP/1.1 100 ")
+    writer.write(body)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    writer.close()
+
+
 def test_prompt_prefix_extraction() -> None:
     assert prompt_prefix(b'{"prompt": "hello world"}', 5) == "hello"
     chat = b'{"messages": [{"role": "user", "content": "caf\\u00e9 au lait"}]}'
