@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 # Policies that read the request body before choosing a replica.
 BODY_POLICIES = ("prefix_affinity", "cache_aware")
+SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
 
@@ -56,7 +57,8 @@ class Exchange:
         self.http10 = False  # the client speaks HTTP/1.0: no chunked framing towards it
         self.wants_upgrade = False  # the client asked for a protocol upgrade (WebSocket)
         self.headers: dict[bytes, bytes] = {}
-        self.body: list[bytes] = []  # buffered until a replica is attached
+        # Buffered until a replica is attached (small pieces gathered into a bytearray).
+        self.body: list[bytes | bytearray] = []
         self.body_size = 0
         self.body_complete = not has_body
         self.body_event: asyncio.Event | None = None  # made when a policy waits for the body
@@ -64,6 +66,9 @@ class Exchange:
         # task if it can (0: not waiting); a late body gets a task that answers 408.
         self.choose_at = 0
         self._body_timer: asyncio.TimerHandle | None = None
+        self._body_seen = 0.0  # when the last body bytes came (or the wait began)
+        self._body_late = False  # no body bytes for header_timeout_seconds: a 408
+        self._request_key: RequestKey | None = None  # a body policy's key, made once
         self.conn: UpstreamConn | None = None
         self.replica: Upstream | None = None
         self.status = 0
@@ -82,12 +87,12 @@ class Exchange:
         self._waiter: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reported = False
-        self.replay: list[bytes] | None = []  # the body sent so far, while it is small
+        self.replay: list[bytes | bytearray] | None = []  # the body sent so far, while it is small
         self.replay_size = 0
 
     # client -> replica ---------------------------------------------------------------------
 
-    def _keep_for_replay(self, data: bytes) -> None:
+    def _keep_for_replay(self, data: bytes | bytearray) -> None:
         if self.replay is not None:
             self.replay_size += len(data)
             if self.replay_size > REPLAY_BYTES:
@@ -95,7 +100,7 @@ class Exchange:
             else:
                 self.replay.append(data)
 
-    def _frame(self, data: bytes) -> bytes:
+    def _frame(self, data: bytes | bytearray) -> bytes | bytearray:
         return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
 
     def on_body(self, data: bytes) -> None:
@@ -103,14 +108,20 @@ class Exchange:
             self.conn.write(self._frame(data))
             self._keep_for_replay(data)
         else:
-            self.body.append(data)
+            body = self.body
+            if len(data) < SMALL_PIECE and body and isinstance(body[-1], bytearray):
+                body[-1] += data  # tiny chunks cost one buffer, not an object each
+            else:
+                body.append(bytearray(data) if len(data) < SMALL_PIECE else data)
             self.body_size += len(data)
             if self.body_size >= HIGH_WATER:
                 self.client.pause_reading()
             if self.body_event is not None:
                 self.body_event.set()
-            if self.choose_at and self.body_size >= self.choose_at:
-                self._to_task()  # a long body: its head is enough, the task reads it
+            if self.choose_at:
+                self._body_seen = time.monotonic()
+                if self.body_size >= self.choose_at:
+                    self._to_task()  # a long body: its head is enough, the task reads it
 
     def on_body_complete(self) -> None:
         self.body_complete = True
@@ -173,9 +184,12 @@ class Exchange:
         if conn is not None:
             conn.exchange = None
             conn.close()
+        waiting = self.choose_at
         self._stop_waiting_for_body()
         if self.task is not None:
             self.task.cancel()
+        elif waiting:
+            self._report(499, "none")  # gone before its body came: no replica saw it
         elif not self._settled:
             self._settled = True
             self._cancel_timer()
@@ -321,20 +335,38 @@ class Exchange:
             # started after its body came (pipelined behind another) chooses at once.
             limit = self._body_limit()
             if self.body_complete or self.body_size >= limit:
-                return self._send_now(self._body_key(b"".join(self.body)[:limit]))
+                return self._send_now(self._key_of_body())
             self.choose_at = limit
-            late = self.started + proxy.limits.header_timeout - time.monotonic()
-            self._body_timer = asyncio.get_running_loop().call_later(late, self._to_task)
+            self._body_seen = time.monotonic()
+            self._body_timer = asyncio.get_running_loop().call_later(
+                proxy.limits.header_timeout, self._body_check
+            )
             return True
         return self._send_now(self._header_key())
 
     def _choose_with_body(self) -> None:
         self._stop_waiting_for_body()
-        if not self._send_now(self._body_key(b"".join(self.body))):
+        if not self._send_now(self._key_of_body()):
             self.task = asyncio.get_running_loop().create_task(self.run())
 
+    def _body_check(self) -> None:
+        """The body's time limit: header_timeout_seconds without a byte of it (counted from
+        when this request's turn came, not from its head: it may have been pipelined)."""
+        self._body_timer = None
+        if not self.choose_at:
+            return
+        quiet = time.monotonic() - self._body_seen
+        timeout = self.proxy.limits.header_timeout
+        if quiet < timeout:
+            self._body_timer = asyncio.get_running_loop().call_later(
+                timeout - quiet, self._body_check
+            )
+            return
+        self._body_late = True
+        self._to_task()
+
     def _to_task(self) -> None:
-        """Stop waiting without a task: a long body, or a late one (the task answers 408)."""
+        """Stop waiting without a task: a long body, or a stalled one (the task answers 408)."""
         if self.choose_at:
             self._stop_waiting_for_body()
             self.task = asyncio.get_running_loop().create_task(self.run())
@@ -387,7 +419,7 @@ class Exchange:
                 error_response(
                     408,
                     "request_timeout",
-                    f"the request's body must start arriving within {timeout:g} s",
+                    f"the request's body stalled: no byte of it for {timeout:g} s",
                     close=True,
                 )
             )
@@ -455,16 +487,16 @@ class Exchange:
     async def _read_body(self, limit: int) -> bytes:
         """The body, or its first `limit` bytes when it is longer (it is held, not sent, until
         a replica is chosen); raises _BodyLate past the head's time limit."""
+        if self._body_late:
+            raise _BodyLate
         self.body_event = asyncio.Event()
-        deadline = self.started + self.proxy.limits.header_timeout
-        try:
-            loop = asyncio.get_running_loop()
-            async with asyncio.timeout_at(loop.time() + max(0.0, deadline - time.monotonic())):
-                while not self.body_complete and self.body_size < limit:
-                    self.body_event.clear()
-                    await self.body_event.wait()
-        except TimeoutError:
-            raise _BodyLate from None
+        timeout = self.proxy.limits.header_timeout
+        while not self.body_complete and self.body_size < limit:
+            self.body_event.clear()
+            try:  # each wait is for the next bytes: a slow but steady body is fine
+                await asyncio.wait_for(self.body_event.wait(), timeout)
+            except TimeoutError:
+                raise _BodyLate from None
         return b"".join(self.body)[:limit]
 
     def _reads_body(self) -> bool:
@@ -479,8 +511,16 @@ class Exchange:
 
     async def _key(self) -> RequestKey:
         if self._reads_body():
-            return self._body_key(await self._read_body(self._body_limit()))
+            if self._request_key is None:
+                await self._read_body(self._body_limit())
+            return self._key_of_body()
         return self._header_key()
+
+    def _key_of_body(self) -> RequestKey:
+        """The body policy's key, made once (a task that takes over reuses it)."""
+        if self._request_key is None:
+            self._request_key = self._body_key(b"".join(self.body)[: self._body_limit()])
+        return self._request_key
 
     def _body_key(self, body: bytes) -> RequestKey:
         """What a body policy keys on: the prompt's start (prefix_affinity) or its blocks

@@ -85,7 +85,13 @@ class ReplicaLoadPoller:
                 if r.status != 200:
                     self.loads.pop(rid, None)
                     return
-                body = await r.content.read(MAX_METRICS_BYTES)
+                body = bytearray()
+                async for chunk in r.content.iter_chunked(64 * 1024):
+                    body += chunk
+                    if len(body) >= MAX_METRICS_BYTES:
+                        # Cut: only whole lines count (a number cut short would be wrong).
+                        del body[body.rfind(b"\n") + 1 :]
+                        break
         except (aiohttp.ClientError, OSError, TimeoutError):
             self.loads.pop(rid, None)
             return

@@ -31,6 +31,7 @@ class ReplicaSet:
         self._sides: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.rng = random.Random()
         self._ready = asyncio.Event()
+        self._discarded: set[int] = set()  # out until the next push, which may drop them
 
     def replace(
         self, upstreams: list[Upstream], canary: tuple[int, int] | None = None
@@ -40,6 +41,11 @@ class ReplicaSet:
         new = {u.replica_id: u for u in upstreams}
         added = set(new) - set(self.upstreams)
         removed = set(self.upstreams) - set(new)
+        forget = getattr(self.selector, "forget", None)  # cache_aware: their caches are gone
+        if forget is not None:
+            for rid in (removed | self._discarded) - set(new):
+                forget(rid)
+        self._discarded.clear()
         self.upstreams = new
         self.order = tuple(sorted(new))
         self.canary = canary
@@ -101,6 +107,7 @@ class ReplicaSet:
     def discard(self, replica_id: int) -> None:
         """Stop routing to a replica that refused a connection, until the next push."""
         if self.upstreams.pop(replica_id, None) is not None:
+            self._discarded.add(replica_id)
             self.order = tuple(r for r in self.order if r != replica_id)
             self._split()
             self._signal()

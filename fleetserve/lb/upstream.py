@@ -47,7 +47,7 @@ class UpstreamConn(asyncio.Protocol):
         self.got_bytes = self.done = self.keep_alive = False
         self.status = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         if self.transport is not None and not self.closed:
             self.transport.write(data)
 

@@ -31,16 +31,17 @@ from fleetserve.policies.lb import NO_KEY, HashRing, LeastLoad, RequestKey
 DEFAULT_BLOCK_CHARS = 64  # ~16 tokens: vLLM's default block size
 DEFAULT_BLOCKS = 8192  # per replica: ~512K characters, ~128K tokens of prompt
 MAX_PROMPT_CHARS = 4 * 1024 * 1024  # what one request may make the index hash
+MAX_MESSAGES = 4096  # messages (and content parts) read of one request; the rest is ignored
 
 
 def _part_text(content: object) -> str:
-    """A message's content: a string, or OpenAI's list of parts (their text parts)."""
+    """A message's content: a string, or OpenAI's list of parts (their text parts); anything
+    else (numbers, objects) is no text."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
-        )
+        texts = (p.get("text") for p in content[:MAX_MESSAGES] if isinstance(p, dict))
+        return "".join(t for t in texts if isinstance(t, str))
     return ""
 
 
@@ -58,9 +59,16 @@ def prompt_text(body: bytes) -> str | None:
     messages = doc.get("messages")
     if isinstance(messages, list) and messages:
         parts = []
-        for m in messages:
+        size = 0
+        for m in messages[:MAX_MESSAGES]:
             if isinstance(m, dict):
-                parts.append(f"\x1e{m.get('role', '')}\x1f{_part_text(m.get('content'))}")
+                role = m.get("role")
+                part = f"\x1e{role if isinstance(role, str) else ''}\x1f"
+                part += _part_text(m.get("content"))
+                parts.append(part)
+                size += len(part)
+                if size >= MAX_PROMPT_CHARS:
+                    break
         text = "".join(parts)
     else:
         prompt = doc.get("prompt", doc.get("input"))
@@ -111,7 +119,10 @@ class PrefixIndex:
         bit = self._bit(replica)
         lru = self._lru[replica]
         holders = self._holders
-        for key in keys:
+        # Last block first: a prompt's first blocks end up the most recent, so its tail is
+        # evicted before its prefix (as vLLM frees a sequence's blocks), and what stays of
+        # it still matches.
+        for key in reversed(keys):
             if key in lru:
                 lru.move_to_end(key)
             else:
@@ -175,9 +186,8 @@ class CacheAware:
         self.max_extra_load = max_extra_load
         self.block_chars = block_chars
         self.index = PrefixIndex(blocks)
-        self.ring = HashRing()
+        self._rings: dict[tuple[int, ...], HashRing] = {}  # by member set (a canary has two)
         self.fallback = LeastLoad()
-        self._members: frozenset[int] = frozenset()
         # The replicas' own running + waiting counts, when the LB reads their metrics
         # (`replica_metrics_seconds`): a replica's load is the larger of that and our count.
         self.reported: dict[int, int] = {}
@@ -188,15 +198,10 @@ class CacheAware:
     def keys(self, text: str | None) -> tuple[int, ...]:
         return () if not text else block_keys(text, self.block_chars)
 
-    def _sync(self, candidates: Sequence[int]) -> None:
-        """Forget replicas that left the set (their caches are gone)."""
-        members = frozenset(candidates)
-        if members == self._members:
-            return
-        for rid in self.index.replicas():
-            if rid not in members:
-                self.index.forget(rid)
-        self._members = members
+    def forget(self, replica: int) -> None:
+        """A replica left the set (ReplicaSet.replace tells): its cache went with it. Not on
+        a mere exclusion (a retry, a canary's side): the replica still holds what it held."""
+        self.index.forget(replica)
 
     def select(
         self,
@@ -205,17 +210,15 @@ class CacheAware:
         exclude: frozenset[int],
         key: RequestKey = NO_KEY,
     ) -> int | None:
+        if self.reported:
+            reported = self.reported
+            inflight = {r: max(inflight.get(r, 0), reported.get(r, 0)) for r in candidates}
         keys = key.blocks
         if not keys:
             return self.fallback.select(candidates, inflight, exclude)
-        if frozenset(candidates) != self._members:
-            self._sync(candidates)
         eligible = [rid for rid in candidates if rid not in exclude]
         if not eligible:
             return None
-        if self.reported:
-            reported = self.reported
-            inflight = {r: max(inflight.get(r, 0), reported.get(r, 0)) for r in eligible}
         least = min(inflight.get(rid, 0) for rid in eligible)
         limit = least + self.max_extra_load  # this busy or more: passed over
         within = [rid for rid in eligible if inflight.get(rid, 0) < limit]
@@ -228,7 +231,13 @@ class CacheAware:
             idle = frozenset(rid for rid in within if inflight.get(rid, 0) == least)
             others = frozenset(rid for rid in candidates if rid not in idle)
             first = key.prefix if key.prefix is not None else str(keys[0])
-            choice = self.ring.lookup(candidates, first, others) or within[0]
+            members = tuple(candidates)
+            ring = self._rings.get(members)
+            if ring is None:
+                if len(self._rings) >= 8:
+                    self._rings.clear()
+                ring = self._rings[members] = HashRing()
+            choice = ring.lookup(members, first, others) or within[0]
         self.index.record(choice, keys)
         if self.on_choice is not None:
             self.on_choice(depth, len(keys), inflight.get(choice, 0) - least)

@@ -168,6 +168,42 @@ async def test_cache_aware_answers_pipelined_and_chunked_requests_in_order(start
     assert sizes == [*(len(b) for b in bodies), len(chunked)]
 
 
+async def test_a_body_policy_waits_for_a_slow_but_steady_body_and_counts_leavers(
+    start: Start,
+) -> None:
+    """The body's time limit is a limit on silence: a body that keeps coming, slower than the
+    head's time limit in all, goes through; so does one pipelined behind a slow request. A
+    client that leaves before its body is complete counts as a 499."""
+    upstreams = await two_upstreams(start)
+    lb, _, proxy = await make_lb_proxy(start, "cache_aware", upstreams, header_timeout_seconds=0.5)
+    port = int(lb.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "slow " * 100}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    for i in range(0, len(body), 100):  # ~1.2 s in all, never 0.5 s silent
+        writer.write(body[i : i + 100])
+        await writer.drain()
+        await asyncio.sleep(0.2)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    writer.close()
+    # A client that sends half a body and leaves: 499, nothing left in flight.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.close()
+    labels = {"service": "svc", "policy": "cache_aware", "replica": "none", "code": "499"}
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if proxy.metrics.registry.get_sample_value("fleetserve_lb_requests_total", labels):
+            break
+    assert proxy.metrics.registry.get_sample_value("fleetserve_lb_requests_total", labels) == 1
+    assert all(n == 0 for n in proxy.replicas.inflight.values())
+
+
 @pytest.mark.parametrize("policy", ["cache_aware", "prefix_affinity"])
 async def test_a_body_policy_lets_a_client_wait_for_100_continue(start: Start, policy: str) -> None:
     """A client that sends `Expect: 100-continue` holds its body until told to go on: a body

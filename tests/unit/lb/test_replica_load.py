@@ -34,10 +34,21 @@ def test_parse_load_ignores_what_it_cannot_trust() -> None:
 
 
 async def test_poller_reads_each_replica_and_drops_the_silent_ones() -> None:
-    bodies = {"a": VLLM, "b": "nothing here 1\n"}
+    bodies = {"a": VLLM, "b": "nothing here 1\n", "c": VLLM}
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=bodies[request.match_info["who"]])
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        who = request.match_info["who"]
+        if who != "c":
+            return web.Response(text=bodies[who])
+        # A long page written in pieces, a number split across two writes: read whole.
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"# padding\n" * 30_000)
+        await resp.write(b"vllm:num_requests_waiting 1")
+        await asyncio.sleep(0.05)
+        await resp.write(b"234\n")
+        await resp.write_eof()
+        return resp
 
     app = web.Application()
     app.router.add_get("/{who}/metrics", metrics)
@@ -50,6 +61,7 @@ async def test_poller_reads_each_replica_and_drops_the_silent_ones() -> None:
         (1, f"http://127.0.0.1:{port}/a"),
         (2, f"http://127.0.0.1:{port}/b"),
         (3, "http://127.0.0.1:9"),  # nothing listens: not counted
+        (4, f"http://127.0.0.1:{port}/c"),
     ]
     loads: dict[int, int] = {3: 99}
     poller = ReplicaLoadPoller(0.1, "/metrics", lambda: list(replicas), loads)
@@ -57,16 +69,16 @@ async def test_poller_reads_each_replica_and_drops_the_silent_ones() -> None:
     try:
         for _ in range(50):
             await asyncio.sleep(0.05)
-            if loads == {1: 5}:
+            if loads == {1: 5, 4: 1234}:
                 break
-        assert loads == {1: 5}
+        assert loads == {1: 5, 4: 1234}
         bodies["a"] = "vllm:num_requests_waiting 11\n"
-        replicas.pop()  # replica 3 left the set
+        del replicas[2]  # replica 3 left the set
         for _ in range(50):
             await asyncio.sleep(0.05)
             if loads.get(1) == 11:
                 break
-        assert loads == {1: 11}
+        assert loads == {1: 11, 4: 1234}
     finally:
         await poller.stop()
         await runner.cleanup()

@@ -77,7 +77,9 @@ def test_index_evicts_least_recently_used_and_forgets_replicas() -> None:
     idx.record(1, old[:1])  # block 0 used again: now the most recent
     idx.record(1, new)
     assert len(idx) == 4
-    assert idx.match(old, [1]) == (1, [1])  # blocks 1 and 2 went first, block 0 stayed
+    # The tail goes first (blocks 3 and 2): what stays of the prompt is its prefix, which
+    # still matches.
+    assert idx.match(old, [1]) == (2, [1])
     assert idx.match(new, [1]) == (2, [1])
     idx.record(2, old)
     idx.forget(1)
@@ -156,8 +158,10 @@ def test_exclusions_removed_replicas_and_keyless_requests() -> None:
     retry = sel.select([1, 2], {}, frozenset({first}), key)
     assert retry is not None and retry != first
     assert sel.select([1, 2], {}, frozenset({1, 2}), key) is None
-    # Replica `first` leaves: the index forgets it.
+    # An exclusion (a retry, a canary's side) forgets nothing; a replica that leaves does.
     assert sel.select([retry], {}, frozenset(), key) == retry
+    assert first in sel.index.replicas()
+    sel.forget(first)
     assert first not in sel.index.replicas()
     # No prompt: least load.
     assert sel.select([1, 2], {1: 3, 2: 0}, frozenset()) == 2
@@ -202,3 +206,52 @@ def test_the_replicas_own_load_counts_when_larger() -> None:
     sel.reported[owner] = 1
     assert sel.select([1, 2], {other: 0}, frozenset(), key) == other
     assert sel.select([1, 2], {other: 3}, frozenset(), key) == owner
+
+
+def test_a_canary_split_keeps_each_sides_index() -> None:
+    """With a canary, the LB asks for a choice among one side's replicas, then maybe the
+    other's: neither call may forget the other side's prefixes."""
+    sel = CacheAware(block_chars=32)
+    matched: list[int] = []
+    sel.on_choice = lambda depth, routed, extra: matched.append(depth)
+    sides = ([1, 2], [3, 4])
+    for turn in range(4):
+        for conv in range(6):
+            turns = [f"conversation {conv} turn {t} " * 10 for t in range(turn + 1)]
+            body = chat(*turns, system=f"system of {conv}")
+            assert sel.select(sides[conv % 2], {}, frozenset(), key_of(sel, body)) is not None
+    assert matched[:6] == [0] * 6  # first turns: nothing to match
+    assert all(depth > 0 for depth in matched[6:])  # every later turn found its history
+    assert len(sel.index.replicas()) >= 3
+
+
+def test_the_replicas_own_load_counts_for_requests_without_a_prompt() -> None:
+    sel = CacheAware()
+    sel.reported.update({1: 100, 2: 0})
+    assert [sel.select([1, 2], {}, frozenset()) for _ in range(4)] == [2, 2, 2, 2]
+
+
+def test_hostile_messages_cost_a_bounded_rendering() -> None:
+    many = json.dumps({"messages": [{}] * 100_000}).encode()
+    assert prompt_text(many) == "\x1e\x1f" * 4096
+    odd = {"messages": [{"role": 10**50, "content": [{"text": 5}, {"text": "ok"}, "x"]}]}
+    assert prompt_text(json.dumps(odd).encode()) == "\x1e\x1fok"
+
+
+async def test_the_replica_set_tells_the_index_who_left() -> None:
+    """ReplicaSet.replace forgets the replicas a push drops, also one that was out of the
+    rotation meanwhile (it refused a connection), and nothing else."""
+    from fleetserve.lb.replica_set import ReplicaSet, Upstream
+
+    sel = CacheAware(block_chars=32)
+    replicas = ReplicaSet(sel)
+    ups = {i: Upstream(i, f"http://127.0.0.1:{9000 + i}", 1) for i in (1, 2, 3)}
+    replicas.replace(list(ups.values()))
+    key = key_of(sel, chat("held everywhere " * 10))
+    for rid in (1, 2, 3):
+        sel.index.record(rid, key.blocks)
+    replicas.discard(2)  # refused a connection: out until the next push
+    replicas.replace([ups[1], ups[3]])  # ... which drops it, and keeps 1 and 3
+    assert sorted(sel.index.replicas()) == [1, 3]
+    replicas.replace([ups[1]])
+    assert sel.index.replicas() == [1]
