@@ -30,18 +30,7 @@ from sqlalchemy import create_engine, text
 
 from fleetserve.store.url import normalize_db_url
 from tests.pg import start_cluster
-
-SERVER = """
-import json, os
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-class H(BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = json.dumps({"replica": os.environ["FLEETSERVE_REPLICA_ID"]}).encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body)))
-        self.end_headers(); self.wfile.write(body)
-    def log_message(self, *a): pass
-ThreadingHTTPServer(("0.0.0.0", int(os.environ["PORT"])), H).serve_forever()
-"""
+from tests.ray.netns import SERVER
 
 PORT_A, PORT_B = 47981, 47982
 LB_PORT_START = 35101

@@ -1,6 +1,6 @@
-"""The Ray scenario, run inside a network namespace of the test's own (see test_ray_infra.py):
-a real 3-node Ray cluster, the real controller, CLI and load balancer. Prints one JSON line of
-findings; the test asserts on them."""
+"""The Ray scenario (`python -m tests.ray.scenario WORK`), run inside a network namespace of
+the test's own (see test_ray_infra.py): a real 3-node Ray cluster, the real controller, CLI and
+load balancer. Prints one JSON line of findings; the test asserts on them."""
 
 from __future__ import annotations
 
@@ -22,18 +22,7 @@ os.environ.update(
 import ray
 from ray.cluster_utils import Cluster
 
-SERVER = """
-import json, os
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-class H(BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = json.dumps({"replica": os.environ["FLEETSERVE_REPLICA_ID"]}).encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body)))
-        self.end_headers(); self.wfile.write(body)
-    def log_message(self, *a): pass
-print("replica", os.environ["FLEETSERVE_REPLICA_ID"], "serving on", os.environ["PORT"], flush=True)
-ThreadingHTTPServer(("0.0.0.0", int(os.environ["PORT"])), H).serve_forever()
-"""
+from tests.ray.netns import SERVER
 
 
 def main(work: Path) -> None:

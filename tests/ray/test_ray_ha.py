@@ -11,66 +11,27 @@ Ray will not run on loopback. Needs root and iproute2.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.ray.netns import run_scenario
 
 pytestmark = [pytest.mark.slow]
 
 if os.geteuid() != 0 or shutil.which("ip") is None:  # never skipped in CI, which runs as root
     pytest.fail("the Ray tests need root and iproute2 (a network namespace)", pytrace=False)
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
 
 def test_a_controller_on_another_host_takes_over_ray_replicas(tmp_path: Path) -> None:
-    tag = uuid.uuid4().hex[:6]
-    ns, outer, inner = f"fsha{tag}", f"fsc{tag}", f"fsd{tag}"
-    sh("ip", "netns", "add", ns)
     started = time.monotonic()
-    try:
-        sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
-        sh("ip", "link", "set", inner, "netns", ns)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", "10.214.0.2/24", "dev", inner)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
-        sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "dev", inner)
-        env = dict(
-            os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-        )
-        # The folder must be reachable by the postgres user (tests/pg.py runs the server as it).
-        work = tmp_path / "work"
-        work.mkdir()
-        proc = subprocess.run(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.ray.ha_scenario", str(work)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-            cwd=ROOT,
-        )
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        found = json.loads(proc.stdout.strip().splitlines()[-1])
-        print("\n" + json.dumps(found, indent=1))
-    finally:
-        pids = subprocess.run(
-            ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10
-        ).stdout.split()
-        for pid in pids:  # anything the scenario left in our namespace
-            subprocess.run(["kill", "-9", pid], capture_output=True, timeout=10)
-        subprocess.run(["ip", "link", "del", outer], capture_output=True, timeout=10)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    # The folder must be reachable by the postgres user (tests/pg.py runs the server as it).
+    work = tmp_path / "work"
+    work.mkdir()
+    found = run_scenario("tests.ray.ha_scenario", work, "10.214.0.2", timeout=240)
     print(f"test took {time.monotonic() - started:.1f} s")
     assert found["b_role_before"] == "standby"
     assert len(found["home_ids"]) == 1 and found["b_joined"] is True  # B joined A's home id
