@@ -428,10 +428,17 @@ class ClientConn(asyncio.Protocol):
         self.tunnel = ex
 
     def check_deadline(self, head_since: float, idle_since: float) -> None:
-        """Called by the proxy's sweep: a head begun before `head_since` gets a 408; a
+        """Called by the proxy's sweep: a head begun before `head_since` gets a 408, and so
+        does a request whose body a body policy waits for with no byte since then; a
         connection with nothing to do since before `head_since` (no request yet) or
         `idle_since` (keep-alive between requests) is closed."""
-        if self.closed or self.dead or self.tunnel is not None or not self.reading:
+        if self.closed or self.dead or self.tunnel is not None:
+            return
+        waiting = self.queue[0] if self.queue else None
+        if waiting is not None and waiting.choose_at and waiting.body_seen < head_since:
+            waiting.body_stalled()  # a body policy waited in vain for the body: a 408
+            return
+        if not self.reading:
             return
         if self.in_head:
             if self.head_started < head_since:

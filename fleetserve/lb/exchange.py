@@ -65,8 +65,9 @@ class Exchange:
         # A body policy chooses when this much of the body (or all of it) is here, without a
         # task if it can (0: not waiting); a late body gets a task that answers 408.
         self.choose_at = 0
-        self._body_timer: asyncio.TimerHandle | None = None
-        self._body_seen = 0.0  # when the last body bytes came (or the wait began)
+        # When the last body bytes came (or the wait began), on the proxy's sweep clock: the
+        # sweep gives a silent body a 408 (ClientConn.check_deadline), no timer per request.
+        self.body_seen = 0.0
         self._body_late = False  # no body bytes for header_timeout_seconds: a 408
         self._request_key: RequestKey | None = None  # a body policy's key, made once
         self.conn: UpstreamConn | None = None
@@ -119,7 +120,7 @@ class Exchange:
             if self.body_event is not None:
                 self.body_event.set()
             if self.choose_at:
-                self._body_seen = time.monotonic()
+                self.body_seen = self.proxy.clock
                 if self.body_size >= self.choose_at:
                     self._to_task()  # a long body: its head is enough, the task reads it
 
@@ -337,10 +338,7 @@ class Exchange:
             if self.body_complete or self.body_size >= limit:
                 return self._send_now(self._key_of_body())
             self.choose_at = limit
-            self._body_seen = time.monotonic()
-            self._body_timer = asyncio.get_running_loop().call_later(
-                proxy.limits.header_timeout, self._body_check
-            )
+            self.body_seen = proxy.clock
             return True
         return self._send_now(self._header_key())
 
@@ -349,19 +347,9 @@ class Exchange:
         if not self._send_now(self._key_of_body()):
             self.task = asyncio.get_running_loop().create_task(self.run())
 
-    def _body_check(self) -> None:
-        """The body's time limit: header_timeout_seconds without a byte of it (counted from
+    def body_stalled(self) -> None:
+        """Called by the sweep: no byte of the body for header_timeout_seconds (counted from
         when this request's turn came, not from its head: it may have been pipelined)."""
-        self._body_timer = None
-        if not self.choose_at:
-            return
-        quiet = time.monotonic() - self._body_seen
-        timeout = self.proxy.limits.header_timeout
-        if quiet < timeout:
-            self._body_timer = asyncio.get_running_loop().call_later(
-                timeout - quiet, self._body_check
-            )
-            return
         self._body_late = True
         self._to_task()
 
@@ -373,9 +361,6 @@ class Exchange:
 
     def _stop_waiting_for_body(self) -> None:
         self.choose_at = 0
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
 
     def _send_now(self, key: RequestKey) -> bool:
         """Send to the chosen replica now if it has an idle pooled connection."""
