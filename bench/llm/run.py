@@ -143,11 +143,17 @@ def lb_options(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     opts: dict[str, Any] = {"workers": args.lb_workers}
     if policy == "cache_aware":
         # Tell a cache-aware policy the replicas' cache geometry, if it has these options.
+        # Its index holds as many characters as a replica's cache holds tokens x 4 (the
+        # replicas' tokens are 4 characters), in blocks of its own size.
         known = LoadBalancerOptions.model_fields
-        if "cache_block_chars" in known:
-            opts["cache_block_chars"] = args.block_tokens * 4
-        if "cache_blocks" in known:
-            opts["cache_blocks"] = args.cache_blocks
+        if "cache_blocks" in known and "cache_block_chars" in known:
+            block_chars = LoadBalancerOptions().cache_block_chars
+            for item in args.lb_option:  # a --lb-option may set the block size
+                key, _, value = item.partition("=")
+                if key.rpartition(":")[2] == "cache_block_chars":
+                    block_chars = int(value)
+            capacity = args.cache_blocks * args.block_tokens * 4
+            opts["cache_blocks"] = max(16, capacity // block_chars)
     for item in args.lb_option:
         key, _, value = item.partition("=")
         scope, _, name = key.rpartition(":")

@@ -205,8 +205,8 @@ def make_selector(
     weights: Mapping[int, float] | None = None,
     rng: random.Random | None = None,
     max_extra_load: int | None = None,
-    cache_block_chars: int = 64,
-    cache_blocks: int = 8192,
+    cache_block_chars: int = 256,
+    cache_blocks: int = 2048,
 ) -> Selector:
     """The selector for a `load_balancing_policy` name."""
     if policy == "round_robin":

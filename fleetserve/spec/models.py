@@ -254,9 +254,10 @@ class LoadBalancerOptions(_Strict):
     # (LLM servers batch: a few more in flight cost less than a lost prefix; bench/llm).
     max_extra_load: Annotated[int, Field(ge=1, le=100_000)] | None = None
     # cache_aware (docs/load-balancer.md): the block size of the LB's prefix index, in
-    # characters (~4 per token), and how many blocks it remembers per replica (its KV cache).
-    cache_block_chars: Annotated[int, Field(ge=8, le=4096)] = 64
-    cache_blocks: Annotated[int, Field(ge=16, le=1_000_000)] = 8192
+    # characters (~4 per token), and how many blocks it remembers per replica (its KV cache:
+    # 2,048 x 256 characters, ~128K tokens).
+    cache_block_chars: Annotated[int, Field(ge=8, le=4096)] = 256
+    cache_blocks: Annotated[int, Field(ge=16, le=1_000_000)] = 2048
     # cache_aware: a request body up to this size is read before choosing (larger: its head).
     cache_max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024)] = 256 * 1024
     # cache_aware: read each replica's Prometheus metrics this often (vLLM, SGLang and TGI
