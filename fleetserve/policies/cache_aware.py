@@ -239,7 +239,8 @@ class CacheAware:
                 if len(self._rings) >= 8:
                     self._rings.clear()
                 ring = self._rings[members] = HashRing()
-            choice = ring.lookup(members, first, others) or within[0]
+            hashed = ring.lookup(members, first, others)
+            choice = within[0] if hashed is None else hashed  # (a replica id may be 0)
         self.index.record(choice, keys)
         if self.on_choice is not None:
             self.on_choice(depth, len(keys), inflight.get(choice, 0) - least)

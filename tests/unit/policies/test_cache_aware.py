@@ -255,3 +255,14 @@ async def test_the_replica_set_tells_the_index_who_left() -> None:
     assert sorted(sel.index.replicas()) == [1, 3]
     replicas.replace([ups[1]])
     assert sel.index.replicas() == [1]
+
+
+def test_replica_id_zero_is_a_replica_like_any_other() -> None:
+    """An unseen prompt with every replica idle goes where the first block's hash says, even
+    when that is replica 0 (an id is never taken for "no choice")."""
+    sel = CacheAware(block_chars=32)
+    picks = {
+        sel.select([1, 0], {}, frozenset(), key_of(sel, chat("hi", system=f"tenant {i} " * 8)))
+        for i in range(40)
+    }
+    assert picks == {0, 1}
