@@ -140,7 +140,7 @@ class Chaos:
 def fleet_at_deadline(fleet: Fleet, chaos: Chaos) -> str:
     """What the fleet looked like when convergence timed out: each service's versions and
     replicas, its last events, the rows as stored and the controller log's tail."""
-    out = [f"chaos seed {chaos.seed} (FLEETSERVE_CHAOS_SEED={chaos.seed} reruns it)", *chaos.lines]
+    out = [*chaos.lines, "the fleet at the deadline:"]
     try:
         with fleet.client() as client:
             for svc in client.status():
@@ -154,7 +154,8 @@ def fleet_at_deadline(fleet: Fleet, chaos: Chaos) -> str:
                 out.append("  last events:")
                 for e in client.events(svc.name, 25):
                     who = f"replica {e.replica_id}: " if e.replica_id is not None else ""
-                    out.append(f"    {e.at:.2f} {e.kind} {who}{e.message}")
+                    at = time.strftime("%H:%M:%S", time.localtime(e.at))
+                    out.append(f"    {at} {e.kind} {who}{e.message}")
     except Exception as e:  # the API is down: the store still tells
         out.append(f"(the API did not answer: {e})")
     with sqlite3.connect(fleet.home / "fleetserve.db") as db:
