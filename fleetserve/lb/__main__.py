@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import signal
 import socket
 from pathlib import Path
@@ -18,9 +19,11 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import make_proxy, tls_context, worker_count
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.index_share import CHANNEL_LIMIT, KEY_ENV, IndexShare, channel_full, is_share
 from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.metrics import load_report
 from fleetserve.lb.workers import Supervisor
+from fleetserve.policies.cache_aware import CacheAware
 
 log = logging.getLogger("fleetserve.lb")
 LINGER_SECONDS = 5.0  # a worker whose primary was killed serves this long more
@@ -38,7 +41,18 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     """The primary: serves traffic, the admin API, and supervises the other workers."""
     count = worker_count(config)
     proxy = make_proxy(config)
-    supervisor = Supervisor(config_path, count) if count > 1 else None
+    selector = proxy.replicas.selector
+    supervisor = None
+    sharing: asyncio.Task[None] | None = None
+    if count > 1:
+        # cache_aware: one index for all the processes, its keys under one secret.
+        key = os.urandom(32) if isinstance(selector, CacheAware) else None
+        supervisor = Supervisor(config_path, count, key)
+        if isinstance(selector, CacheAware) and key is not None:
+            selector.share_keys(key)
+            share = IndexShare(selector, proxy.replicas, 0, supervisor.broadcast)
+            supervisor.share_index(share)
+            sharing = asyncio.get_running_loop().create_task(share.run())
     admin = web.AppRunner(make_admin_app(proxy, supervisor), access_log=None)
     await admin.setup()
     # SO_REUSEPORT always: workers share the port, and a load balancer with new settings
@@ -60,6 +74,8 @@ async def serve(config: LbConfig, config_path: Path) -> None:
         ", API keys required" if config.options.api_keys else "",
     )
     await _until_signalled()
+    if sharing is not None:
+        sharing.cancel()
     if supervisor is not None:
         await supervisor.stop()
     await proxy.close()
@@ -72,9 +88,28 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
     from prometheus_client import generate_latest
 
     proxy = make_proxy(config, worker)
-    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=True)
-    reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=control_fd))
+    selector = proxy.replicas.selector
+    key = os.environ.get(KEY_ENV)  # set by the primary: cache_aware shares its index
+    cache_aware = selector if isinstance(selector, CacheAware) and key else None
+    if cache_aware is not None and key:
+        cache_aware.share_keys(bytes.fromhex(key))
+    reader, writer = await asyncio.open_connection(
+        sock=socket.socket(fileno=control_fd), limit=CHANNEL_LIMIT
+    )
     loop = asyncio.get_running_loop()
+    share: IndexShare | None = None
+    sharing: asyncio.Task[None] | None = None
+    if cache_aware is not None:
+
+        def send(line: bytes) -> None:
+            if not channel_full(writer):
+                writer.write(line)
+            elif share is not None:
+                share.dropped_batches += 1
+
+        share = IndexShare(cache_aware, proxy.replicas, worker, send)
+        sharing = loop.create_task(share.run())
+    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=True)
     stopping = False
 
     def stop() -> None:
@@ -91,6 +126,9 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
                 {"replicas": msg["replicas"], "canary": msg.get("canary")}
             )
             proxy.replicas.apply(push)
+        elif is_share(msg):
+            if share is not None:
+                share.apply(msg)
         elif msg.get("op") == "report":
             proxy.metrics.sync_inflight(proxy.replicas.inflight, set(proxy.replicas.upstreams))
             proxy.metrics.set_queued(proxy.queued)
@@ -102,6 +140,8 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
             }
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
+    if sharing is not None:
+        sharing.cancel()
     # The channel closed: the primary is gone, or stops us. If it was killed, serve the last
     # replica set a few seconds more, while the controller starts a new primary beside us
     # (SO_REUSEPORT), so that no connection is refused meanwhile. Then stop listening and let

@@ -5,8 +5,10 @@ The process the controller starts (the primary) serves traffic, runs the admin A
 with SO_REUSEPORT, so the kernel spreads connections over them. Each extra worker holds a
 control channel (a socket pair) to the primary: replica-set pushes are relayed down it at once,
 and the primary asks each worker for its load report and metrics when it is asked for them,
-adding them up. A worker exits when its channel closes (the primary is gone); the primary
-restarts a worker that died.
+adding them up. With cache_aware the processes share one prefix index over the same
+channels (fleetserve.lb.index_share): the primary relays each worker's batches to the others.
+A worker exits when its channel closes (the primary is gone); the primary restarts a worker
+that died.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from fleetserve.lb.index_share import (
+    CHANNEL_LIMIT,
+    KEY_ENV,
+    IndexShare,
+    channel_full,
+    gone_line,
+    is_share,
+)
 from fleetserve.lb.messages import LoadReport, ReplicaLoad, ReplicaPush, ReplicaTotals
 
 log = logging.getLogger("fleetserve.lb")
@@ -41,6 +51,9 @@ class _Link:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Lines on the channel that are not share batches: answers to "report".
+    answers: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    reading: asyncio.Task[None] | None = None
 
 
 def _replicas_message(push: ReplicaPush) -> dict[str, Any]:
@@ -50,12 +63,19 @@ def _replicas_message(push: ReplicaPush) -> dict[str, Any]:
 
 
 class Supervisor:
-    def __init__(self, config_path: Path, count: int) -> None:
+    def __init__(self, config_path: Path, count: int, index_key: bytes | None = None) -> None:
         self.config_path = config_path
         self.count = count
         self.links: dict[int, _Link] = {}
         self.pushed: ReplicaPush | None = None  # the last push, for a worker (re)started later
         self._watch: asyncio.Task[None] | None = None
+        self.index_key = index_key  # cache_aware's shared secret, handed to each worker
+        self.share: IndexShare | None = None  # the primary's side of the shared index
+
+    def share_index(self, share: IndexShare) -> None:
+        """Relay the workers' index batches to each other and apply them here (this
+        process's own batches go to every worker: `broadcast`)."""
+        self.share = share
 
     async def start(self) -> None:
         for index in range(1, self.count):
@@ -66,6 +86,8 @@ class Supervisor:
         parent_end, child_end = socket.socketpair()
         env = dict(os.environ)
         env[PARENT_ENV] = str(os.getpid())
+        if self.index_key is not None:
+            env[KEY_ENV] = self.index_key.hex()
         cmd = [
             sys.executable,
             "-m",
@@ -79,12 +101,52 @@ class Supervisor:
         ]
         proc = subprocess.Popen(cmd, pass_fds=[child_end.fileno()], env=env)
         child_end.close()
-        reader, writer = await asyncio.open_connection(sock=parent_end)
+        reader, writer = await asyncio.open_connection(sock=parent_end, limit=CHANNEL_LIMIT)
         link = _Link(index, proc, reader, writer)
         self.links[index] = link
+        link.reading = asyncio.get_running_loop().create_task(self._read_loop(link))
         if self.pushed is not None and self.pushed.replicas:
             await self._send(link, _replicas_message(self.pushed))
+        if self.share is not None:  # the index so far: the new worker starts where we are
+            for line in self.share.snapshot_lines():
+                writer.write(line)
         log.info("worker %s started (pid %s)", index, proc.pid)
+
+    async def _read_loop(self, link: _Link) -> None:
+        """A worker's lines: its index batches (applied here, passed on to the others) and
+        its answers to "report"."""
+        while True:
+            try:
+                line = await link.reader.readline()
+            except (ValueError, ConnectionError) as e:  # (ValueError: a line over the limit)
+                log.warning("worker %s: control channel: %s", link.index, e)
+                return
+            if not line:
+                return
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(msg, dict):
+                continue
+            if is_share(msg):
+                if self.share is not None:
+                    self.share.apply(msg)
+                    self.broadcast(line, but=link.index)
+            else:
+                link.answers.put_nowait(msg)
+
+    def broadcast(self, line: bytes, but: int | None = None) -> None:
+        """An index batch to every worker (but the one it came from); dropped for a worker
+        whose channel is full (it misses those records, nothing waits)."""
+        for index, link in self.links.items():
+            if index == but:
+                continue
+            if channel_full(link.writer):
+                if self.share is not None:
+                    self.share.dropped_batches += 1
+                continue
+            link.writer.write(line)
 
     async def _watch_loop(self) -> None:
         while True:
@@ -95,6 +157,11 @@ class Supervisor:
                         "worker %s exited with %s: restarting it", index, link.proc.returncode
                     )
                     link.writer.close()
+                    if link.reading is not None:
+                        link.reading.cancel()
+                    if self.share is not None:  # its requests are no longer in flight
+                        self.share.forget_peer(index)
+                        self.broadcast(gone_line(index), but=index)
                     await self._spawn(index)
 
     async def _send(self, link: _Link, msg: dict[str, Any]) -> None:
@@ -113,11 +180,12 @@ class Supervisor:
 
         async def ask(link: _Link) -> dict[str, Any] | None:
             async with link.lock:
+                while not link.answers.empty():  # a late answer to an earlier question
+                    link.answers.get_nowait()
                 try:
                     await self._send(link, {"op": "report"})
-                    line = await asyncio.wait_for(link.reader.readline(), 2)
-                    return dict(json.loads(line)) if line else None
-                except (TimeoutError, ValueError, ConnectionError):
+                    return await asyncio.wait_for(link.answers.get(), 2)
+                except (TimeoutError, ConnectionError):
                     return None
 
         answers = await asyncio.gather(*(ask(link) for link in list(self.links.values())))
@@ -127,6 +195,8 @@ class Supervisor:
         if self._watch is not None:
             self._watch.cancel()
         for link in self.links.values():
+            if link.reading is not None:
+                link.reading.cancel()
             if link.proc.poll() is None:
                 link.proc.terminate()  # a stop, not a crash: the worker goes at once
             link.writer.close()

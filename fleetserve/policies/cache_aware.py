@@ -12,16 +12,23 @@ Choosing (`CacheAware.select`): the replicas fewer than `max_extra_load` request
 the least loaded one are eligible (so none is ever chosen past that); among them, the one with
 the longest match (ties: the less loaded). With no match (a new conversation, a prompt nobody
 shares), the least loaded replica, ties broken by a consistent hash of the prompt's first
-block, so that the processes of one load balancer (each keeping its own tree) and a restarted
-one place the same new prompt on the same replica. Requests without a prompt (GET, non-JSON)
-go by least load.
+block, so that the processes of one load balancer and a restarted one place the same new
+prompt on the same replica. Requests without a prompt (GET, non-JSON) go by least load.
 
-Cost on the request path: one pass over the prompt (slices and tuple hashes, ~0.2 us a block)
-and one dict lookup per block until the match ends. Memory: ~200 bytes per (replica, block).
+Several processes of one load balancer (fleetserve.lb.index_share) share one index: each
+process tells the others its choices (`on_record`) and its in-flight counts, and applies
+theirs (`PrefixIndex.record`, `peer_inflight`). Their keys must agree, so such processes key
+the chain with a secret of the load balancer (`share_keys`: keyed BLAKE2b) instead of Python's
+per-process salted `hash()`; either way a client cannot predict the keys.
+
+Cost on the request path: one pass over the prompt (slices and tuple hashes, ~0.3 us a block;
+keyed BLAKE2b ~1.2 us) and one dict lookup per block until the match ends. Memory: ~200 bytes
+per (replica, block).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -88,6 +95,20 @@ def block_keys(text: str, block_chars: int) -> tuple[int, ...]:
     for start in range(0, len(text) - block_chars + 1, block_chars):
         prev = hash((prev, text[start : start + block_chars]))
         keys.append(prev)
+    return tuple(keys)
+
+
+def keyed_block_keys(text: str, block_chars: int, keyed: hashlib.blake2b) -> tuple[int, ...]:
+    """The same chain under a secret: block i's key is the keyed BLAKE2b (8 bytes) of the
+    prompt's first i + 1 blocks (UTF-8), so every process that holds the secret (`keyed` is a
+    hasher made with it) computes the same keys, and nobody without it can aim at one."""
+    keys = []
+    h = keyed.copy()
+    update, digest = h.update, h.digest
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        # (surrogatepass: a JSON string may hold a lone surrogate)
+        update(text[start : start + block_chars].encode("utf-8", "surrogatepass"))
+        keys.append(int.from_bytes(digest(), "little"))
     return tuple(keys)
 
 
@@ -173,6 +194,19 @@ class PrefixIndex:
     def replicas(self) -> list[int]:
         return list(self._lru)
 
+    def snapshot(self, most: int) -> dict[int, list[int]]:
+        """Each replica's newest `most` keys, newest first: `record(replica, keys)` of them
+        rebuilds that part of the LRU in its order (a new process catching up)."""
+        out = {}
+        for rid, lru in self._lru.items():
+            newest: list[int] = []
+            for key in reversed(lru):
+                if len(newest) >= most:
+                    break
+                newest.append(key)
+            out[rid] = newest
+        return out
+
 
 class CacheAware:
     """The cache_aware selector (see the module's docstring)."""
@@ -196,9 +230,24 @@ class CacheAware:
         # Told of each decision (blocks matched, blocks of the prompt, how many more requests
         # the chosen replica had in flight than the least loaded one): the LB's metrics.
         self.on_choice: Callable[[int, int, int], None] | None = None
+        # Sharing the index with the LB's other processes (fleetserve.lb.index_share): told of
+        # each choice (the replica and the prompt's keys, () without a prompt), and their
+        # in-flight counts added up, per replica (added to this process's own).
+        self.on_record: Callable[[int, tuple[int, ...]], None] | None = None
+        self.peer_inflight: dict[int, int] = {}
+        self._keyed: hashlib.blake2b | None = None
+
+    def share_keys(self, secret: bytes) -> None:
+        """Key the block hashes with the load balancer's secret (all its processes hold the
+        same one) instead of this process's salted `hash()`, so that their keys agree."""
+        self._keyed = hashlib.blake2b(key=secret, digest_size=8)
 
     def keys(self, text: str | None) -> tuple[int, ...]:
-        return () if not text else block_keys(text, self.block_chars)
+        if not text:
+            return ()
+        if self._keyed is not None:
+            return keyed_block_keys(text, self.block_chars, self._keyed)
+        return block_keys(text, self.block_chars)
 
     def forget(self, replica: int) -> None:
         """A replica left the set (ReplicaSet.replace tells): its cache went with it. Not on
@@ -212,12 +261,17 @@ class CacheAware:
         exclude: frozenset[int],
         key: RequestKey = NO_KEY,
     ) -> int | None:
-        if self.reported:
-            reported = self.reported
-            inflight = {r: max(inflight.get(r, 0), reported.get(r, 0)) for r in candidates}
+        peers, reported = self.peer_inflight, self.reported
+        if peers or reported:
+            inflight = {
+                r: max(inflight.get(r, 0) + peers.get(r, 0), reported.get(r, 0)) for r in candidates
+            }
         keys = key.blocks
         if not keys:
-            return self.fallback.select(candidates, inflight, exclude)
+            picked = self.fallback.select(candidates, inflight, exclude)
+            if picked is not None and self.on_record is not None:
+                self.on_record(picked, ())  # (the other processes hear of its load)
+            return picked
         eligible = [rid for rid in candidates if rid not in exclude]
         if not eligible:
             return None
@@ -242,6 +296,8 @@ class CacheAware:
             hashed = ring.lookup(members, first, others)
             choice = within[0] if hashed is None else hashed  # (a replica id may be 0)
         self.index.record(choice, keys)
+        if self.on_record is not None:
+            self.on_record(choice, keys)
         if self.on_choice is not None:
             self.on_choice(depth, len(keys), inflight.get(choice, 0) - least)
         return choice

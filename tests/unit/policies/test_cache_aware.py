@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 from fleetserve.policies.cache_aware import (
     CacheAware,
     PrefixIndex,
     block_keys,
+    keyed_block_keys,
     prompt_text,
 )
 from fleetserve.policies.lb import RequestKey, make_selector
@@ -266,3 +270,90 @@ def test_replica_id_zero_is_a_replica_like_any_other() -> None:
         for i in range(40)
     }
     assert picks == {0, 1}
+
+
+# -- one index for several LB processes (fleetserve.lb.index_share) --------------------------
+
+KEYS_IN_A_PROCESS = """
+import sys
+from fleetserve.policies.cache_aware import CacheAware
+sel = CacheAware(block_chars=16)
+sel.share_keys(bytes.fromhex(sys.argv[1]))
+print(list(sel.keys("a conversation that every process keys alike \\ud800 " * 4)))
+"""
+
+
+def test_keys_under_one_secret_agree_across_processes_and_differ_across_secrets() -> None:
+    """Two interpreters with different hash salts compute the same keyed keys; another secret
+    gives other keys (a client cannot aim at them without it)."""
+    secret = os.urandom(32).hex()
+
+    def keys_in_a_process(secret: str, salt: str) -> list[int]:
+        env = {**os.environ, "PYTHONHASHSEED": salt}
+        out = subprocess.run(
+            [sys.executable, "-c", KEYS_IN_A_PROCESS, secret],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        return list(json.loads(out.stdout))
+
+    first = keys_in_a_process(secret, "1")
+    assert len(first) > 8
+    assert keys_in_a_process(secret, "2") == first
+    assert keys_in_a_process(os.urandom(32).hex(), "1") != first
+
+
+def test_keyed_keys_chain_prefixes_like_the_salted_ones() -> None:
+    sel = CacheAware(block_chars=8)
+    sel.share_keys(b"k" * 32)
+    short, long = sel.keys("abcdefgh" * 3), sel.keys("abcdefgh" * 3 + "different" * 2)
+    assert len(short) == 3 and long[:3] == short and len(set(long)) == len(long)
+    assert sel.keys("abcdefgh" * 3 + "abc") == short  # a partial block is not a key
+    assert keyed_block_keys("x" * 7, 8, sel._keyed) == ()  # type: ignore[arg-type]
+    assert block_keys("abcdefgh" * 3, 8) != short  # (the salted chain is another space)
+
+
+def test_peers_in_flight_counts_bound_the_choice() -> None:
+    """Another process's requests count: a holder busy there is passed over."""
+    sel = CacheAware(max_extra_load=2, block_chars=32)
+    body = chat("a long question " * 20)
+    assert sel.select([1, 2], {}, frozenset(), key_of(sel, body)) is not None
+    holder = sel.index.replicas()[0]
+    other = 2 if holder == 1 else 1
+    assert sel.select([1, 2], {}, frozenset(), key_of(sel, body)) == holder
+    sel.peer_inflight = {holder: 1}  # within the bound: the holder still
+    assert sel.select([1, 2], {}, frozenset(), key_of(sel, body)) == holder
+    sel.peer_inflight = {holder: 2}  # the other processes have 2 requests on it
+    assert sel.select([1, 2], {}, frozenset(), key_of(sel, body)) == other
+    sel.peer_inflight = {holder: 1}
+    assert sel.select([1, 2], {holder: 1}, frozenset(), key_of(sel, body)) == other
+    # Requests without a prompt go by least load over the same fleet-wide counts.
+    sel.peer_inflight = {1: 5}
+    assert sel.select([1, 2], {2: 1}, frozenset()) == 2
+
+
+def test_each_choice_is_told_and_a_snapshot_rebuilds_the_index() -> None:
+    sel = CacheAware(block_chars=32, blocks=64)
+    told: list[tuple[int, tuple[int, ...]]] = []
+    sel.on_record = lambda rid, keys: told.append((rid, keys))
+    bodies = [chat(f"conversation {i} " * 30) for i in range(6)]
+    for body in bodies:
+        sel.select([1, 2, 3], {}, frozenset(), key_of(sel, body))
+    sel.select([1, 2, 3], {}, frozenset())  # no prompt: told too, with no keys
+    assert len(told) == 7 and told[-1][1] == () and all(keys for _, keys in told[:-1])
+    # A peer that records what it was told holds the same index.
+    peer = PrefixIndex(64)
+    for rid, keys in told:
+        peer.record(rid, keys)
+    for body in bodies:
+        keys = key_of(sel, body).blocks
+        assert peer.match(keys, [1, 2, 3]) == sel.index.match(keys, [1, 2, 3])
+    # A new process rebuilds it from a snapshot, newest blocks and LRU order kept.
+    fresh = PrefixIndex(64)
+    for rid, keys in sel.index.snapshot(most=64).items():
+        fresh.record(rid, keys)
+    assert fresh._lru == sel.index._lru
+    assert all(len(keys) <= 5 for keys in sel.index.snapshot(most=5).values())

@@ -1,0 +1,189 @@
+"""One cache_aware index for all the processes of a load balancer (fleetserve.lb.workers).
+
+The kernel spreads connections over the processes, so a conversation's turns land on
+processes that did not see its earlier turns. Each process therefore tells the others what it
+chose: after a cache_aware choice it queues (replica, the prompt's block keys) and, every
+`interval` seconds while it has something to say, sends one batch on its control channel,
+with its in-flight counts per replica when they changed. The primary applies each worker's
+batch and passes the line on, unparsed again, to the other workers; it sends its own batches
+to all of them. Each process records the others' choices in its own index
+(`PrefixIndex.record`) and adds their in-flight counts to its own (`CacheAware.peer_inflight`),
+so every process converges to the global index and load within milliseconds (a chat's next
+turn comes seconds later), and the load bound holds across processes up to that staleness.
+The keys agree because every process keys its block hashes with one secret of the load
+balancer (`CacheAware.share_keys`; the primary makes it and hands it to the workers it starts).
+
+Bounds (a client sending huge prompts must not flood the channels): at most
+`MAX_RECORD_KEYS` keys of one prompt, at most `MAX_BATCH_KEYS` keys per batch (what does not
+fit waits for no one: the other processes miss it), and nothing is written to a channel whose
+unsent bytes pass `MAX_BUFFERED`. A process applies others' records at a fraction of what the
+same prompts cost the process that parsed and hashed them.
+
+A worker that starts (or restarts) gets the primary's index and the in-flight counts it knows
+(`snapshot_lines`). Only cache_aware with several processes pays for any of this: the other
+policies never queue, send or apply anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from fleetserve.lb.replica_set import ReplicaSet
+from fleetserve.policies.cache_aware import CacheAware
+
+log = logging.getLogger("fleetserve.lb")
+
+KEY_ENV = "FLEETSERVE_LB_INDEX_KEY"  # the secret, hex, from the primary to its workers
+INTERVAL_SECONDS = 0.005
+MAX_RECORD_KEYS = 512  # of one prompt: 128K characters at the default block size
+MAX_BATCH_KEYS = 2048  # per batch (one per INTERVAL_SECONDS at most)
+MAX_BUFFERED = 1 << 20  # unsent bytes on a channel past which batches are dropped
+SNAPSHOT_KEYS = 1 << 18  # of the index, in all, sent to a new worker
+CHANNEL_LIMIT = 1 << 24  # the longest line a control channel reads
+Send = Callable[[bytes], None]
+
+
+def is_share(msg: Mapping[str, Any]) -> bool:
+    return msg.get("op") == "share"
+
+
+class IndexShare:
+    """One process's side: queues its own choices, sends them in batches, applies others'."""
+
+    def __init__(
+        self,
+        selector: CacheAware,
+        replicas: ReplicaSet,
+        source: int,
+        send: Send,
+        interval: float = INTERVAL_SECONDS,
+    ) -> None:
+        self.selector = selector
+        self.replicas = replicas  # its in-flight counts are this process's own
+        self.source = source  # this process's worker index (the primary: 0)
+        self.send = send
+        self.interval = interval
+        self._records: list[tuple[int, tuple[int, ...]]] = []
+        self._keys = 0
+        self._sent_inflight: dict[int, int] = {}
+        self._peers: dict[int, dict[int, int]] = {}  # other process -> its in-flight counts
+        self._wake = asyncio.Event()
+        self.dropped_keys = 0  # over MAX_BATCH_KEYS
+        self.dropped_batches = 0  # not written: a full channel
+        self._warned = 0.0
+        selector.on_record = self.record
+
+    # this process's choices --------------------------------------------------------------------
+
+    def record(self, replica: int, keys: tuple[int, ...]) -> None:
+        """CacheAware.on_record: queue a choice for the next batch."""
+        if keys:
+            if len(keys) > MAX_RECORD_KEYS:
+                keys = keys[:MAX_RECORD_KEYS]
+            if self._keys + len(keys) <= MAX_BATCH_KEYS:
+                self._records.append((replica, keys))
+                self._keys += len(keys)
+            else:
+                self.dropped_keys += len(keys)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def batch(self) -> bytes | None:
+        """The next line to send (queued records, in-flight counts if they changed), or None."""
+        msg: dict[str, Any] = {"op": "share", "from": self.source}
+        if self._records:
+            msg["records"] = self._records
+            self._records, self._keys = [], 0
+        inflight = self.replicas.inflight
+        if inflight != self._sent_inflight:
+            self._sent_inflight = dict(inflight)
+            msg["inflight"] = list(self._sent_inflight.items())
+        if len(msg) == 2:
+            return None
+        return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+
+    async def run(self) -> None:
+        """Send a batch every `interval` while there is something to send or requests are in
+        flight here (their end changes the counts); asleep otherwise."""
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self.interval)
+            line = self.batch()
+            if line is not None:
+                self.send(line)
+            if not self._sent_inflight and not self._records:
+                self._wake.clear()
+            dropped = self.dropped_keys or self.dropped_batches
+            if dropped and time.monotonic() - self._warned > 60:
+                self._warned = time.monotonic()
+                log.warning(
+                    "cache_aware: not shared with the other LB processes so far: %s block keys "
+                    "(over %s keys per %g s), %s batches (a full channel)",
+                    self.dropped_keys,
+                    MAX_BATCH_KEYS,
+                    self.interval,
+                    self.dropped_batches,
+                )
+
+    # the other processes' ----------------------------------------------------------------------
+
+    def apply(self, msg: Mapping[str, Any]) -> None:
+        """Another process's batch: its choices into the index, its in-flight counts."""
+        try:
+            source = int(msg["from"])
+            record = self.selector.index.record
+            routable = self.replicas.upstreams
+            for rid, keys in msg.get("records", ()):
+                if rid in routable:  # (a replica that left since must not come back)
+                    record(rid, keys)
+            counts = msg.get("inflight")
+            if counts is not None:
+                if counts:
+                    self._peers[source] = {int(rid): int(n) for rid, n in counts}
+                else:
+                    self._peers.pop(source, None)
+                self._add_up()
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("cache_aware: a malformed share message: %s", e)
+
+    def forget_peer(self, source: int) -> None:
+        """A process is gone: its requests are no longer in flight."""
+        if self._peers.pop(source, None) is not None:
+            self._add_up()
+
+    def _add_up(self) -> None:
+        total: dict[int, int] = {}
+        for counts in self._peers.values():
+            for rid, n in counts.items():
+                total[rid] = total.get(rid, 0) + n
+        self.selector.peer_inflight = {rid: n for rid, n in total.items() if n}
+
+    def snapshot_lines(self) -> Iterable[bytes]:
+        """What a new process needs: this one's index and in-flight counts, and those it
+        knows of the others."""
+        index = self.selector.index
+        most = SNAPSHOT_KEYS // max(1, len(index.replicas()))
+        records = list(index.snapshot(most).items())
+        yield _line(self.source, records, list(self.replicas.inflight.items()))
+        for source, counts in self._peers.items():
+            yield _line(source, [], list(counts.items()))
+
+
+def _line(source: int, records: list[Any], inflight: list[tuple[int, int]]) -> bytes:
+    msg = {"op": "share", "from": source, "records": records, "inflight": inflight}
+    return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+
+
+def gone_line(source: int) -> bytes:
+    """Told to the others when a worker died: nothing of it is in flight any more."""
+    return _line(source, [], [])
+
+
+def channel_full(writer: asyncio.StreamWriter) -> bool:
+    transport = writer.transport
+    return transport.is_closing() or transport.get_write_buffer_size() > MAX_BUFFERED
