@@ -96,6 +96,15 @@ class Metrics:
             registry=self.registry,
         ).labels(service)
         self._extra_load_max = 0
+        self.reported_load = Gauge(
+            "fleetserve_lb_replica_reported_load",
+            "cache_aware with replica_metrics_seconds: the running + waiting requests each "
+            "replica's own /metrics reported at the last read (absent: no answer or no such "
+            "metric, then the LB's in-flight count stands).",
+            ["service", "replica"],
+            registry=self.registry,
+        )
+        self._reported: dict[int, int] | None = None  # the poller's live dict, when one runs
         self.service = service
         self.policy = policy
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -130,6 +139,14 @@ class Metrics:
         self.inflight.clear()
         for rid in routable | set(inflight):
             self.inflight.labels(self.service, self.policy, str(rid)).set(inflight.get(rid, 0))
+        if self._reported is not None:
+            self.reported_load.clear()
+            for rid, load in list(self._reported.items()):
+                self.reported_load.labels(self.service, str(rid)).set(load)
+
+    def watch_reported(self, reported: dict[int, int]) -> None:
+        """Export the replicas' reported loads (this dict, kept by the metrics poller)."""
+        self._reported = reported
 
     def set_queued(self, value: int) -> None:
         self.queued.labels(self.service).set(value)

@@ -238,7 +238,13 @@ def merge_load(reports: Iterable[LoadReport]) -> LoadReport:
 
 class MergedMetrics(Collector):
     """Prometheus families from several workers' expositions, samples with the same name and
-    labels added up (counters, histogram buckets and in-flight gauges are all sums)."""
+    labels added up (counters, histogram buckets and in-flight gauges are all sums), but for
+    what is not a sum: a `_created` timestamp is the earliest one, and the gauges in
+    `MAX_FAMILIES` (a maximum, or the same reading taken by each worker) the largest."""
+
+    MAX_FAMILIES = frozenset(
+        {"fleetserve_lb_choice_extra_load_max", "fleetserve_lb_replica_reported_load"}
+    )
 
     def __init__(self, texts: Iterable[str]) -> None:
         self.texts = list(texts)
@@ -254,7 +260,15 @@ class MergedMetrics(Collector):
                 slot = sums[fam.name]
                 for s in fam.samples:
                     key = (s.name, tuple(sorted(s.labels.items())))
-                    slot[key] = slot.get(key, 0.0) + s.value
+                    was = slot.get(key)
+                    if was is None:
+                        slot[key] = s.value
+                    elif s.name.endswith("_created"):
+                        slot[key] = min(was, s.value)
+                    elif fam.name in self.MAX_FAMILIES:
+                        slot[key] = max(was, s.value)
+                    else:
+                        slot[key] = was + s.value
         for name, metric in families.items():
             for (sample, labels), value in sums[name].items():
                 metric.add_sample(sample, dict(labels), value)

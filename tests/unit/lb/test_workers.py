@@ -133,3 +133,29 @@ def test_merged_metrics_sum_samples() -> None:
     out = generate_latest(reg).decode()
     assert 'x_total{replica="1"} 4.0' in out and 'x_total{replica="2"} 2.0' in out
     assert json.dumps(out)  # renders
+
+
+def test_merged_metrics_take_the_earliest_created_and_the_max_of_max_gauges() -> None:
+    """Summing `_created` timestamps of two workers gave dates in the 2080s, and summing the
+    replicas' reported load (each worker reads the same /metrics) doubled it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    def text(created: float, extra: float, reported: float) -> str:
+        return (
+            "# HELP x_total things\n# TYPE x_total counter\n"
+            f'x_total{{replica="1"}} 2.0\nx_created{{replica="1"}} {created}\n'
+            "# HELP fleetserve_lb_choice_extra_load_max m\n"
+            "# TYPE fleetserve_lb_choice_extra_load_max gauge\n"
+            f'fleetserve_lb_choice_extra_load_max{{service="s"}} {extra}\n'
+            "# HELP fleetserve_lb_replica_reported_load r\n"
+            "# TYPE fleetserve_lb_replica_reported_load gauge\n"
+            f'fleetserve_lb_replica_reported_load{{service="s",replica="1"}} {reported}\n'
+        )
+
+    reg = CollectorRegistry()
+    reg.register(MergedMetrics([text(1.8e9, 3, 5), text(1.7e9, 6, 4)]))
+    out = generate_latest(reg).decode()
+    assert 'x_total{replica="1"} 4.0' in out
+    assert 'x_created{replica="1"} 1.7e+09' in out
+    assert 'fleetserve_lb_choice_extra_load_max{service="s"} 6.0' in out
+    assert 'fleetserve_lb_replica_reported_load{replica="1",service="s"} 5.0' in out
