@@ -12,11 +12,13 @@ import time
 import aiohttp
 
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.kv_events import KvEventsCollector, KvEventsFollower, precise_mode
 from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.proxy import DEFAULT_MAX_CONNECTIONS, Proxy
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.wake import may_send_to
 from fleetserve.policies.cache_aware import CacheAware
+from fleetserve.policies.cache_aware_precise import PreciseCacheAware
 from fleetserve.policies.lb import LeastLoad, RoundRobin, make_selector
 from fleetserve.spec.models import LoadBalancerOptions
 
@@ -82,6 +84,17 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
         cache_block_chars=opts.cache_block_chars,
         cache_blocks=opts.cache_blocks,
     )
+    precise = None
+    if config.policy == "cache_aware" and opts.kv_events is not None:
+        precise = precise_mode(opts, config.service)
+    if precise is not None:
+        replicas.selector = PreciseCacheAware(
+            precise[0],
+            precise[2],
+            opts.max_extra_load or CacheAware.DEFAULT_MAX_EXTRA_LOAD,
+            opts.cache_block_chars,
+            opts.cache_blocks,
+        )
     # Workers take connections independently: each starts its rotation at another replica,
     # so that a few requests on new connections still spread.
     if isinstance(replicas.selector, RoundRobin):
@@ -123,4 +136,12 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
     proxy = Proxy(config, replicas, wake=wake, max_connections=limit)
     if isinstance(replicas.selector, CacheAware):
         replicas.selector.on_choice = proxy.metrics.prompt_blocks
+    if precise is not None:
+        upstreams = replicas  # its set is replaced by each push: read it each round
+        proxy.kv_events = KvEventsFollower(
+            precise[0],
+            precise[1],
+            lambda: [(rid, u.url) for rid, u in upstreams.upstreams.items()],
+        )
+        proxy.metrics.registry.register(KvEventsCollector(proxy.kv_events, config.service))
     return proxy

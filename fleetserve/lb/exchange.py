@@ -519,7 +519,14 @@ class Exchange:
         text = prompt_text(body) if self.body_complete else prompt_prefix(body, 1 << 20)
         if text is None:
             return NO_KEY
-        return RequestKey(prefix=text[: selector.block_chars], blocks=selector.keys(text))
+        tokenize = getattr(selector, "tokenize", None)  # precise mode: the engine's tokens
+        tokens = tokenize(body) if tokenize is not None and self.body_complete else ()
+        return RequestKey(
+            prefix=text[: selector.block_chars],
+            blocks=selector.keys(text),
+            tokens=tokens,
+            text_chars=len(text),
+        )
 
     async def _attempt(self, upstream: Upstream) -> int:
         proxy = self.proxy

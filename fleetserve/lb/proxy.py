@@ -23,6 +23,7 @@ from typing import Any
 from fleetserve.lb.client import ClientConn
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.http import Limits, error_response
+from fleetserve.lb.kv_events import KvEventsFollower
 from fleetserve.lb.metrics import LoadTracker, Metrics
 from fleetserve.lb.replica_load import ReplicaLoadPoller
 from fleetserve.lb.replica_set import ReplicaSet
@@ -78,6 +79,8 @@ class Proxy:
         self._wake_task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._load_poller: ReplicaLoadPoller | None = None  # cache_aware's replica metrics
+        self.kv_events: KvEventsFollower | None = None  # cache_aware's precise mode
+        self._kv_events_started = False
         # Timeouts are checked by one sweep over the connections, not a timer per request,
         # and connections stamp their times with the clock the sweep reads (no clock read
         # per request): a stamp is at most one sweep old, so a timeout is given one sweep
@@ -158,6 +161,9 @@ class Proxy:
         )
         if self._sweeper is None:
             self._sweeper = loop.call_later(self.sweep_seconds, self._sweep)
+        if self.kv_events is not None and not self._kv_events_started:
+            self._kv_events_started = True
+            self.kv_events.start()
         selector = self.replicas.selector
         every = self.opts.replica_metrics_seconds
         if isinstance(selector, CacheAware) and every and self._load_poller is None:
@@ -188,6 +194,9 @@ class Proxy:
         if self._load_poller is not None:
             await self._load_poller.stop()
             self._load_poller = None
+        if self.kv_events is not None and self._kv_events_started:
+            self._kv_events_started = False
+            await self.kv_events.stop()
         deadline = time.monotonic() + drain_seconds
         while time.monotonic() < deadline and any(c.queue for c in self.clients):
             await asyncio.sleep(0.05)

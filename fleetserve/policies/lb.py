@@ -26,6 +26,10 @@ class RequestKey:
     session: str | None = None  # sticky sessions: a header or cookie value
     prefix: str | None = None  # prefix affinity: the start of the prompt
     blocks: tuple[int, ...] = ()  # cache_aware: the prompt's block keys (policies.cache_aware)
+    # cache_aware's precise mode: the prompt's token ids as the engine sees them, and the
+    # length of the text `blocks` were cut from (to compare the two indexes' matches).
+    tokens: tuple[int, ...] = ()
+    text_chars: int = 0
 
 
 NO_KEY = RequestKey()

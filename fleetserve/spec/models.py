@@ -242,6 +242,23 @@ class Tls(_Strict):
     certfile: str
 
 
+class KvEventsOptions(_Strict):
+    """`service.load_balancer.kv_events`: cache_aware's precise mode (docs/load-balancer.md).
+    Each replica publishes its KV cache events (vLLM's `--kv-events-config`, ZMQ) on
+    $FLEETSERVE_KV_EVENTS_PORT and answers replays on $FLEETSERVE_KV_EVENTS_REPLAY_PORT."""
+
+    topic: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{0,100}$")] = "kv-events"
+    # An engine sends nothing while idle: after this long without events the LB asks the
+    # publisher for a replay; no answer within timeout_seconds: the approximate index.
+    silence_seconds: Annotated[float, Field(ge=1, le=600)] = 10.0
+    timeout_seconds: Annotated[float, Field(ge=0.1, le=60)] = 3.0
+    # Bounds on what one replica's publisher may cost the LB (past them: the approximate
+    # index for that replica, and a resubscription later).
+    max_blocks: Annotated[int, Field(ge=1024, le=10_000_000)] = 131_072
+    max_blocks_per_second: Annotated[int, Field(ge=100, le=10_000_000)] = 50_000
+    max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=64 * 1024 * 1024)] = 4 * 1024 * 1024
+
+
 class LoadBalancerOptions(_Strict):
     """`service.load_balancer`: SkyServe's block (`stream_timeout_seconds`) with fleetserve's
     own options."""
@@ -265,6 +282,10 @@ class LoadBalancerOptions(_Strict):
     # in-flight count as its load; unset: the LB's count only.
     replica_metrics_seconds: Annotated[float, Field(ge=0.1, le=60)] | None = None
     replica_metrics_path: Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,200}$")] = "/metrics"
+    # cache_aware's precise mode: follow each replica's KV cache events (needs `tokenizer`,
+    # the model folder, to tokenize prompts as the engine does; the `llm` extra).
+    kv_events: KvEventsOptions | None = None
+    tokenizer: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     connect_timeout_seconds: Annotated[float, Field(gt=0)] = 5.0
     read_timeout_seconds: Annotated[float, Field(gt=0)] = 600.0  # idle time between bytes
     max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
@@ -400,6 +421,19 @@ class ServiceSection(_Strict):
                 "a per-accelerator target_qps_per_replica requires "
                 "load_balancing_policy: instance_aware_least_load"
             )
+        lb = self.load_balancer
+        if lb.kv_events is not None and self.load_balancing_policy != "cache_aware":
+            raise ValueError(
+                "load_balancer.kv_events (cache_aware's precise mode) requires "
+                "load_balancing_policy: cache_aware"
+            )
+        if lb.kv_events is not None and lb.tokenizer is None:
+            raise ValueError(
+                "load_balancer.kv_events needs load_balancer.tokenizer: the model's folder "
+                "(tokenizer.json and its chat template), to tokenize prompts as the engine does"
+            )
+        if lb.kv_events is not None and lb.data_plane == "nginx":
+            raise ValueError("load_balancer.kv_events needs data_plane: python")
         if instance_aware and not isinstance(target, dict):
             raise ValueError(
                 "load_balancing_policy instance_aware_least_load requires target_qps_per_replica "

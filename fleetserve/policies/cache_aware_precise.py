@@ -1,0 +1,92 @@
+"""cache_aware's precise mode: the same choice (fleetserve.policies.cache_aware), with each
+replica's match read from what its engine really holds (fleetserve.policies.kv_index, fed by
+its KV cache events) while its events are followed, and from the approximate index otherwise.
+
+The two indexes count in different units (the engine's token blocks, the LB's character
+blocks); a match is compared in tokens, the approximate one converted with the request's own
+characters per token. The approximate index is kept up to date either way (every choice is
+recorded), so a replica whose events stop falls back to a warm index, not an empty one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from fleetserve.policies.cache_aware import (
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_BLOCKS,
+    CacheAware,
+    PrefixIndex,
+)
+from fleetserve.policies.kv_index import KvIndex
+from fleetserve.policies.lb import NO_KEY, RequestKey
+
+
+class BlendedIndex(PrefixIndex):
+    """The approximate index whose `match` consults the precise one for live replicas while a
+    request with token ids is being placed (`PreciseCacheAware.select` sets `request`)."""
+
+    def __init__(self, blocks: int, block_chars: int, precise: KvIndex) -> None:
+        super().__init__(blocks)
+        self.block_chars = block_chars
+        self.precise = precise
+        self.request: RequestKey | None = None
+        self.on_precise: Callable[[int, int], None] | None = None  # (tokens matched, of)
+
+    def match(self, keys: Sequence[int], among: Sequence[int]) -> tuple[int, list[int]]:
+        req = self.request
+        if req is None or not req.tokens or req.text_chars <= 0:
+            return super().match(keys, among)
+        live = self.precise.match(req.tokens, among)
+        if not live:
+            return super().match(keys, among)
+        tokens_per_block = self.block_chars * len(req.tokens) / req.text_chars
+        depth: dict[int, float] = {}
+        for rid in among:
+            if rid in live:
+                depth[rid] = float(live[rid])
+            else:
+                blocks, _ = super().match(keys, [rid])
+                depth[rid] = blocks * tokens_per_block
+        best = max(depth.values(), default=0.0)
+        if self.on_precise is not None:
+            self.on_precise(int(best), len(req.tokens))
+        if best <= 0:
+            return 0, list(among)
+        # The policy's metrics count in the approximate index's blocks: convert back.
+        return max(1, round(best / tokens_per_block)), [r for r in among if depth[r] == best]
+
+
+class PreciseCacheAware(CacheAware):
+    """cache_aware with a precise index (see the module's docstring). `tokenize` is the LB's
+    capability hook: the exchange calls it on a complete body."""
+
+    def __init__(
+        self,
+        precise: KvIndex,
+        tokenize: Callable[[bytes], tuple[int, ...]],
+        max_extra_load: int = CacheAware.DEFAULT_MAX_EXTRA_LOAD,
+        block_chars: int = DEFAULT_BLOCK_CHARS,
+        blocks: int = DEFAULT_BLOCKS,
+    ) -> None:
+        super().__init__(max_extra_load, block_chars, blocks)
+        self.precise = precise
+        self.tokenize = tokenize
+        self.index = self.blended = BlendedIndex(blocks, block_chars, precise)
+
+    def forget(self, replica: int) -> None:
+        super().forget(replica)
+        self.precise.forget(replica)
+
+    def select(
+        self,
+        candidates: Sequence[int],
+        inflight: Mapping[int, int],
+        exclude: frozenset[int],
+        key: RequestKey = NO_KEY,
+    ) -> int | None:
+        self.blended.request = key if key.tokens else None
+        try:
+            return super().select(candidates, inflight, exclude, key)
+        finally:
+            self.blended.request = None

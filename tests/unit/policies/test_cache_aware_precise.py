@@ -1,0 +1,63 @@
+"""cache_aware's precise mode (fleetserve.policies.cache_aware_precise): live replicas are
+matched on what their engines hold, the others on the approximate index."""
+
+from __future__ import annotations
+
+from fleetserve.policies.cache_aware import block_keys
+from fleetserve.policies.cache_aware_precise import PreciseCacheAware
+from fleetserve.policies.kv_index import BlockRemoved, BlockStored, KvIndex, Trust
+from fleetserve.policies.lb import RequestKey
+
+TEXT = "x" * 1024  # 4 approximate blocks of 256 characters
+TOKENS = tuple(range(256))  # 16 engine blocks of 16 tokens (4 characters a token)
+
+
+def key() -> RequestKey:
+    return RequestKey(
+        prefix=TEXT[:256], blocks=block_keys(TEXT, 256), tokens=TOKENS, text_chars=1024
+    )
+
+
+def policy() -> tuple[PreciseCacheAware, KvIndex]:
+    kv = KvIndex()
+    return PreciseCacheAware(kv, lambda body: ()), kv
+
+
+def store(kv: KvIndex, replica: int, blocks: int) -> None:
+    hashes = tuple(range(replica * 100, replica * 100 + blocks))
+    kv.apply(replica, [BlockStored(hashes, None, TOKENS[: blocks * 16], 16)])
+
+
+def test_the_engine_that_holds_more_wins_over_the_lbs_memory() -> None:
+    p, kv = policy()
+    assert p.select([1, 2], {}, frozenset(), key()) in (1, 2)  # recorded in the approximate index
+    first = p.index.match(key().blocks, [1, 2])[1][0]
+    other = 2 if first == 1 else 1
+    kv.set_trust(1, Trust.LIVE)
+    kv.set_trust(2, Trust.LIVE)
+    # The engine of `first` evicted it all; `other` holds the first 8 blocks (128 tokens).
+    store(kv, other, 8)
+    assert p.select([1, 2], {}, frozenset(), key()) == other
+    kv.apply(other, [BlockRemoved(tuple(range(other * 100, other * 100 + 8)))])
+    store(kv, first, 2)
+    assert p.select([1, 2], {}, frozenset(), key()) == first
+
+
+def test_a_replica_not_followed_is_matched_on_the_approximate_index() -> None:
+    p, kv = policy()
+    chosen = p.select([1, 2], {}, frozenset(), key())
+    assert chosen is not None
+    live = 2 if chosen == 1 else 1
+    kv.set_trust(live, Trust.LIVE)
+    store(kv, live, 2)  # 32 tokens: less than the approximate 4 x 64 of `chosen`
+    assert p.select([1, 2], {}, frozenset(), key()) == chosen
+    store(kv, live, 16)  # all 256 tokens: as much; ties go to the less loaded
+    assert p.select([1, 2], {chosen: 1}, frozenset(), key()) == live
+
+
+def test_forget_forgets_both_indexes() -> None:
+    p, kv = policy()
+    kv.set_trust(1, Trust.LIVE)
+    store(kv, 1, 4)
+    p.forget(1)
+    assert kv.trusts() == {}
