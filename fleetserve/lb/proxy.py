@@ -175,6 +175,7 @@ class Proxy:
                 selector.reported,
             )
             self._load_poller.start()
+            self.metrics.watch_reported(selector.reported)
         return self._server
 
     @property
