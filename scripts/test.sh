@@ -48,6 +48,9 @@ fi
 if ! command -v slirp4netns >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slirp4netns) >/dev/null
 fi
+# The real-engine tests (tests/e2e/test_vllm.py) run vLLM's CPU build on a small model made
+# offline, from .venv-vllm (vLLM pins torch, transformers and fastapi versions of its own).
+bash scripts/llm/setup.sh >/dev/null
 echo "== ruff";        ruff check . && ruff format --check .
 echo "== mypy";        mypy
 echo "== lint-imports"; lint-imports

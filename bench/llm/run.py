@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import psutil
@@ -86,9 +86,11 @@ class Procs:
     workdir: Path
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
+    def start(
+        self, cmd: list[str], log: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         out = open(self.workdir / log, "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.started.append(proc)
         return proc
 
@@ -141,8 +143,9 @@ def lb_options(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     from fleetserve.spec.models import LoadBalancerOptions
 
     opts: dict[str, Any] = {"workers": args.lb_workers}
-    if policy == "cache_aware":
-        # Tell a cache-aware policy the replicas' cache geometry, if it has these options.
+    if args.engine == "fake" and policy == "cache_aware":
+        # Tell a cache-aware policy the fake replicas' cache geometry, if it has these options
+        # (real engines: the LB's defaults, as a user would run it).
         # Its index holds as many characters as a replica's cache holds tokens x 4 (the
         # replicas' tokens are 4 characters), in blocks of its own size.
         known = LoadBalancerOptions.model_fields
@@ -253,11 +256,38 @@ class Record:
     done: bool = False
 
 
+class Engine(Protocol):
+    """The replicas behind a target: their figures, and a way to empty their caches."""
+
+    async def stats(self, http: aiohttp.ClientSession) -> list[dict[str, Any]]: ...
+
+    async def reset(self, http: aiohttp.ClientSession) -> None: ...
+
+
+@dataclass
+class FakeEngine:
+    """The fake replicas (replica.py): one stats page for all, a reset each."""
+
+    stats_url: str
+    reset_urls: list[str]
+
+    async def stats(self, http: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        async with http.get(self.stats_url) as r:
+            return list((await r.json())["replicas"])
+
+    async def reset(self, http: aiohttp.ClientSession) -> None:
+        for url in self.reset_urls:
+            async with http.post(url) as r:
+                await r.read()
+
+
 @dataclass
 class Fleet:
     lb_url: str
-    stats_url: str
-    reset_urls: list[str]
+    engine: Engine
+    # Real engines: ask for exactly max_tokens (no end of sequence) and count the tokens from
+    # the stream's usage (a token of a random-weight model may decode to no text).
+    real: bool = False
 
 
 def pct(values: list[float], p: float) -> float:
@@ -269,13 +299,16 @@ def pct(values: list[float], p: float) -> float:
 
 
 async def stream(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], rec: Record
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], rec: Record, real: bool = False
 ) -> str | None:
     """Send one request, read its SSE stream into `rec`; the reply's text, or None."""
     loop = asyncio.get_running_loop()
     chat = "messages" in body
+    if real:
+        body = {**body, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = loop.time()
     parts: list[str] = []
+    usage: int | None = None
     try:
         async with http.post(url, json=body) as resp:
             rec.replica = resp.headers.get("X-Replica")
@@ -291,7 +324,15 @@ async def stream(
                 if data == b"[DONE]":
                     finished = True
                     break
-                choice = json.loads(data)["choices"][0]
+                doc = json.loads(data)
+                if real:
+                    if doc.get("usage"):
+                        usage = int(doc["usage"].get("completion_tokens") or 0)
+                    if not doc.get("choices"):
+                        continue
+                    if rec.ttft is None:  # vLLM's first chunk comes with the first token
+                        rec.ttft = loop.time() - t0
+                choice = doc["choices"][0]
                 piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
                 if piece:
                     if rec.ttft is None:
@@ -299,6 +340,8 @@ async def stream(
                     parts.append(piece)
                     rec.tokens += 1
             rec.e2e = loop.time() - t0
+            if real and usage is not None:
+                rec.tokens = usage
             if not finished or rec.tokens != rec.max_tokens:
                 rec.error = f"short stream: {rec.tokens} of {rec.max_tokens} tokens"
                 return None
@@ -330,8 +373,7 @@ async def run_sessions(
     at_warmup: dict[str, Any] = {}
 
     async def stats() -> list[dict[str, Any]]:
-        async with http.get(fleet.stats_url) as r:
-            return list((await r.json())["replicas"])
+        return await fleet.engine.stats(http)
 
     async def session(s: Session) -> None:
         history: list[dict[str, str]] = []
@@ -348,7 +390,7 @@ async def run_sessions(
             rec.late = now - due
             records.append(rec)
             path, body = request_body(s, history, turn)
-            reply = await stream(http, fleet.lb_url + path, body, rec)
+            reply = await stream(http, fleet.lb_url + path, body, rec, fleet.real)
             if reply is None:
                 return
             history += [
@@ -445,17 +487,14 @@ def summarize(
 
 
 async def reset(http: aiohttp.ClientSession, fleet: Fleet) -> None:
-    for url in fleet.reset_urls:
-        async with http.post(url) as r:
-            await r.read()
+    await fleet.engine.reset(http)
 
 
 async def wait_idle(http: aiohttp.ClientSession, fleet: Fleet, seconds: float) -> bool:
     """Until no replica runs or queues anything (True), or `seconds` pass (False)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        async with http.get(fleet.stats_url) as r:
-            reps = (await r.json())["replicas"]
+        reps = await fleet.engine.stats(http)
         if all(x["running"] + x["waiting"] == 0 for x in reps):
             return True
         await asyncio.sleep(0.05)
@@ -463,21 +502,26 @@ async def wait_idle(http: aiohttp.ClientSession, fleet: Fleet, seconds: float) -
 
 
 async def unloaded_ttft(
-    http: aiohttp.ClientSession, fleet: Fleet, workload: str, seed: int, count: int
+    http: aiohttp.ClientSession,
+    fleet: Fleet,
+    workload: str,
+    seed: int,
+    count: int,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """The workload's first `count` requests one at a time (max_tokens 1), from a reset
     cache: TTFT p50 / max in ms."""
     await reset(http, fleet)
     ttfts: list[float] = []
-    deadline = time.monotonic() + 30
-    for s in WORKLOADS[workload](1.0, seed, 1e9, count, traffic=1000):
+    deadline = time.monotonic() + (30 if not fleet.real else 120)
+    for s in WORKLOADS[workload](1.0, seed, 1e9, count, 1000, scale=args.prompt_scale):
         history: list[dict[str, str]] = []
         for turn in s.turns:
             if len(ttfts) >= count or time.monotonic() > deadline:
                 break
             path, body = request_body(s, history, Turn(turn.user, 1))
             rec = Record(0.0, True, 1)
-            reply = await stream(http, fleet.lb_url + path, body, rec)
+            reply = await stream(http, fleet.lb_url + path, body, rec, fleet.real)
             if reply is None or rec.ttft is None:
                 break
             ttfts.append(rec.ttft)
@@ -629,24 +673,98 @@ def parse_loads(items: Iterable[str], workloads: list[str]) -> dict[str, list[fl
     return loads
 
 
-async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
-    ports, replicas_pid = start_replicas(procs, args)
-    stats_url = f"http://127.0.0.1:{ports[0]}/-/stats"
-    reset_urls = [f"http://127.0.0.1:{p}/-/reset" for p in ports]
+async def run_workloads(
+    http: aiohttp.ClientSession,
+    fleet: Fleet,
+    label: str,
+    args: argparse.Namespace,
+    loads: dict[str, list[float]],
+    pids: tuple[int, int],
+    results: dict[str, Any],
+) -> None:
+    """Every workload at every load through one target (`label`): a run each, into results."""
+    log = print if not args.quiet else (lambda *a, **k: None)
     plan = Plan(args.warmup, args.seconds, args.drain, args.max_requests)
-    loads = parse_loads(args.loads, args.workloads)
-    results: dict[str, Any] = {
-        "model": asdict(config_of(args)),
+    lb_pid, replicas_pid = pids
+    for wl in args.workloads:
+        await reset(http, fleet)
+        for i, load in enumerate(loads[wl]):
+            reset_before = not await wait_idle(http, fleet, 5 if not fleet.real else 60)
+            if reset_before:
+                await reset(http, fleet)  # the last run's leftovers, aborted
+            sessions = list(
+                WORKLOADS[wl](
+                    load,
+                    args.seed,
+                    plan.warmup + plan.seconds,
+                    plan.max_requests,
+                    i,
+                    scale=args.prompt_scale,
+                )
+            )
+            cpu0 = (cpu_seconds(lb_pid), cpu_seconds(replicas_pid), time.process_time())
+            records, samples, at_warmup, span = await run_sessions(http, fleet, sessions, plan)
+            cpu1 = (cpu_seconds(lb_pid), cpu_seconds(replicas_pid), time.process_time())
+            run = {
+                "policy": label,
+                "workload": wl,
+                "load": load,
+                "unit": UNITS[wl],
+                **summarize(records, samples, at_warmup, plan),
+                "span_s": span,
+                "reset_before": reset_before,
+                "cpu_pct": {
+                    name: 100 * (b - a) / span
+                    for name, a, b in zip(("lb", "replicas", "driver"), cpu0, cpu1, strict=True)
+                },
+            }
+            results["runs"].append(run)
+            cpu = run["cpu_pct"]
+            log(
+                f"{label} {wl} {load:g}: TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
+                f"{run['completed']}/{run['requests']} ok, hit "
+                f"{run['hit_rate']:.2f}, {span:.1f} s, cpu lb {cpu['lb']:.0f}% "
+                f"replicas {cpu['replicas']:.0f}% driver {cpu['driver']:.0f}%"
+            )
+
+
+def new_results(args: argparse.Namespace, loads: dict[str, list[float]]) -> dict[str, Any]:
+    plan = Plan(args.warmup, args.seconds, args.drain, args.max_requests)
+    return {
+        "engine": args.engine,
+        "model": asdict(config_of(args)) if args.engine == "fake" else {},
         "replicas": args.replicas,
         "plan": asdict(plan),
         "loads": loads,
         "seed": args.seed,
+        "prompt_scale": args.prompt_scale,
         "unloaded": {},
         "runs": [],
         "skipped": {},
         "lb_metrics": {},
         "max_extra_load": {},
     }
+
+
+async def measure_unloaded(
+    http: aiohttp.ClientSession, fleet: Fleet, args: argparse.Namespace, results: dict[str, Any]
+) -> None:
+    log = print if not args.quiet else (lambda *a, **k: None)
+    for wl in args.workloads:
+        u = await unloaded_ttft(http, fleet, wl, args.seed, args.unloaded_requests, args)
+        results["unloaded"][wl] = u
+        log(f"unloaded {wl}: TTFT p50 {u['ttft_p50_ms']:.0f} ms ({u['requests']} requests)")
+
+
+async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    if args.engine == "vllm":
+        return await bench_vllm(args, procs)
+    ports, replicas_pid = start_replicas(procs, args)
+    engine = FakeEngine(
+        f"http://127.0.0.1:{ports[0]}/-/stats", [f"http://127.0.0.1:{p}/-/reset" for p in ports]
+    )
+    loads = parse_loads(args.loads, args.workloads)
+    results = new_results(args, loads)
     log = print if not args.quiet else (lambda *a, **k: None)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -654,11 +772,7 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         lb = start_lb(procs, "least_load", {"workers": args.lb_workers}, ports)
         if isinstance(lb, str):
             sys.exit(f"the least_load balancer (for the unloaded TTFT) did not start: {lb}")
-        fleet = Fleet(f"http://127.0.0.1:{lb.port}", stats_url, reset_urls)
-        for wl in args.workloads:
-            u = await unloaded_ttft(http, fleet, wl, args.seed, args.unloaded_requests)
-            results["unloaded"][wl] = u
-            log(f"unloaded {wl}: TTFT p50 {u['ttft_p50_ms']:.0f} ms ({u['requests']} requests)")
+        await measure_unloaded(http, Fleet(f"http://127.0.0.1:{lb.port}", engine), args, results)
         procs.stop(lb.proc)
 
         for policy in args.policies:
@@ -668,50 +782,72 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 results["skipped"][policy] = lb
                 log(f"{policy}: skipped: {lb}")
                 continue
-            fleet = Fleet(f"http://127.0.0.1:{lb.port}", stats_url, reset_urls)
+            fleet = Fleet(f"http://127.0.0.1:{lb.port}", engine)
             results["max_extra_load"][policy] = max_extra_load(policy, options)
-            for wl in args.workloads:
-                await reset(http, fleet)
-                for i, load in enumerate(loads[wl]):
-                    reset_before = not await wait_idle(http, fleet, 5)
-                    if reset_before:
-                        await reset(http, fleet)  # the last run's leftovers, aborted
-                    sessions = list(
-                        WORKLOADS[wl](
-                            load, args.seed, plan.warmup + plan.seconds, plan.max_requests, i
-                        )
-                    )
-                    cpu0 = (cpu_seconds(lb.pid), cpu_seconds(replicas_pid), time.process_time())
-                    records, samples, at_warmup, span = await run_sessions(
-                        http, fleet, sessions, plan
-                    )
-                    cpu1 = (cpu_seconds(lb.pid), cpu_seconds(replicas_pid), time.process_time())
-                    run = {
-                        "policy": policy,
-                        "workload": wl,
-                        "load": load,
-                        "unit": UNITS[wl],
-                        **summarize(records, samples, at_warmup, plan),
-                        "span_s": span,
-                        "reset_before": reset_before,
-                        "cpu_pct": {
-                            name: 100 * (b - a) / span
-                            for name, a, b in zip(
-                                ("lb", "replicas", "driver"), cpu0, cpu1, strict=True
-                            )
-                        },
-                    }
-                    results["runs"].append(run)
-                    cpu = run["cpu_pct"]
-                    log(
-                        f"{policy} {wl} {load:g}: TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
-                        f"{run['completed']}/{run['requests']} ok, hit "
-                        f"{run['hit_rate']:.2f}, {span:.1f} s, cpu lb {cpu['lb']:.0f}% "
-                        f"replicas {cpu['replicas']:.0f}% driver {cpu['driver']:.0f}%"
-                    )
+            await run_workloads(http, fleet, policy, args, loads, (lb.pid, replicas_pid), results)
             if policy == "cache_aware":
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
             procs.stop(lb.proc)
+    results["queueing_from"] = queueing_from(results["runs"], results["unloaded"])
+    return results
+
+
+async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
+    """Real vLLM replicas; each target (fleetserve's LB with each policy, then each router)
+    in front of the same replicas, restarted before each target so that it starts cold."""
+    log = print if not args.quiet else (lambda *a, **k: None)
+    from engines import VllmFleet, start_router, testbed_model
+
+    loads = parse_loads(args.loads, args.workloads)
+    results = new_results(args, loads)
+    vllm = VllmFleet(
+        procs,
+        args.replicas,
+        testbed_model(),
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=args.max_model_len,
+    )
+    results["model"] = {
+        "engine": "vllm (CPU build)",
+        "model": vllm.model,
+        "kv_cache_gib": args.kv_cache_gib,
+        "max_model_len": args.max_model_len,
+    }
+    targets = [("fleetserve", p) for p in args.policies]
+    targets += [(r, "cache_aware") for r in args.routers]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as http:
+        for n, (kind, policy) in enumerate(targets):
+            took = vllm.start(log) if n == 0 else vllm.restart(log)
+            log(f"{args.replicas} vLLM replicas up in {took:.0f} s (fresh, cold caches)")
+            replicas_pid = vllm.running[0].pid  # CPU of one replica (each the same process tree)
+            if kind == "fleetserve":
+                options = lb_options(args, policy)
+                lb = start_lb(procs, policy, options, vllm.ports)
+                if isinstance(lb, str):
+                    results["skipped"][policy] = lb
+                    log(f"{policy}: skipped: {lb}")
+                    continue
+                label, url, pid, stop = policy, f"http://127.0.0.1:{lb.port}", lb.pid, lb.proc
+                results["max_extra_load"][policy] = max_extra_load(policy, options)
+            else:
+                router = start_router(procs, kind, policy, vllm.urls)
+                if isinstance(router, str):
+                    results["skipped"][kind] = router
+                    log(f"{kind}: skipped: {router}")
+                    continue
+                label = f"{kind.split('-')[0]}:{policy}"
+                url, pid, stop = f"http://127.0.0.1:{router.port}", router.proc.pid, router.proc
+            fleet = Fleet(url, vllm, real=True)
+            if n == 0:
+                await measure_unloaded(http, fleet, args, results)
+            await run_workloads(http, fleet, label, args, loads, (pid, replicas_pid), results)
+            if kind == "fleetserve" and policy == "cache_aware" and not isinstance(lb, str):
+                results["lb_metrics"][policy] = lb_choice_metrics(lb)
+            procs.stop(stop)
+        vllm.stop()
     results["queueing_from"] = queueing_from(results["runs"], results["unloaded"])
     return results
 
@@ -818,7 +954,33 @@ def main() -> None:
         default=[],
         help="KEY=VALUE, or POLICY:KEY=VALUE for one policy: load_balancer options (repeatable)",
     )
-    ap.add_argument("--lb-workers", type=int, default=1)
+    ap.add_argument(
+        "--lb-workers",
+        type=int,
+        help="fleetserve LB processes (default: 1 on the fake engine, the LB's default on vllm)",
+    )
+    ap.add_argument(
+        "--engine",
+        choices=["fake", "vllm"],
+        default="fake",
+        help="fake: the modelled replicas (replica.py); vllm: real vLLM replicas of the testbed "
+        "(./scripts/llm/setup.sh), restarted before each target",
+    )
+    ap.add_argument(
+        "--routers",
+        default="",
+        help="with --engine vllm: other routers to put in front of the same replicas, "
+        "comma-separated: sglang-router,vllm-router (their cache_aware policy)",
+    )
+    ap.add_argument(
+        "--prompt-scale",
+        type=float,
+        help="scale the workloads' prompt lengths (default 1; 0.25 with --engine vllm)",
+    )
+    ap.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="vllm: KV cache per replica (GiB)"
+    )
+    ap.add_argument("--max-model-len", type=int, default=4096, help="vllm: context length")
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--plot", type=Path, help="TTFT p50/p99 against load, PNG")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, configs)")
@@ -836,6 +998,20 @@ def main() -> None:
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.routers = [r for r in args.routers.split(",") if r]
+    from engines import ROUTERS
+
+    for r in args.routers:
+        if r not in ROUTERS:
+            sys.exit(f"no router {r!r}: {', '.join(ROUTERS)}")
+    if args.routers and args.engine != "vllm":
+        sys.exit("--routers needs --engine vllm (the routers speak to real engines)")
+    if args.prompt_scale is None:
+        args.prompt_scale = 0.25 if args.engine == "vllm" else 1.0
+    if not 0 < args.prompt_scale <= 4:
+        sys.exit("--prompt-scale must be in (0, 4]")
+    if args.lb_workers is None and args.engine == "fake":
+        args.lb_workers = 1
     if args.quick and not args.loads:
         args.loads = [f"{w}:{LOADS[w][len(LOADS[w]) // 2]:g}" for w in args.workloads]
 

@@ -69,9 +69,10 @@ def request_body(
     }
 
 
-def text(rng: random.Random, tokens: int) -> str:
-    """Random words, exactly `tokens` tokens long."""
-    chars = tokens * CHARS_PER_TOKEN
+def text(rng: random.Random, tokens: int, scale: float = 1.0) -> str:
+    """Random words, exactly `tokens` tokens long (times `scale`: the workloads' prompts
+    scaled down for slow engines, e.g. vLLM on CPU)."""
+    chars = max(1, round(tokens * scale)) * CHARS_PER_TOKEN
     out = " ".join(rng.choices(WORDS, k=chars // 5 + 2))
     while len(out) < chars:
         out += " " + rng.choice(WORDS)
@@ -125,17 +126,19 @@ def chat(
     traffic: int = 0,
     apps: int = 8,
     think_s: float = 0.5,
+    *,
+    scale: float = 1.0,
 ) -> Iterator[Session]:
     """`rate` new conversations per second, 2-5 turns each, on one of `apps` system prompts."""
     world, rng, times = _rngs("chat", seed, traffic)
-    systems = [text(world, lognormal(world, 300, 0.5, 100, 800)) for _ in range(apps)]
+    systems = [text(world, lognormal(world, 300, 0.5, 100, 800), scale) for _ in range(apps)]
 
     def gen() -> Iterator[Session]:
         for t in arrivals(times, rate, seconds):
             app = rng.randrange(apps)
             turns = tuple(
                 Turn(
-                    user=text(rng, lognormal(rng, 300, 0.8, 30, 1500)),
+                    user=text(rng, lognormal(rng, 300, 0.8, 30, 1500), scale),
                     max_tokens=output_tokens(rng),
                     think_s=rng.expovariate(1 / think_s) if i else 0.0,
                 )
@@ -153,15 +156,17 @@ def shared(
     max_requests: int,
     traffic: int = 0,
     tenants: int = 8,
+    *,
+    scale: float = 1.0,
 ) -> Iterator[Session]:
     """Tenants chosen uniformly; each has a system prompt of 1,000-3,500 tokens."""
     world, rng, times = _rngs("shared", seed, traffic)
-    systems = [text(world, lognormal(world, 2000, 0.4, 1000, 3500)) for _ in range(tenants)]
+    systems = [text(world, lognormal(world, 2000, 0.4, 1000, 3500), scale) for _ in range(tenants)]
 
     def gen() -> Iterator[Session]:
         for t in arrivals(times, rate, seconds):
             tenant = rng.randrange(tenants)
-            turn = Turn(text(rng, lognormal(rng, 150, 0.7, 30, 600)), output_tokens(rng))
+            turn = Turn(text(rng, lognormal(rng, 150, 0.7, 30, 600), scale), output_tokens(rng))
             yield Session(t, "chat", systems[tenant], (turn,), f"tenant{tenant}")
 
     return _bounded(gen(), max_requests)
@@ -174,18 +179,20 @@ def skewed(
     max_requests: int,
     traffic: int = 0,
     hot: float = 0.9,
+    *,
+    scale: float = 1.0,
 ) -> Iterator[Session]:
     """`hot` of the prompts: one 1,500-token prefix and a random suffix; the rest random."""
     world, rng, times = _rngs("skewed", seed, traffic)
-    prefix = text(world, 1500)
+    prefix = text(world, 1500, scale)
 
     def gen() -> Iterator[Session]:
         for t in arrivals(times, rate, seconds):
             if rng.random() < hot:
-                prompt = prefix + " " + text(rng, lognormal(rng, 200, 0.6, 50, 800))
+                prompt = prefix + " " + text(rng, lognormal(rng, 200, 0.6, 50, 800), scale)
                 key = "hot"
             else:
-                prompt = text(rng, lognormal(rng, 1200, 0.5, 300, 3000))
+                prompt = text(rng, lognormal(rng, 1200, 0.5, 300, 3000), scale)
                 key = "cold"
             yield Session(t, "completions", None, (Turn(prompt, output_tokens(rng)),), key)
 
@@ -193,14 +200,20 @@ def skewed(
 
 
 def unique(
-    rate: float, seed: int, seconds: float, max_requests: int, traffic: int = 0
+    rate: float,
+    seed: int,
+    seconds: float,
+    max_requests: int,
+    traffic: int = 0,
+    *,
+    scale: float = 1.0,
 ) -> Iterator[Session]:
     """Random prompts of 300-3,000 tokens: nothing to share."""
     _, rng, times = _rngs("unique", seed, traffic)
 
     def gen() -> Iterator[Session]:
         for t in arrivals(times, rate, seconds):
-            prompt = text(rng, lognormal(rng, 1200, 0.5, 300, 3000))
+            prompt = text(rng, lognormal(rng, 1200, 0.5, 300, 3000), scale)
             yield Session(t, "completions", None, (Turn(prompt, output_tokens(rng)),), "unique")
 
     return _bounded(gen(), max_requests)
@@ -208,7 +221,14 @@ def unique(
 
 class Generator(Protocol):
     def __call__(
-        self, rate: float, seed: int, seconds: float, max_requests: int, traffic: int = 0
+        self,
+        rate: float,
+        seed: int,
+        seconds: float,
+        max_requests: int,
+        traffic: int = 0,
+        *,
+        scale: float = 1.0,
     ) -> Iterator[Session]: ...
 
 

@@ -138,8 +138,9 @@ def endpoint_of(output: str) -> str:
     return m.group(1)
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
+def fleet_in(tmp_path: Path) -> Iterator[Fleet]:
+    """A private home, ports and workdir under `tmp_path`; on exit, everything it started is
+    stopped, and what was still running fails the test."""
     home = tmp_path / "home"
     workdir = tmp_path / "app"
     workdir.mkdir()
@@ -170,3 +171,8 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
             described.append((p.pid, p.cmdline()))
             p.kill()
     assert not described, f"processes left running: {described}"
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    yield from fleet_in(tmp_path)

@@ -1,0 +1,400 @@
+"""Real vLLM behind fleetserve: examples/vllm/service.yaml as a user runs it, on the testbed
+(vLLM's CPU build in .venv-vllm and a small model made offline: ./scripts/llm/setup.sh, which
+scripts/test.sh runs). One fleet of 2 replicas for the whole module (a vLLM start costs a
+minute on 2 cores); the tests run in file order and the last two change the fleet (an update,
+then a kill)."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Fleet, endpoint_of, fleet_in
+
+# A vLLM start is ~1 min on a quiet 2-core machine and several on a busy one; the fleet's
+# start counts in the first test's time, an update's two starts in that test's.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).parents[2]
+EXAMPLE = REPO / "examples" / "vllm" / "service.yaml"
+VENV = Path(os.environ.get("FLEETSERVE_VLLM_VENV", REPO / ".venv-vllm"))
+NAME = "vllm"
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "you",
+    "that",
+    "it",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "as",
+    "with",
+    "his",
+    "they",
+    "at",
+    "be",
+    "this",
+]
+
+
+def vllm_testbed() -> tuple[Path, str]:
+    """vLLM's interpreter and the testbed model's folder (made if missing)."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"no vLLM testbed at {VENV}: run ./scripts/llm/setup.sh (scripts/test.sh does)")
+    out = subprocess.run(
+        [str(python), str(REPO / "scripts" / "llm" / "make_model.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return python, out.stdout.strip().splitlines()[-1]
+
+
+def env_args(python: Path, model: str, *more: str) -> list[str]:
+    args = ["--env", f"MODEL={model}", "--env", f"VLLM_PYTHON={python}"]
+    # Eager mode: no torch.compile at start (a minute less per replica on 2 cores).
+    args += ["--env", "VLLM_EXTRA_ARGS=--enforce-eager"]
+    for item in more:
+        args += ["--env", item]
+    return args
+
+
+@dataclass
+class Served:
+    fleet: Fleet
+    endpoint: str
+    python: Path
+    model: str
+
+    @property
+    def hostport(self) -> tuple[str, int]:
+        host, _, port = self.endpoint.removeprefix("http://").partition(":")
+        return host, int(port)
+
+    def ready(self) -> dict[int, str]:
+        """READY replicas: id -> endpoint."""
+        svc = self.fleet.client().service(NAME)
+        return {
+            r.replica_id: r.endpoint for r in svc.replicas if r.status == "READY" and r.endpoint
+        }
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    python, model = vllm_testbed()
+    for fleet in fleet_in(tmp_path_factory.mktemp("vllm")):
+        out = fleet.cli("up", str(EXAMPLE), *env_args(python, model), timeout=900, cwd=REPO)
+        s = Served(fleet, endpoint_of(out.stdout), python, model)
+        fleet.wait_for("both vLLM replicas READY", lambda s=s: len(s.ready()) == 2, timeout=600)
+        yield s
+        fleet.cli("down", NAME, timeout=120)
+
+
+def chat(
+    s: Served,
+    messages: list[dict[str, str]],
+    max_tokens: int = 8,
+    timeout: float = 120,
+) -> dict[str, object]:
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    req = urllib.request.Request(
+        s.endpoint + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return dict(json.loads(r.read()))
+
+
+def vllm_metrics(url: str) -> dict[str, float]:
+    """vLLM's own counters and gauges (summed over label sets) from a replica's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name, _, _rest = line.partition("{") if "{" in line else line.partition(" ")
+            number = line.rsplit(" ", 1)[1]
+            try:
+                out[name.strip()] = out.get(name.strip(), 0.0) + float(number)
+            except ValueError:
+                continue
+    return out
+
+
+def block_size(url: str) -> int:
+    """vLLM's KV cache block size (its cache_config_info gauge's label): prefix caching keeps
+    whole blocks only (16 tokens on GPUs, 128 on the CPU build)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{") and 'block_size="' in line:
+            return int(line.split('block_size="', 1)[1].split('"', 1)[0])
+    raise AssertionError("vLLM's /metrics has no vllm:cache_config_info{block_size=...}")
+
+
+def test_chat_completions_stream_token_by_token(served: Served) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "tell me about the fleet"}],
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn = http.client.HTTPConnection(*served.hostport, timeout=120)
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert (resp.getheader("Content-Type") or "").startswith("text/event-stream")
+    events: list[tuple[float, bytes]] = []
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            events.append((time.monotonic(), line.strip()))
+            if line.strip() == b"data: [DONE]":
+                break
+    conn.close()
+    assert events and events[-1][1] == b"data: [DONE]"
+    chunks = [json.loads(e[6:]) for _, e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(chunks) >= 48  # a chunk per token (vLLM's first one also carries the role)
+    # Token by token: the chunks reached the client as vLLM sent them, in many bursts over
+    # the answer's time, not in one piece at the end (a buffering proxy delivers them all
+    # within a millisecond). vLLM's API process sends a few tokens at once when the CPU is
+    # busy, so not every gap is a token's time.
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(events)]
+    assert sum(g > 0.001 for g in gaps) >= 8, gaps
+    assert events[-1][0] - events[0][0] > 0.05
+
+
+def test_cache_aware_sends_the_next_turn_where_vllm_has_the_prefix(served: Served) -> None:
+    """Each conversation's second turn goes to the replica that served its first, where
+    vLLM's own prefix cache then hits the whole first turn (vllm:prefix_cache_hits_total)."""
+    rng = random.Random(22)
+    replicas = served.ready()
+    block = block_size(next(iter(replicas.values())))
+    served_by: list[int] = []
+    for conv in range(4):
+        system = f"conversation {conv}: " + " ".join(rng.choice(WORDS) for _ in range(600))
+        first = [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
+        before = {rid: vllm_metrics(url) for rid, url in replicas.items()}
+        reply = chat(served, first)
+        mid = {rid: vllm_metrics(url) for rid, url in replicas.items()}
+        turn1 = [
+            rid
+            for rid in replicas
+            if mid[rid]["vllm:prefix_cache_queries_total"]
+            > before[rid]["vllm:prefix_cache_queries_total"]
+        ]
+        assert len(turn1) == 1, (before, mid)
+        usage = reply["usage"]
+        assert isinstance(usage, dict)
+        prompt_tokens = int(usage["prompt_tokens"])
+        text = reply["choices"][0]["message"]["content"]  # type: ignore[index]
+        second = [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
+        chat(served, second)
+        after = {rid: vllm_metrics(url) for rid, url in replicas.items()}
+        hits = {
+            rid: after[rid]["vllm:prefix_cache_hits_total"]
+            - mid[rid]["vllm:prefix_cache_hits_total"]
+            for rid in replicas
+        }
+        turn2 = [
+            rid
+            for rid in replicas
+            if after[rid]["vllm:prefix_cache_queries_total"]
+            > mid[rid]["vllm:prefix_cache_queries_total"]
+        ]
+        assert turn2 == turn1, (conv, turn1, turn2)
+        # The second turn's prompt starts with the first's: vLLM found every whole block of it.
+        assert prompt_tokens >= 2 * block
+        assert hits[turn1[0]] >= prompt_tokens // block * block, (conv, hits, prompt_tokens)
+        served_by.append(turn1[0])
+    print(f"\nconversations served by replicas {served_by}")
+
+
+def lb_admin(served: Served) -> tuple[str, str]:
+    cfg = json.loads((served.fleet.home / "lb" / f"{NAME}.json").read_text())
+    return f"http://127.0.0.1:{cfg['admin_port']}/metrics", str(cfg["admin_secret"])
+
+
+def reported_loads(served: Served) -> dict[str, float]:
+    url, secret = lb_admin(served)
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("fleetserve_lb_replica_reported_load{"):
+            labels, value = line.rsplit(" ", 1)
+            rid = labels.split('replica="', 1)[1].split('"', 1)[0]
+            out[rid] = float(value)
+    return out
+
+
+def test_replica_metrics_read_vllm_running_and_waiting(served: Served) -> None:
+    """`replica_metrics_seconds: 1` (the example's): the LB reads each replica's running +
+    waiting requests from vLLM's /metrics; it shows them as fleetserve_lb_replica_reported_load."""
+    replicas = served.ready()
+    errors: list[BaseException] = []
+
+    def long_stream() -> None:
+        try:
+            chat(served, [{"role": "user", "content": "write a long answer"}], max_tokens=400)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=long_stream) for _ in range(6)]
+    for t in threads:
+        t.start()
+    seen: list[tuple[dict[str, float], dict[str, float]]] = []
+    deadline = time.monotonic() + 60
+    matched = False
+    while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+        own = {
+            str(rid): (
+                (m := vllm_metrics(url))["vllm:num_requests_running"]
+                + m["vllm:num_requests_waiting"]
+            )
+            for rid, url in replicas.items()
+        }
+        lb = reported_loads(served)
+        seen.append((own, lb))
+        # The LB's reading (at most a second old) agrees with vLLM's own while both are busy.
+        if sum(own.values()) >= 4 and all(abs(lb.get(rid, -99) - n) <= 2 for rid, n in own.items()):
+            matched = True
+            break
+        time.sleep(0.3)
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert matched, seen[-5:]
+    # Once idle, the readings fall back to 0 within a few polls.
+    served.fleet.wait_for(
+        "reported loads back to 0",
+        lambda: (r := reported_loads(served)) and all(v == 0 for v in r.values()),
+        timeout=20,
+    )
+
+
+@dataclass
+class Load:
+    """Requests in a loop from `threads` clients until stopped (bounded in count and time)."""
+
+    served: Served
+    threads: int = 2
+    max_requests: int = 3000
+    max_seconds: float = 600
+    ok: int = 0
+    failures: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, why)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _run(self) -> None:
+        end = time.monotonic() + self.max_seconds
+        while not self._stop.is_set() and time.monotonic() < end:
+            with self._lock:
+                if self.ok + len(self.failures) >= self.max_requests:
+                    return
+            start = time.monotonic()
+            try:
+                chat(self.served, [{"role": "user", "content": "ping"}], max_tokens=4, timeout=60)
+                with self._lock:
+                    self.ok += 1
+            except Exception as e:
+                with self._lock:
+                    self.failures.append((start, time.monotonic(), repr(e)[:200]))
+
+    def __enter__(self) -> Load:
+        self._workers = [threading.Thread(target=self._run) for _ in range(self.threads)]
+        for w in self._workers:
+            w.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for w in self._workers:
+            w.join(120)
+
+
+def test_rolling_update_under_load_fails_no_request(served: Served) -> None:
+    with Load(served) as load:
+        time.sleep(2)
+        served.fleet.cli(
+            "update",
+            NAME,
+            str(EXAMPLE),
+            *env_args(served.python, served.model, "SERVED_MODEL_NAME=tiny", "ROLLOUT=2"),
+            timeout=900,
+            cwd=REPO,
+        )
+        served.fleet.wait_for(
+            "2 READY replicas of version 2 only",
+            lambda: (
+                sorted(
+                    r.version
+                    for r in served.fleet.client().service(NAME).replicas
+                    if r.status == "READY"
+                )
+                == [2, 2]
+            ),
+            timeout=600,
+        )
+        time.sleep(2)
+    assert load.ok >= 10
+    assert load.failures == [], load.failures
+
+
+def test_a_replica_killed_under_load_loses_only_its_requests_in_flight(served: Served) -> None:
+    """kill -9 of a replica: what it had in flight is lost (vLLM had the request; a POST is
+    not replayed once sent), every request sent after the kill succeeds (the LB retries a
+    refused connection on the other replica until the controller drops the dead one)."""
+    replicas = served.ready()
+    victim = min(replicas)
+    pid = next(
+        r.pid for r in served.fleet.client().service(NAME).replicas if r.replica_id == victim
+    )
+    assert pid
+    with Load(served, threads=3) as load:
+        time.sleep(3)
+        killed_at = time.monotonic()
+        os.killpg(pid, signal.SIGKILL)  # the replica's process group: vLLM and its engine
+        time.sleep(10)
+    assert load.ok >= 10
+    late = [f for f in load.failures if f[0] > killed_at]
+    assert late == [], late
+    assert len(load.failures) <= load.threads, load.failures  # at most one in flight per client
