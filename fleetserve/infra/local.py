@@ -38,6 +38,7 @@ from fleetserve.infra.base import (
 from fleetserve.infra.git import clone
 from fleetserve.infra.host import host_id
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
+from fleetserve.infra.kv_ports import KV_EVENTS_PORTS, kv_events_env
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 from fleetserve.infra.procs import (
     find_process,
@@ -357,8 +358,15 @@ class LocalInfra:
                     f"port {req.port} (fixed by the spec) is already in use on this machine"
                 )
             return req.port
-        port = free_port(self._recent_ports)
-        self._recent_ports.add(port)
+        # The next two ports too: a replica may publish its KV cache events on them
+        # (FLEETSERVE_KV_EVENTS_PORT, _REPLAY_PORT: cache_aware's precise mode).
+        for _ in range(20):
+            port = free_port(self._recent_ports)
+            if port + KV_EVENTS_PORTS < 65536 and all(
+                port_free(p) for p in range(port + 1, port + 1 + KV_EVENTS_PORTS)
+            ):
+                break
+        self._recent_ports.update(range(port, port + 1 + KV_EVENTS_PORTS))
         if len(self._recent_ports) > 256:
             self._recent_ports.pop()
         return port
@@ -374,6 +382,7 @@ class LocalInfra:
         env.update(
             {
                 "PORT": str(port),
+                **kv_events_env(port),
                 "FLEETSERVE_REPLICA_ID": str(request.replica_id),
                 "SKYPILOT_SERVE_REPLICA_ID": str(request.replica_id),
                 "FLEETSERVE_SERVICE": request.service,

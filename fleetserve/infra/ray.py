@@ -75,6 +75,10 @@ class ReplicaProcess:
         env.update(
             {
                 "PORT": str(port),
+                # cache_aware's precise mode: where the replica publishes its KV cache events
+                # (the load balancer derives them from its URL: fleetserve.lb.kv_events).
+                "FLEETSERVE_KV_EVENTS_PORT": str(port + 1),
+                "FLEETSERVE_KV_EVENTS_REPLAY_PORT": str(port + 2),
                 "FLEETSERVE_REPLICA_ID": str(req["replica_id"]),
                 "SKYPILOT_SERVE_REPLICA_ID": str(req["replica_id"]),
                 "FLEETSERVE_SERVICE": req["service"],
