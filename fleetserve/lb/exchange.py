@@ -508,6 +508,20 @@ class Exchange:
         return self._request_key
 
     def _body_key(self, body: bytes) -> RequestKey:
+        """What a body policy keys on; a body it cannot read (a bug some input reaches) has no
+        key and goes by load, never fails the request (the replica set logs and counts)."""
+        try:
+            return self._body_key_of(body)
+        except Exception:
+            replicas = self.proxy.replicas
+            replicas.policy_errors += 1
+            if replicas.policy_errors == 1 or replicas.policy_errors % 1000 == 0:
+                log.exception(
+                    "reading a request's prompt failed (%d so far)", replicas.policy_errors
+                )
+            return NO_KEY
+
+    def _body_key_of(self, body: bytes) -> RequestKey:
         """What a body policy keys on: the prompt's start (prefix_affinity) or its blocks
         (cache_aware: a whole body is parsed; of a longer one, its first prompt field's start)."""
         proxy = self.proxy

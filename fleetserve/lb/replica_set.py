@@ -4,11 +4,15 @@ queue of requests waiting for the first READY replica."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import time
 from dataclasses import dataclass
 
 from fleetserve.lb.messages import ReplicaPush
-from fleetserve.policies.lb import NO_KEY, RequestKey, Selector
+from fleetserve.policies.lb import NO_KEY, LeastLoad, RequestKey, Selector
+
+log = logging.getLogger("fleetserve.lb")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class ReplicaSet:
         self.rng = random.Random()
         self._ready = asyncio.Event()
         self._discarded: set[int] = set()  # out until the next push, which may drop them
+        self._fallback = LeastLoad()  # when the policy fails on a request
+        self.policy_errors = 0
+        self._policy_error_logged = -60.0
 
     def replace(
         self, upstreams: list[Upstream], canary: tuple[int, int] | None = None
@@ -92,6 +99,25 @@ class ReplicaSet:
         self._sides = (new, old) if new and old else None
 
     def pick(self, exclude: frozenset[int], key: RequestKey = NO_KEY) -> Upstream | None:
+        """A replica for a request (None: none left). A policy that fails on a request (a bug
+        that some input reaches) never fails the request: it is routed by least load, and
+        the failure is logged (once a minute) and counted (`policy_errors`)."""
+        try:
+            return self._pick(exclude, key)
+        except Exception:
+            self.policy_errors += 1
+            now = time.monotonic()
+            if now - self._policy_error_logged >= 60:
+                self._policy_error_logged = now
+                log.exception(
+                    "the %s policy failed on a request (routed by least load; %d so far)",
+                    type(self.selector).__name__,
+                    self.policy_errors,
+                )
+            rid = self._fallback.select(self.order, self.inflight, exclude, NO_KEY)
+            return None if rid is None else self.upstreams[rid]
+
+    def _pick(self, exclude: frozenset[int], key: RequestKey) -> Upstream | None:
         candidates = self.order
         if self._sides is not None and self.canary is not None:
             # A canary: its share of requests goes to the new version, the rest to the old.

@@ -122,7 +122,10 @@ class PowerOfTwo:
 
 
 def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    # surrogatepass: a JSON body may carry lone surrogates ("\ud800"), which strict UTF-8
+    # refuses; they hash like any other text.
+    data = text.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 class HashRing:
