@@ -8,7 +8,8 @@ is made once and reused: a `READY` file is written last, so a run killed half wa
 again. The weights are random: the model's answers are noise, but everything an LLM server does
 with them (tokenizing, paged KV cache, prefix caching, batching, streaming, metrics) is real,
 and prompt processing costs what a model of this shape costs. Shape: 8 layers, hidden 512,
-8 heads (4 KV heads), vocabulary 4,096, context 4,096 tokens: about 31M parameters.
+8 heads (4 KV heads), vocabulary 4,096 (the tokenizer's: every id the model can generate
+decodes to text), context 4,096 tokens: about 31M parameters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-VERSION = "tiny-llama-v1"  # change it when the shape or the recipe changes
+VERSION = "tiny-llama-v2"  # change it when the shape or the recipe changes
 SEED = 20261204
 VOCAB = 4096
 CONTEXT = 4096
@@ -55,6 +56,10 @@ def corpus(rng: random.Random, lines: int) -> list[str]:
         "part model serve fleet replica request token cache prefix system user assistant answer "
         "question load balancer latency throughput engine batch prompt reply chat conversation"
     ).split()
+    # Pseudo-words from syllables, so that BPE learns a full vocabulary (the model's: every id
+    # it can generate decodes to text) and rare words still split into several tokens.
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    words += ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(6000)]
     out = []
     for _ in range(lines):
         n = rng.randint(5, 30)
@@ -62,7 +67,8 @@ def corpus(rng: random.Random, lines: int) -> list[str]:
     return out
 
 
-def make_tokenizer(out: Path, rng: random.Random) -> None:
+def make_tokenizer(out: Path, rng: random.Random) -> int:
+    """Train and save the tokenizer; its vocabulary size (the model's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -76,7 +82,7 @@ def make_tokenizer(out: Path, rng: random.Random) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(rng, 20000), trainer=trainer)
+    tok.train_from_iterator(corpus(rng, 40000), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
@@ -86,6 +92,7 @@ def make_tokenizer(out: Path, rng: random.Random) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+    return len(fast)
 
 
 def make_model(out: Path, vocab: int) -> None:
@@ -121,8 +128,8 @@ def make(out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         rng = random.Random(SEED)
-        make_tokenizer(tmp, rng)
-        make_model(tmp, VOCAB)
+        vocab = make_tokenizer(tmp, rng)
+        make_model(tmp, vocab)
         (tmp / "READY").write_text(f"{VERSION} seed {SEED}\n")
         if out.exists():
             shutil.rmtree(out)
