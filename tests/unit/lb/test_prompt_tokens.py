@@ -17,9 +17,8 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tok")
+def make_tokenizer(root: Path) -> Path:
+    """A byte-level BPE tokenizer with a chat template in `root` (a model folder's shape)."""
     tok = Tokenizer(models.BPE(unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     specials = ["<|bos|>", "<|end|>", "<|start|>", "<|unk|>"]
@@ -35,6 +34,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (root / "chat_template.jinja").write_text(TEMPLATE)
     return root
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def body(**doc: object) -> bytes:
