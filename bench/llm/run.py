@@ -1016,7 +1016,13 @@ def main() -> None:
         args.loads = [f"{w}:{LOADS[w][len(LOADS[w]) // 2]:g}" for w in args.workloads]
 
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: every process started is stopped.
-    signal.signal(signal.SIGTERM, lambda _s, _f: sys.exit(143))
+    def on_term(_sig: int, _frame: object) -> None:
+        # Once: a second SIGTERM (`timeout` and a shell both passing one on) must not cut
+        # the clean-up short and orphan the replicas.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
     work = Path(tempfile.mkdtemp(prefix="fleetserve-bench-llm-"))
     procs = Procs(work)
     started = time.monotonic()
