@@ -40,7 +40,7 @@ from fleetserve.cli.render import (
     services_table,
     styled,
 )
-from fleetserve.client import Client, server_pid, start_server, stop_server
+from fleetserve.client import BUSY_WAIT_SECONDS, Client, server_pid, start_server, stop_server
 from fleetserve.controller.admission import has_container_runtime
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound, TransientError
@@ -896,6 +896,25 @@ def _simulate_spot(
         (out if output is OutputFormat.table else err).print(f"Plot written to {plot_file}")
 
 
+def _already_running(settings: Settings) -> bool:
+    """Whether this home's controller runs and answers: at once, or, while its process lives
+    (server.json), within BUSY_WAIT_SECONDS. A controller busy adopting its fleet on a loaded
+    machine can miss the 2 s health check; starting another one then only failed on its lock
+    ("another fleetserve controller is running", exit 1: chaos soak, #28)."""
+    client = Client(settings=settings, auto_start=False)
+    try:
+        if client.healthy():
+            return True
+        deadline = time.monotonic() + BUSY_WAIT_SECONDS
+        while server_pid(settings) is not None and time.monotonic() < deadline:
+            if client.healthy():
+                return True
+            time.sleep(0.2)
+        return False
+    finally:
+        client.close()
+
+
 @server_app.command("start")
 def server_start(
     host: Annotated[
@@ -926,7 +945,7 @@ def server_start(
     settings = dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
     try:
         settings.check_exposure()
-        if Client(settings=settings, auto_start=False).healthy():
+        if _already_running(settings):
             out.print(f"Controller already running on port {settings.api_port}.")
             return
         pid = start_server(settings)

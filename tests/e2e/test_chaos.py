@@ -328,3 +328,34 @@ def test_kill_9_at_random_points_then_the_fleet_converges(
         if REPORT:
             with open(REPORT, "a") as f:
                 f.write(json.dumps(result) + "\n")
+
+
+def test_server_start_waits_for_a_busy_controller_instead_of_failing(fleet: Fleet) -> None:
+    """A controller that answers its health check late (busy adopting its fleet on a loaded
+    machine; stopped here) is the running one: `server start` waits for it and says so,
+    instead of starting another that its lock refuses (the chaos soak's failures, #28)."""
+    fleet.cli("server", "start")
+    pid = fleet.controller_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = subprocess.Popen(
+            [sys.executable, "-m", "fleetserve", "server", "start"],
+            env=fleet.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        # Once the CLI's health check has reached the stopped controller, past its 2 s.
+        port = int(fleet.env["FLEETSERVE_API_PORT"])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            c.raddr and c.raddr.port == port
+            for c in psutil.Process(start.pid).net_connections(kind="tcp")
+        ):
+            time.sleep(0.05)
+        time.sleep(3)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    said, _ = start.communicate(timeout=60)
+    assert start.returncode == 0 and "already running" in said, said
+    assert fleet.controller_pid() == pid
