@@ -1,0 +1,174 @@
+"""cache_aware's precise mode against a real vLLM (CPU build, the testbed's small model): the
+LB's tokenizer agrees with vLLM's token for token, and the index built from vLLM's KV cache
+events predicts, request after request, exactly the prefix-cache hits vLLM then reports,
+including after evictions (a cache of 10 blocks: vLLM's CPU backend makes blocks of 128
+tokens, learned here from its events).
+
+Needs .venv-vllm (./scripts/llm/setup.sh); makes the model if missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetserve.infra.local import free_port, port_free
+from fleetserve.lb.kv_events import KvEventsFollower, KvEventsSettings
+from fleetserve.lb.prompt_tokens import PromptTokenizer
+from fleetserve.policies.kv_index import KvIndex, Trust, token_block_keys
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("FLEETSERVE_VLLM_VENV", REPO / ".venv-vllm"))
+BLOCKS = 10  # the engine's whole KV cache: 1,280 tokens on vLLM CPU
+WORDS = ["the", "of", "and", "to", "in", "is", "you", "that", "it", "was", "for", "on", "are"]
+
+
+def vllm_testbed() -> tuple[Path, str]:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"no vLLM testbed at {VENV}: run ./scripts/llm/setup.sh (scripts/test.sh does)")
+    out = subprocess.run(
+        [str(python), str(REPO / "scripts" / "llm" / "make_model.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return python, out.stdout.strip().splitlines()[-1]
+
+
+def post(url: str, doc: dict[str, object]) -> dict[str, object]:
+    req = urllib.request.Request(
+        url, json.dumps(doc).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out: dict[str, object] = json.loads(r.read())
+        return out
+
+
+def hits(base: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vLLM exports no vllm:prefix_cache_hits_total")
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    python, model = vllm_testbed()
+    port = free_port()
+    while not all(port_free(p) for p in (port + 1, port + 2)):
+        port = free_port()
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port + 1}",  # vLLM binds only a wildcard endpoint
+        "replay_endpoint": f"tcp://*:{port + 2}",
+        "topic": "kv-events",
+    }
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                *(str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model),
+                *("--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)),
+                *("--max-model-len", "1024", "--num-gpu-blocks-override", str(BLOCKS)),
+                *("--max-num-seqs", "4"),
+                *("--kv-events-config", json.dumps(events)),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"vLLM exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "vLLM did not start in 600 s"
+            try:
+                urllib.request.urlopen(base + "/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        yield base, model
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def conversation(seed: int, words: int) -> list[dict[str, str]]:
+    text = " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+    return [
+        {"role": "system", "content": f"tenant {seed}: {text}"},
+        {"role": "user", "content": "hi"},
+    ]
+
+
+async def test_the_index_tracks_what_vllm_holds(vllm: tuple[str, str]) -> None:
+    base, model = vllm
+    tokenizer = PromptTokenizer.load(model)
+    index = KvIndex()
+    follower = KvEventsFollower(index, KvEventsSettings(silence_seconds=2), lambda: [(1, base)])
+    follower.start()
+    try:
+        deadline = time.monotonic() + 30
+        while index.trust(1) is not Trust.LIVE:
+            assert time.monotonic() < deadline, index.trusts()
+            await asyncio.sleep(0.1)
+        checked = evicted = 0
+        for turn in range(24):
+            msgs = conversation(turn % 6, 150 + 50 * (turn % 6))
+            body = {"model": "tiny", "messages": msgs, "max_tokens": 4}
+            tokens = tokenizer.tokens(json.dumps(body).encode())
+            engine = await asyncio.to_thread(post, base + "/tokenize", body)
+            assert list(tokens) == engine["tokens"]  # the LB tokenizes as vLLM does
+            # What the index says vLLM holds of this prompt (a hit covers at most all but the
+            # last token, in whole blocks), against what vLLM then reports it reused.
+            bs = index.block_size(1) or 16  # (nothing stored yet: nothing held, any size)
+            held = index.match(tokens, [1])[1]
+            predicted = min(held, (len(tokens) - 1) // bs * bs)
+            before = await asyncio.to_thread(hits, base)
+            await asyncio.to_thread(post, base + "/v1/chat/completions", body)
+            reused = await asyncio.to_thread(hits, base) - before
+            assert reused == predicted, (turn, reused, predicted, index.blocks(1))
+            checked += 1
+            bs = index.block_size(1) or 16
+            evicted += turn >= 6 and predicted < (len(tokens) - 1) // bs * bs
+            # The engine's events arrive within a step; then the prompt is held in full.
+            deadline = time.monotonic() + 10
+            full = len(tokens) // bs * bs
+            while index.match(tokens, [1])[1] < full and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert index.blocks(1) <= BLOCKS
+            assert set(token_block_keys(tokens, bs)[: full // bs]) <= index.keys_of(1)
+        assert index.trust(1) is Trust.LIVE
+        assert index.block_size(1) == 128  # vLLM CPU's block
+        assert follower.counts.removed > 0  # the cache of 10 blocks evicted
+        assert evicted > 0  # and a returning conversation found less than it had
+        assert checked == 24 and follower.counts.bad == 0
+    finally:
+        await follower.stop()
