@@ -887,12 +887,20 @@ def lb_choice_metrics(lb: Lb) -> dict[str, float]:
 def report(results: dict[str, Any]) -> None:
     m = results["model"]
     plan = results["plan"]
+    if results.get("engine") == "vllm":
+        what = (
+            f"vLLM (CPU build) on {m['model']}, KV cache {m['kv_cache_gib']:g} GiB each, "
+            f"prompts x{results['prompt_scale']:g}"
+        )
+    else:
+        what = (
+            f"prefill {m['prefill_ms_per_token']} ms/token, decode {m['decode_ms_per_step']} "
+            f"ms/step, batch {m['max_batch']}, cache {m['cache_blocks']} blocks x "
+            f"{m['block_tokens']} tokens"
+        )
     print(
-        f"\n{results['replicas']} replicas: prefill {m['prefill_ms_per_token']} ms/token, "
-        f"decode {m['decode_ms_per_step']} ms/step, batch {m['max_batch']}, cache "
-        f"{m['cache_blocks']} blocks x {m['block_tokens']} tokens; runs: "
-        f"{plan['warmup']:g} s warm-up + {plan['seconds']:g} s measured (drain <= "
-        f"{plan['drain']:g} s)"
+        f"\n{results['replicas']} replicas: {what}; runs: {plan['warmup']:g} s warm-up + "
+        f"{plan['seconds']:g} s measured (drain <= {plan['drain']:g} s)"
     )
     for line in table(results["runs"], results["unloaded"]):
         print(line)
@@ -1035,10 +1043,10 @@ def main() -> None:
         else:
             shutil.rmtree(work, ignore_errors=True)
     results["wall_s"] = time.monotonic() - started
-    report(results)
-    print(f"wall time {results['wall_s']:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(no_nan(results), indent=2))
+    report(results)
+    print(f"wall time {results['wall_s']:.0f} s")
     if args.plot:
         plot(args.plot, results["runs"], results["unloaded"])
 
