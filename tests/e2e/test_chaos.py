@@ -343,7 +343,8 @@ def test_kill_9_at_random_points_then_the_fleet_converges(
 def test_server_start_waits_for_a_busy_controller_instead_of_failing(fleet: Fleet) -> None:
     """A controller that answers its health check late (busy adopting its fleet on a loaded
     machine; stopped here) is the running one: `server start` waits for it and says so,
-    instead of starting another that its lock refuses (the chaos soak's failures, #28)."""
+    instead of starting another that its lock refuses (exit 1) or that it reports as started
+    with the pid of that refused process (#28: a risk of the chaos test's restarts)."""
     fleet.cli("server", "start")
     pid = fleet.controller_pid()
     os.kill(pid, signal.SIGSTOP)
