@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
@@ -51,6 +52,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def testbed_python() -> Path:
@@ -100,14 +110,14 @@ class VllmFleet:
     model: str
     kv_cache_gib: float = 1.0
     max_model_len: int = 4096
-    kv_events: bool = False  # publish KV cache events on ZMQ (port: `event_ports`)
+    kv_blocks: int | None = None  # exact KV cache blocks per replica (small: evictions)
+    kv_events: bool = False  # publish KV cache events (ZMQ) at port + 1, replay at port + 2
     extra_args: list[str] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)
-    event_ports: list[int] = field(default_factory=list)
     running: list[subprocess.Popen[bytes]] = field(default_factory=list)
     starts: int = 0
 
-    def command(self, port: int, event_port: int | None) -> list[str]:
+    def command(self, port: int) -> list[str]:
         cmd = [
             str(testbed_python()),
             "-m",
@@ -125,19 +135,25 @@ class VllmFleet:
             "--enable-prefix-caching",
             "--disable-uvicorn-access-log",
         ]
-        if event_port is not None:
-            config = (
-                '{"enable_kv_cache_events": true, "publisher": "zmq", '
-                f'"endpoint": "tcp://127.0.0.1:{event_port}", "topic": "kv-events"}}'
-            )
-            cmd += ["--kv-events-config", config]
+        if self.kv_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.kv_blocks)]
+        if self.kv_events:
+            # Where fleetserve's infras say a replica publishes (FLEETSERVE_KV_EVENTS_PORT and
+            # _REPLAY_PORT), and so where the LB's precise mode subscribes.
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://127.0.0.1:{port + 1}",
+                "replay_endpoint": f"tcp://127.0.0.1:{port + 2}",
+                "topic": "kv-events",
+            }
+            cmd += ["--kv-events-config", json.dumps(config)]
         return cmd + self.extra_args
 
     def start(self, log: Callable[[str], None] = print, timeout: float = 900) -> float:
         """Start every replica and wait until each answers /v1/models; the seconds it took."""
         t0 = time.monotonic()
-        self.ports = [free_port() for _ in range(self.count)]
-        self.event_ports = [free_port() for _ in range(self.count)] if self.kv_events else []
+        self.ports = [self._port() for _ in range(self.count)]
         env = dict(os.environ)
         env.update(
             {
@@ -152,9 +168,8 @@ class VllmFleet:
         self.starts += 1
         self.running = []
         for i, port in enumerate(self.ports):
-            events = self.event_ports[i] if self.kv_events else None
             log_name = f"vllm-{i + 1}-{self.starts}.log"
-            self.running.append(self.procs.start(self.command(port, events), log_name, env))
+            self.running.append(self.procs.start(self.command(port), log_name, env))
         waiting = set(range(self.count))
         last_note = t0
         while waiting:
@@ -177,6 +192,13 @@ class VllmFleet:
                 )
             time.sleep(0.5)
         return time.monotonic() - t0
+
+    def _port(self) -> int:
+        """A free port (and, with KV events, the next two free too)."""
+        while True:
+            port = free_port()
+            if not self.kv_events or all(port_free(port + k) for k in (1, 2)):
+                return port
 
     def stop(self) -> None:
         """Stop every replica and what it started (vLLM's engine core and workers), by pid."""

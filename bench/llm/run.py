@@ -62,6 +62,7 @@ LOADS = {
     "unique": [6.0, 12.0, 18.0],
 }
 QUICK_WORKLOADS = ["shared"]
+PRECISE = "cache_aware_precise"  # --engine vllm: cache_aware on the engines' KV cache events
 QUEUEING = 3.0  # "queueing": least_load's TTFT p50 at least this many times the unloaded one
 
 
@@ -175,7 +176,9 @@ class Lb:
     admin: int = 0
 
 
-def start_lb(procs: Procs, policy: str, options: dict[str, Any], ports: list[int]) -> Lb | str:
+def start_lb(
+    procs: Procs, policy: str, options: dict[str, Any], ports: list[int], label: str = ""
+) -> Lb | str:
     """A fresh load balancer with `policy`, serving `ports`; or why it refused."""
     from pydantic import ValidationError
 
@@ -194,9 +197,9 @@ def start_lb(procs: Procs, policy: str, options: dict[str, Any], ports: list[int
     except ValidationError as e:
         errors = (f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         return "the load balancer's config refuses it: " + "; ".join(errors)
-    path = procs.workdir / f"lb-{policy}.json"
+    path = procs.workdir / f"lb-{label or policy}.json"
     config.write(path)
-    log = f"lb-{policy}.log"
+    log = f"lb-{label or policy}.log"
     proc = procs.start([sys.executable, "-m", "fleetserve.lb", "--config", str(path)], log)
     deadline = time.monotonic() + 20
     while not listening(admin):
@@ -806,11 +809,13 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         testbed_model(),
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len,
+        kv_blocks=args.kv_blocks,
     )
     results["model"] = {
         "engine": "vllm (CPU build)",
         "model": vllm.model,
         "kv_cache_gib": args.kv_cache_gib,
+        "kv_blocks": args.kv_blocks,
         "max_model_len": args.max_model_len,
     }
     targets = [("fleetserve", p) for p in args.policies]
@@ -820,18 +825,28 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         connector=connector, timeout=aiohttp.ClientTimeout(total=600)
     ) as http:
         for n, (kind, policy) in enumerate(targets):
+            # cache_aware_precise: cache_aware following the engines' KV cache events, which
+            # only its replicas publish.
+            vllm.kv_events = policy == PRECISE
             took = vllm.start(log) if n == 0 else vllm.restart(log)
             log(f"{args.replicas} vLLM replicas up in {took:.0f} s (fresh, cold caches)")
             replicas_pid = vllm.running[0].pid  # CPU of one replica (each the same process tree)
             if kind == "fleetserve":
                 options = lb_options(args, policy)
-                lb = start_lb(procs, policy, options, vllm.ports)
+                lb_policy = policy
+                if policy == PRECISE:
+                    lb_policy = "cache_aware"
+                    options = {**lb_options(args, lb_policy), "kv_events": {}}
+                    options["tokenizer"] = vllm.model
+                lb = start_lb(procs, lb_policy, options, vllm.ports, label=policy)
                 if isinstance(lb, str):
                     results["skipped"][policy] = lb
                     log(f"{policy}: skipped: {lb}")
                     continue
                 label, url, pid, stop = policy, f"http://127.0.0.1:{lb.port}", lb.pid, lb.proc
-                results["max_extra_load"][policy] = max_extra_load(policy, options)
+                results["max_extra_load"][policy] = max_extra_load(lb_policy, options)
+                if policy == PRECISE:
+                    await asyncio.sleep(3)  # subscribed to every replica's events
             else:
                 router = start_router(procs, kind, policy, vllm.urls)
                 if isinstance(router, str):
@@ -844,7 +859,11 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             if n == 0:
                 await measure_unloaded(http, fleet, args, results)
             await run_workloads(http, fleet, label, args, loads, (pid, replicas_pid), results)
-            if kind == "fleetserve" and policy == "cache_aware" and not isinstance(lb, str):
+            if (
+                kind == "fleetserve"
+                and policy in ("cache_aware", PRECISE)
+                and not isinstance(lb, str)
+            ):
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
             procs.stop(stop)
         vllm.stop()
@@ -989,6 +1008,12 @@ def main() -> None:
         "--kv-cache-gib", type=float, default=1.0, help="vllm: KV cache per replica (GiB)"
     )
     ap.add_argument("--max-model-len", type=int, default=4096, help="vllm: context length")
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="vllm: exactly this many KV cache blocks per replica (128 tokens each on the CPU "
+        "build; small: the engines evict); --max-model-len must fit in one block fewer",
+    )
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--plot", type=Path, help="TTFT p50/p99 against load, PNG")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, configs)")
@@ -1012,6 +1037,8 @@ def main() -> None:
     for r in args.routers:
         if r not in ROUTERS:
             sys.exit(f"no router {r!r}: {', '.join(ROUTERS)}")
+    if PRECISE in args.policies and args.engine != "vllm":
+        sys.exit(f"{PRECISE} needs --engine vllm (it follows real engines' KV cache events)")
     if args.routers and args.engine != "vllm":
         sys.exit("--routers needs --engine vllm (the routers speak to real engines)")
     if args.prompt_scale is None:
