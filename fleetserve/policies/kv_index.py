@@ -14,10 +14,11 @@ complete (every batch applied since the publisher's first one or since an AllBlo
 and none lost); otherwise the policy uses the approximate index for it. The subscriber
 (fleetserve.lb.kv_events) feeds batches and tells of gaps, silences and restarts.
 
-Bounded: at most `max_blocks` keys per replica (past it the replica is dropped to the
-approximate index: an engine never holds more than its cache, so a publisher that says it does
-is broken); blocks with extra keys (LoRA, multimodal, cache salt), another cache group or
-another medium (a CPU offload tier) are not indexed (a plain request never matches them).
+Bounded: at most `max_blocks` keys and engine hashes per replica (past it the replica is
+dropped to the approximate index: an engine never holds more than its cache, so a publisher
+that says it does is broken); blocks with extra keys (LoRA, multimodal, cache salt), another
+cache group or another medium (a CPU offload tier) are not indexed (a plain request never
+matches them).
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ class KvIndex:
                 continue  # a reuse report, or a replay of what we applied
             if old is not None:
                 self._unname(h, engine_hash, old)
-            if len(h.count) >= self.max_blocks and prev not in h.count:
+            # (Engine hashes are bounded too: a broken publisher could name one key by many.)
+            full = len(h.count) >= self.max_blocks and prev not in h.count
+            if full or len(h.engine) >= self.max_blocks:
                 done.overflow = True
                 return
             h.engine[engine_hash] = prev

@@ -100,3 +100,17 @@ def test_forget_frees_the_slot() -> None:
     assert index.trusts() == {2: Trust.LIVE}
     live(index, 3)
     assert index.match(PROMPT, [3]) == {3: 0}  # 3 took 1's bit: none of 1's blocks
+
+
+def test_many_engine_hashes_for_the_same_blocks_overflow() -> None:
+    # A publisher that names the same token blocks under ever new engine hashes (a real
+    # engine's hash chain never does) must not grow the index past max_blocks entries.
+    index = live(KvIndex(max_blocks=8), 1)
+    done = None
+    for i in range(10):
+        done = index.apply(1, [stored([100 * i + 1, 100 * i + 2], PROMPT[:8])])
+        if done.overflow:
+            break
+    assert done is not None and done.overflow
+    assert index.trust(1) is Trust.OVERFLOW and index.blocks(1) == 0
+    assert len(index._replicas[1].engine) == 0
