@@ -168,5 +168,8 @@ class PromptTokenizer:
             add_special = doc.get("add_special_tokens", True) is not False
         if not text or len(text) > MAX_CHARS:
             return ()
-        ids = self._encode(text, add_special)
+        try:
+            ids = self._encode(text, add_special)
+        except TypeError:  # lone surrogates (JSON allows them): not text the engine could take
+            return ()
         return tuple(ids) if len(ids) <= MAX_TOKENS else ()

@@ -83,6 +83,9 @@ def test_what_it_cannot_vouch_for_gets_no_tokens(folder: Path) -> None:
         body(prompt=["a", "list"]),
         b"not json",
         b"[1, 2]",
+        # Lone surrogates (valid JSON escapes): the tokenizer refuses them; no tokens, no raise.
+        b'{"prompt": "hi \\ud800 there"}',
+        b'{"messages": [{"role": "user", "content": "\\udfff x"}]}',
     ):
         assert pt.tokens(doc) == ()
 
