@@ -18,9 +18,11 @@ that restarts (its seq goes back) is followed afresh. Any state but LIVE sends t
 the approximate index for that replica (`fleetserve_lb_kv_events_replicas{state}` says so).
 
 Bounded: frames of at most `max_message_bytes` (ZMQ drops a peer that sends more), msgpack
-decoding with length limits, at most `max_blocks_per_second` blocks applied per replica (past
-it: OVERFLOW, reconnect later), at most `max_blocks` keys per replica (the index), replays of
-at most MAX_REPLAY_BATCHES batches. Garbage is counted and skipped, never raised.
+decoding with length limits, at most `max_blocks_per_second` blocks applied per replica and
+BYTES_PER_BLOCK times that in bytes received, replays included (past either: OVERFLOW,
+reconnect later), at most `max_blocks` keys per replica (the index), replays of at most
+MAX_REPLAY_BATCHES batches, ZMQ's queue of at most RCVHWM_BYTES per socket. Garbage is
+counted and skipped, never raised.
 
 Optional dependencies (the `llm` extra): pyzmq and msgpack.
 """
@@ -56,6 +58,11 @@ MAX_EVENTS_PER_BATCH = 100_000
 MAX_BLOCKS_PER_EVENT = 8_192
 MAX_TOKENS_PER_EVENT = 1 << 20
 MAX_HASH_BYTES = 64
+# Bytes received per second allowed per block of max_blocks_per_second (~40 tokens of msgpack):
+# garbage, unknown kinds and events that name few blocks but carry many bytes cost decoding
+# time on the LB's event loop too.
+BYTES_PER_BLOCK = 128
+RCVHWM_BYTES = 128 * 1024 * 1024  # what ZMQ may queue per socket, in max_message_bytes messages
 
 
 class BadBatch(ValueError):
@@ -238,6 +245,16 @@ class ReplicaFollower:
         self.ctx = ctx
         self.last = -1  # the last applied seq; -1: none
         self.rate = _Rate(settings.max_blocks_per_second)
+        self.bytes = _Rate(
+            max(settings.max_blocks_per_second * BYTES_PER_BLOCK, settings.max_message_bytes)
+        )
+
+    def _received(self, frames: list[bytes]) -> list[bytes]:
+        """Frames as received, charged to the byte budget (any frame: garbage costs too)."""
+        if not self.bytes.take(sum(len(f) for f in frames)):
+            self.index.clear(self.replica)
+            raise _SessionEnd(Trust.OVERFLOW, "more bytes per second than max_blocks_per_second")
+        return frames
 
     def _set(self, trust: Trust) -> None:
         if self.index.trust(self.replica) is Trust.LIVE and trust is not Trust.LIVE:
@@ -292,7 +309,7 @@ class ReplicaFollower:
             left = deadline - time.monotonic()
             if left <= 0 or not await replay.poll(left * 1000, zmq.POLLIN):
                 raise _SessionEnd(Trust.SILENT, "no answer to a replay request")
-            frames = await replay.recv_multipart()
+            frames = self._received(await replay.recv_multipart())
             if len(frames) != 4 or len(frames[2]) != 8:
                 self.counts.bad += 1
                 continue
@@ -327,7 +344,8 @@ class ReplicaFollower:
             for s in (sub, replay):
                 s.setsockopt(zmq.LINGER, 0)
                 s.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
-                s.setsockopt(zmq.RCVHWM, 10_000)
+                # (in messages: at most RCVHWM_BYTES of them queued, not 10,000 x 4 MiB)
+                s.setsockopt(zmq.RCVHWM, max(16, RCVHWM_BYTES // self.settings.max_message_bytes))
             sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
             sub.connect(self.events_endpoint)
             replay.connect(self.replay_endpoint)
@@ -345,7 +363,7 @@ class ReplicaFollower:
                 if not await sub.poll(silence, zmq.POLLIN):
                     await self._catch_up(replay, fresh=False)  # the liveness probe
                     continue
-                msg = self._frames(await sub.recv_multipart())
+                msg = self._frames(self._received(await sub.recv_multipart()))
                 if msg is None:
                     continue
                 seq, payload = msg

@@ -256,6 +256,20 @@ async def test_a_flood_is_cut_off(
     assert index.blocks(7) <= 100
 
 
+async def test_a_flood_of_bytes_without_blocks_is_cut_off(
+    pub: FakePublisher, ctx: zmq.asyncio.Context, running: list[asyncio.Task[None]]
+) -> None:
+    # Events of kinds it skips, and garbage, name no blocks but cost decoding all the same.
+    f, index = follower(pub, ctx, max_blocks_per_second=100, max_message_bytes=64 * 1024)
+    running.append(asyncio.create_task(f.run()))
+    await until(lambda: index.trust(7) is Trust.LIVE)
+    future = batch(*[{"type": "Future", "pad": "x" * 100}] * 400)  # ~45 KB, no blocks
+    for _ in range(8):
+        await pub.send(future)
+        await pub.send(b"\xc1" * 40_000)
+    await until(lambda: f.counts.fallbacks.get("overflow") == 1)
+
+
 def test_endpoints_follow_the_replica_port() -> None:
     assert endpoints("http://10.0.0.5:8000") == ("tcp://10.0.0.5:8001", "tcp://10.0.0.5:8002")
     assert endpoints("http://[::1]:9000/") == ("tcp://[::1]:9001", "tcp://[::1]:9002")
