@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from fleetserve.core.sockets import held_by_me, loopback_port
 from fleetserve.policies.kv_index import (
     AllBlocksCleared,
     BlockRemoved,
@@ -338,6 +339,12 @@ class ReplicaFollower:
         import zmq
         import zmq.asyncio
 
+        for endpoint in (self.events_endpoint, self.replay_endpoint):
+            # On this machine, only a publisher of this user is trusted: another user who
+            # took the port first could steer routing and bloat the index.
+            port = loopback_port(endpoint)
+            if port is not None and not held_by_me(port):
+                raise _SessionEnd(Trust.SILENT, f"{endpoint}: no listener of this user (yet)")
         sub = self.ctx.socket(zmq.SUB)
         replay = self.ctx.socket(zmq.DEALER)
         try:

@@ -270,6 +270,24 @@ async def test_a_flood_of_bytes_without_blocks_is_cut_off(
     await until(lambda: f.counts.fallbacks.get("overflow") == 1)
 
 
+async def test_a_publisher_of_another_user_is_not_followed(
+    pub: FakePublisher,
+    ctx: zmq.asyncio.Context,
+    running: list[asyncio.Task[None]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another local user bound the replica's port + 1 and + 2 before its engine did.
+    monkeypatch.setattr("fleetserve.lb.kv_events.held_by_me", lambda port: False)
+    f, index = follower(pub, ctx)
+    running.append(asyncio.create_task(f.run()))
+    await pub.send(batch(stored([1], PROMPT[:16])))
+    await until(lambda: index.trust(7) is Trust.SILENT)
+    await asyncio.sleep(0.3)
+    assert index.trust(7) is Trust.SILENT and index.blocks(7) == 0
+    monkeypatch.setattr("fleetserve.lb.kv_events.held_by_me", lambda port: True)
+    await until(lambda: index.match(PROMPT, [7]) == {7: 16})
+
+
 def test_endpoints_follow_the_replica_port() -> None:
     assert endpoints("http://10.0.0.5:8000") == ("tcp://10.0.0.5:8001", "tcp://10.0.0.5:8002")
     assert endpoints("http://[::1]:9000/") == ("tcp://[::1]:9001", "tcp://[::1]:9002")
