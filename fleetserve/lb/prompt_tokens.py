@@ -81,7 +81,10 @@ class PromptTokenizer:
         root = Path(folder)
         if not (root / "tokenizer.json").is_file():
             raise TokenizerError(f"{root}: no tokenizer.json (service.load_balancer.tokenizer)")
-        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        try:
+            tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as e:  # (tokenizers raises a bare Exception on a corrupt file)
+            raise TokenizerError(f"{root / 'tokenizer.json'}: unusable: {e}") from None
         config: dict[str, Any] = {}
         if (root / "tokenizer_config.json").is_file():
             loaded = json.loads((root / "tokenizer_config.json").read_text())
@@ -105,7 +108,10 @@ class PromptTokenizer:
             env.filters["tojson"] = tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            template = env.from_string(source)
+            try:
+                template = env.from_string(source)
+            except jinja2.exceptions.TemplateError as e:
+                raise TokenizerError(f"{root}: the chat template does not compile: {e}") from None
         special = {
             name: _special(config, name)
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")

@@ -135,3 +135,15 @@ def test_without_a_tokenizer_the_lb_says_so_and_runs_approximate(
     assert not isinstance(proxy.replicas.selector, PreciseCacheAware)
     assert proxy.kv_events is None
     assert "no tokenizer.json" in caplog.text and "approximate index" in caplog.text
+
+
+def test_a_corrupt_tokenizer_folder_runs_approximate_not_a_crash(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # tokenizers raises a bare Exception on a corrupt tokenizer.json, jinja2 a
+    # TemplateSyntaxError on a broken template: the LB must still start.
+    caplog.set_level(logging.ERROR)
+    (tmp_path / "tokenizer.json").write_text("not json")
+    proxy = make_proxy(config([8000, 8010], tmp_path))
+    assert not isinstance(proxy.replicas.selector, PreciseCacheAware)
+    assert "tokenizer.json" in caplog.text and "approximate index" in caplog.text

@@ -93,3 +93,10 @@ def test_what_it_cannot_vouch_for_gets_no_tokens(folder: Path) -> None:
 def test_a_folder_without_a_tokenizer_is_named(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match=r"no tokenizer\.json"):
         PromptTokenizer.load(tmp_path)
+
+
+def test_a_broken_template_is_named(folder: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(TokenizerError, match="chat template"):
+        PromptTokenizer.load(tmp_path)
