@@ -51,6 +51,7 @@ from fleetserve.policies.kv_index import (
 
 log = logging.getLogger("fleetserve.lb.kv_events")
 
+# As fleetserve.infra.kv_ports exports them (lb and infra are independent layers).
 EVENTS_PORT_OFFSET = 1  # the replica's port + 1: its events (FLEETSERVE_KV_EVENTS_PORT)
 REPLAY_PORT_OFFSET = 2  # + 2: its replay endpoint (FLEETSERVE_KV_EVENTS_REPLAY_PORT)
 END_SEQ = -1
