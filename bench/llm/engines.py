@@ -139,12 +139,13 @@ class VllmFleet:
             cmd += ["--num-gpu-blocks-override", str(self.kv_blocks)]
         if self.kv_events:
             # Where fleetserve's infras say a replica publishes (FLEETSERVE_KV_EVENTS_PORT and
-            # _REPLAY_PORT), and so where the LB's precise mode subscribes.
+            # _REPLAY_PORT), and so where the LB's precise mode subscribes. vLLM binds only a
+            # wildcard endpoint (given 127.0.0.1 it connects instead, and nobody hears it).
             config = {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{port + 1}",
-                "replay_endpoint": f"tcp://127.0.0.1:{port + 2}",
+                "endpoint": f"tcp://*:{port + 1}",
+                "replay_endpoint": f"tcp://*:{port + 2}",
                 "topic": "kv-events",
             }
             cmd += ["--kv-events-config", json.dumps(config)]
