@@ -553,7 +553,7 @@ def ratio(a: float, b: float) -> str:
 
 
 HEADER = (
-    f"{'policy':<16}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>9}{'p99':>6}{'req/s':>7}{'tok/s':>7}"
+    f"{'policy':<24}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>9}{'p99':>6}{'req/s':>7}{'tok/s':>7}"
     f"{'hit':>6}{'fail':>5}{'share':>7}{'diff':>9}   x LL: TTFT p50    p99 e2e p50  req/s"
 )
 
@@ -566,7 +566,7 @@ def table(runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> li
             keys.append((r["workload"], r["load"]))
     for wl, load in sorted(keys, key=lambda k: (list(WORKLOADS).index(k[0]), k[1])):
         rows = [r for r in runs if r["workload"] == wl and r["load"] == load]
-        base = next((r for r in rows if r["policy"] == "least_load"), None)
+        bases = {r.get("round", 0): r for r in rows if r["policy"].split(" #")[0] == "least_load"}
         u = unloaded.get(wl, {}).get("ttft_p50_ms", math.nan)
         out.append("")
         out.append(
@@ -575,6 +575,7 @@ def table(runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> li
         )
         out.append(HEADER)
         for r in rows:
+            base = bases.get(r.get("round", 0))
             cells = [
                 (fmt(r["ttft_p50_ms"], ".0f"), 9),
                 (fmt(r["ttft_p99_ms"], ".0f"), 7),
@@ -587,7 +588,7 @@ def table(runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> li
                 (fmt(r["max_share"], ".2f"), 7),
                 (fmt(r["inflight_diff_mean"], ".1f") + "/" + fmt(r["inflight_diff_max"], ".0f"), 9),
             ]
-            line = f"{r['policy']:<16}" + "".join(f"{text:>{width}}" for text, width in cells)
+            line = f"{r['policy']:<24}" + "".join(f"{text:>{width}}" for text, width in cells)
             if base is not None:
                 line += (
                     f"{'':>13}{ratio(r['ttft_p50_ms'], base['ttft_p50_ms']):>7}"
@@ -684,6 +685,7 @@ async def run_workloads(
     loads: dict[str, list[float]],
     pids: tuple[int, int],
     results: dict[str, Any],
+    round_no: int = 0,
 ) -> None:
     """Every workload at every load through one target (`label`): a run each, into results."""
     log = print if not args.quiet else (lambda *a, **k: None)
@@ -710,6 +712,7 @@ async def run_workloads(
             cpu1 = (cpu_seconds(lb_pid), cpu_seconds(replicas_pid), time.process_time())
             run = {
                 "policy": label,
+                "round": round_no,
                 "workload": wl,
                 "load": load,
                 "unit": UNITS[wl],
@@ -820,16 +823,29 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     }
     targets = [("fleetserve", p) for p in args.policies]
     targets += [(r, "cache_aware") for r in args.routers]
+    # Several rounds: in order, then reversed, and so on (A B C C B A ...), so that a trend in
+    # the machine's background load weighs on every target alike.
+    plan = [(r, t) for r in range(args.rounds) for t in (targets if r % 2 == 0 else targets[::-1])]
+    if args.between_targets == "reset" and PRECISE in args.policies:
+        vllm.kv_events = True  # never restarted: every target's replicas publish
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=600)
     ) as http:
-        for n, (kind, policy) in enumerate(targets):
-            # cache_aware_precise: cache_aware following the engines' KV cache events, which
-            # only its replicas publish.
-            vllm.kv_events = policy == PRECISE
-            took = vllm.start(log) if n == 0 else vllm.restart(log)
-            log(f"{args.replicas} vLLM replicas up in {took:.0f} s (fresh, cold caches)")
+        for n, (round_no, (kind, policy)) in enumerate(plan):
+            if args.between_targets == "restart":
+                # cache_aware_precise: cache_aware following the engines' KV cache events,
+                # which only its replicas publish.
+                vllm.kv_events = policy == PRECISE
+                took = vllm.start(log) if n == 0 else vllm.restart(log)
+                log(f"{args.replicas} vLLM replicas up in {took:.0f} s (fresh, cold caches)")
+            elif n == 0:
+                took = vllm.start(log)
+                log(f"{args.replicas} vLLM replicas up in {took:.0f} s")
+            else:
+                await wait_idle(http, Fleet("", vllm, real=True), 120)
+                await vllm.reset(http)  # cold caches, without a restart
+                log("prefix caches reset")
             replicas_pid = vllm.running[0].pid  # CPU of one replica (each the same process tree)
             if kind == "fleetserve":
                 options = lb_options(args, policy)
@@ -858,7 +874,11 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             fleet = Fleet(url, vllm, real=True)
             if n == 0:
                 await measure_unloaded(http, fleet, args, results)
-            await run_workloads(http, fleet, label, args, loads, (pid, replicas_pid), results)
+            if args.rounds > 1:
+                label = f"{label} #{round_no + 1}"
+            await run_workloads(
+                http, fleet, label, args, loads, (pid, replicas_pid), results, round_no
+            )
             if (
                 kind == "fleetserve"
                 and policy in ("cache_aware", PRECISE)
@@ -1008,6 +1028,20 @@ def main() -> None:
         "--kv-cache-gib", type=float, default=1.0, help="vllm: KV cache per replica (GiB)"
     )
     ap.add_argument("--max-model-len", type=int, default=4096, help="vllm: context length")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="vllm: run the targets this many times, in order then reversed (A B C C B A), "
+        "so that a change in the machine's load weighs on every target alike",
+    )
+    ap.add_argument(
+        "--between-targets",
+        choices=["restart", "reset"],
+        default="restart",
+        help="vllm: restart the replicas before each target (default), or only empty their "
+        "prefix caches (POST /reset_prefix_cache: cold caches in seconds, not minutes)",
+    )
     ap.add_argument(
         "--kv-blocks",
         type=int,
