@@ -254,37 +254,18 @@ class Router:
 
 
 def router_command(kind: str, policy: str, port: int, workers: list[str]) -> list[str]:
-    bindir = VLLM_VENV / "bin"
-    if kind == "sglang-router":
-        return [
-            str(bindir / "sglang-router"),
-            "launch",
-            "--worker-urls",
-            *workers,
-            "--policy",
-            policy,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warn",
-        ]
-    if kind == "vllm-router":
-        return [
-            str(bindir / "vllm-router"),
-            "--worker-urls",
-            *workers,
-            "--policy",
-            policy,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ]
-    raise ValueError(f"no router {kind!r}: {', '.join(ROUTERS)}")
+    """The command line of SGLang's or vLLM's router in front of `workers` (both take the
+    same flags but for the subcommand and the log level's spelling)."""
+    if kind not in ROUTERS:
+        raise ValueError(f"no router {kind!r}: {', '.join(ROUTERS)}")
+    head = [str(VLLM_VENV / "bin" / kind)] + (["launch"] if kind == "sglang-router" else [])
+    level = "warn" if kind == "sglang-router" else "warning"
+    return [
+        *head,
+        *("--worker-urls", *workers),
+        *("--policy", policy, "--host", "127.0.0.1", "--port", str(port)),
+        *("--log-level", level),
+    ]
 
 
 def start_router(

@@ -17,7 +17,6 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -25,27 +24,12 @@ from fleetserve.infra.local import free_port, port_free
 from fleetserve.lb.kv_events import KvEventsFollower, KvEventsSettings
 from fleetserve.lb.prompt_tokens import PromptTokenizer
 from fleetserve.policies.kv_index import KvIndex, Trust, token_block_keys
+from tests.e2e.vllm_testbed import vllm_testbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("FLEETSERVE_VLLM_VENV", REPO / ".venv-vllm"))
 BLOCKS = 10  # the engine's whole KV cache: 1,280 tokens on vLLM CPU
 WORDS = ["the", "of", "and", "to", "in", "is", "you", "that", "it", "was", "for", "on", "are"]
-
-
-def vllm_testbed() -> tuple[Path, str]:
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        pytest.fail(f"no vLLM testbed at {VENV}: run ./scripts/llm/setup.sh (scripts/test.sh does)")
-    out = subprocess.run(
-        [str(python), str(REPO / "scripts" / "llm" / "make_model.py")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return python, out.stdout.strip().splitlines()[-1]
 
 
 def post(url: str, doc: dict[str, object]) -> dict[str, object]:

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import threading
 import time
 import urllib.request
@@ -23,14 +22,13 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Fleet, endpoint_of, fleet_in
+from tests.e2e.vllm_testbed import REPO, vllm_testbed
 
 # A vLLM start is ~1 min on a quiet 2-core machine and several on a busy one; the fleet's
 # start counts in the first test's time, an update's two starts in that test's.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).parents[2]
 EXAMPLE = REPO / "examples" / "vllm" / "service.yaml"
-VENV = Path(os.environ.get("FLEETSERVE_VLLM_VENV", REPO / ".venv-vllm"))
 NAME = "vllm"
 WORDS = [
     "the",
@@ -55,21 +53,6 @@ WORDS = [
     "be",
     "this",
 ]
-
-
-def vllm_testbed() -> tuple[Path, str]:
-    """vLLM's interpreter and the testbed model's folder (made if missing)."""
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        pytest.fail(f"no vLLM testbed at {VENV}: run ./scripts/llm/setup.sh (scripts/test.sh does)")
-    out = subprocess.run(
-        [str(python), str(REPO / "scripts" / "llm" / "make_model.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return python, out.stdout.strip().splitlines()[-1]
 
 
 def env_args(python: Path, model: str, *more: str) -> list[str]:
