@@ -287,18 +287,18 @@ class Client:
         if self._checked:
             return
         if not self.healthy():
+            port = urlsplit(self.url).port or self.settings.api_port
+            deadline = time.monotonic() + BUSY_WAIT_SECONDS
+            while listener_uids(port) and time.monotonic() < deadline:
+                if self.healthy():  # a controller that was just starting, or busy
+                    self._checked = True
+                    return
+                time.sleep(0.2)
             if not self.auto_start:
                 raise TransientError(
                     f"no fleetserve controller answers at {self.url} "
                     "(start one with `fleetserve server start`)"
                 )
-            port = urlsplit(self.url).port or self.settings.api_port
-            deadline = time.monotonic() + BUSY_WAIT_SECONDS
-            while listener_uids(port) and time.monotonic() < deadline:
-                if self.healthy():  # a controller that was just starting
-                    self._checked = True
-                    return
-                time.sleep(0.2)
             if listener_uids(port):
                 # Something holds the port but does not answer: starting another controller
                 # would only fail to bind it.
