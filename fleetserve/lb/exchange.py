@@ -513,12 +513,7 @@ class Exchange:
         try:
             return self._body_key_of(body)
         except Exception:
-            replicas = self.proxy.replicas
-            replicas.policy_errors += 1
-            if replicas.policy_errors == 1 or replicas.policy_errors % 1000 == 0:
-                log.exception(
-                    "reading a request's prompt failed (%d so far)", replicas.policy_errors
-                )
+            self.proxy.replicas.policy_failed("reading a request's prompt failed")
             return NO_KEY
 
     def _body_key_of(self, body: bytes) -> RequestKey:

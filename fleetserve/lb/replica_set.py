@@ -105,17 +105,18 @@ class ReplicaSet:
         try:
             return self._pick(exclude, key)
         except Exception:
-            self.policy_errors += 1
-            now = time.monotonic()
-            if now - self._policy_error_logged >= 60:
-                self._policy_error_logged = now
-                log.exception(
-                    "the %s policy failed on a request (routed by least load; %d so far)",
-                    type(self.selector).__name__,
-                    self.policy_errors,
-                )
+            self.policy_failed(f"the {type(self.selector).__name__} policy failed on a request")
             rid = self._fallback.select(self.order, self.inflight, exclude, NO_KEY)
             return None if rid is None else self.upstreams[rid]
+
+    def policy_failed(self, what: str) -> None:
+        """Count a policy's failure on a request (its key, or its choice) and log it with its
+        traceback, at most once a minute: a client may repeat the input that reaches it."""
+        self.policy_errors += 1
+        now = time.monotonic()
+        if now - self._policy_error_logged >= 60:
+            self._policy_error_logged = now
+            log.exception("%s (routed by least load; %d so far)", what, self.policy_errors)
 
     def _pick(self, exclude: frozenset[int], key: RequestKey) -> Upstream | None:
         candidates = self.order
