@@ -41,12 +41,13 @@ from fleetserve.cli.render import (
     styled,
 )
 from fleetserve.client import BUSY_WAIT_SECONDS, Client, server_pid, start_server, stop_server
-from fleetserve.controller.admission import has_container_runtime
+from fleetserve.controller.admission import deploy_problems
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound, TransientError
-from fleetserve.spec.compat import compat_errors, compat_warnings
+from fleetserve.infra import netns
+from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import exposure_warning, override_host
-from fleetserve.spec.loader import load_spec_file, missing_secrets, require_values
+from fleetserve.spec.loader import load_spec_file, require_values
 
 if TYPE_CHECKING:
     from fleetserve.sim.simulator import Run, Trace
@@ -115,33 +116,33 @@ def validate(
     ] = False,
 ) -> None:
     """Check a service YAML (with the --env / --secret values `up` would get) as SkyPilot's
-    parser does: print what is wrong, exit 2 if anything is. What is valid but cannot run here
-    (multi-node, pools, container images, SkyPilot volumes) is printed as `cannot run here:`
-    lines; --strict makes those exit 2 as well."""
+    parser does: print what is wrong, exit 2 if anything is. What is valid but `up` (or
+    `pool apply`) would refuse here (multi-node, container images, SkyPilot volumes, no
+    `run`, a missing workdir or file, a fixed port several replicas cannot share) is printed
+    as `cannot run here:` lines; --strict makes those exit 2 as well."""
     try:
         envs, secrets = _overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)
         try:
-            require_values(spec, secrets_too=False)  # SkyPilot's parser takes a null secret
+            require_values(spec)  # SkyPilot's parser refuses a null env and a null secret
         except InvalidSpec as e:
             raise InvalidSpec(f"{file}: {e.message}") from None
     except InvalidSpec as e:
         raise _fail(e) from None
-    not_here = compat_errors(spec, has_container_runtime())
-    _print_warnings(compat_warnings(spec, spec.requested_infra() or "local"))
-    _print_warnings(
-        [
-            f"secrets.{k}: null here; `up` needs it: --secret {k}[=VALUE]"
-            for k in missing_secrets(spec)
-        ]
-    )
-    for line in not_here:
-        out.print(f"[red]cannot run here:[/] {escape(line)}", highlight=False)
+    infra = spec.requested_infra() or "local"
+    mode = os.environ.get(netns.MODE_ENV, "auto")
+    not_here = deploy_problems(spec, infra, mode if mode in netns.MODES else "auto", Path.cwd())
+    warnings = compat_warnings(spec, infra)
     pool = spec.service.pool
+    if pool is not None and spec.run is not None:
+        # SkyPilot's `sky jobs pool apply` warns the same and runs its own placeholder.
+        warnings.append("run: ignored in a pool (its jobs bring their own `run`)")
+    _print_warnings(warnings)
+    for line in not_here:
+        out.print(f"[red]cannot run here:[/] {escape(line)}", highlight=False, soft_wrap=True)
     if pool is not None:
-        size = (
-            pool.workers if pool.workers is not None else f"{pool.min_workers}..{pool.max_workers}"
-        )
+        lo, hi = pool.bounds()
+        size = f"{lo}..{hi}" if pool.autoscaled else str(lo)
         summary = f"a worker pool of {size} workers"
     else:
         lo, hi = spec.service.replica_bounds()

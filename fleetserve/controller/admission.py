@@ -41,6 +41,29 @@ def check_deployable(spec: ServiceTask, infra: str = "local", netns_mode: str = 
     errors = compat_errors(spec, has_container_runtime())
     if errors:
         raise InvalidSpec("\n".join(errors))
+    _infra_rules(spec, infra, netns_mode)
+
+
+def deploy_problems(
+    spec: ServiceTask, infra: str = "local", netns_mode: str = "auto", base_dir: Path | None = None
+) -> list[str]:
+    """Everything `up` (or `pool apply`) would refuse in a valid spec, one line each, without
+    starting anything: compat.compat_errors, this infra's rules and the paths (workdir,
+    file_mounts, tls files, relative to `base_dir`). `validate` prints them and `--strict`
+    fails on them, so that strict predicts `up`."""
+    problems = list(compat_errors(spec, has_container_runtime()))
+    for check in (
+        lambda: _infra_rules(spec, infra, netns_mode),
+        lambda: resolve_paths(spec, base_dir or Path.cwd()),
+    ):
+        try:
+            check()
+        except InvalidSpec as e:
+            problems.append(e.message)
+    return problems
+
+
+def _infra_rules(spec: ServiceTask, infra: str, netns_mode: str) -> None:
     wanted = spec.requested_infra()
     if spec.service.pool is not None:
         return  # a pool has no `run` of its own: jobs bring theirs (local and ray)

@@ -294,6 +294,9 @@ class Controller:
             svc_name, yaml_text, spec.model_dump_json(), self.clock.now()
         )
         warning = exposure_warning(spec, self.infra.name)
+        if spec.service.pool is not None and spec.run is not None:
+            # As `sky jobs pool apply` does: its workers run the jobs' commands.
+            warning = "run: ignored in a pool (its jobs bring their own `run`)"
         if warning is not None:
             log.warning("service %s: %s", svc_name, warning)
             self.store.add_event(svc_name, self.clock.now(), "service", warning)

@@ -68,10 +68,7 @@ def job_envs(spec: ServiceTask, job: JobRecord, home: Path) -> dict[str, str]:
 
 
 def pool_bounds(pool: Pool) -> tuple[int, int]:
-    if pool.workers is not None:
-        return pool.workers, pool.workers
-    lo = pool.min_workers or 0
-    return lo, pool.max_workers if pool.max_workers is not None else lo
+    return pool.bounds()
 
 
 class PoolRunner:

@@ -350,26 +350,38 @@ class Pool(_Strict):
 
     @model_validator(mode="after")
     def _one_form(self) -> Pool:
-        autoscaled = [
-            self.min_workers,
-            self.max_workers,
-            self.queue_length_threshold,
-            self.upscale_delay_seconds,
-            self.downscale_delay_seconds,
-        ]
-        if self.workers is not None and any(v is not None for v in autoscaled):
-            raise ValueError("use either 'workers' or the min_workers/max_workers form, not both")
-        if self.workers is None and self.min_workers is None:
-            raise ValueError("set 'workers', or 'min_workers' (with max_workers to autoscale)")
-        if (
-            self.min_workers is not None
-            and self.max_workers is not None
-            and self.max_workers < self.min_workers
-        ):
+        # SkyPilot's rules (sky/serve/service_spec.py, SkyServiceSpec.from_yaml_config): a
+        # fixed size (`workers`), or an autoscaled one (`max_workers`, from `min_workers`,
+        # else from `workers`, else 0); `min_workers` and `queue_length_threshold` need
+        # `max_workers`.
+        if self.workers is None and self.min_workers is None and self.max_workers is None:
             raise ValueError(
-                f"max_workers ({self.max_workers}) must be >= min_workers ({self.min_workers})"
+                "set 'workers', or both 'min_workers' and 'max_workers' (to autoscale)"
             )
+        if self.max_workers is None:
+            for field in ("min_workers", "queue_length_threshold"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"max_workers must be set when {field} is set")
+        lo, hi = self.bounds()
+        if hi < lo:
+            which = "min_workers" if self.min_workers is not None else "workers"
+            raise ValueError(f"{which} ({lo}) must be <= max_workers ({hi})")
         return self
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.max_workers is not None
+
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) workers, as SkyPilot reads the section: with `max_workers` the pool
+        autoscales from `min_workers` (else `workers`, else 0) up to it; without, `workers`
+        is its fixed size (and a `workers` beside both min_workers and max_workers is
+        ignored, as there)."""
+        if self.max_workers is None:
+            n = self.workers or 0
+            return n, n
+        lo = self.min_workers if self.min_workers is not None else (self.workers or 0)
+        return lo, self.max_workers
 
 
 class ServiceSection(_Strict):
@@ -643,8 +655,6 @@ class ServiceTask(_Strict):
                     "service.replica_policy.spot_placer needs spot resources "
                     "(resources.use_spot: true)"
                 )
-        if self.service.pool is not None and self.run is not None:
-            raise ValueError("a pool cannot have 'run' (jobs are submitted to it later)")
         if self.service.ports is None and any(c.port_count > 1 for c in candidates):
             raise ValueError(
                 "resources.ports exposes more than one port: set service.ports to the one the "

@@ -27,6 +27,8 @@ def test_the_manifest_covers_the_corpus_exactly() -> None:
 def test_validate_gives_the_manifest_verdict(rel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     expected = MANIFEST[rel]
     monkeypatch.setenv("COLUMNS", "1000")
+    # From the tree's root, as SkyPilot runs them (a relative workdir is the caller's folder).
+    monkeypatch.chdir(CORPUS)
     result = CliRunner().invoke(app, ["validate", str(CORPUS / rel)])
     lines = [line for line in result.output.splitlines() if line.strip()]
     if expected["fleetserve"] == "ok":

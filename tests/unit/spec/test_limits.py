@@ -64,7 +64,7 @@ COUNT_FIELDS = [
     ("service.max_surge", "service:\n  readiness_probe: /h\n  max_surge: {n}\n"),
     ("service.max_unavailable", "service:\n  readiness_probe: /h\n  max_unavailable: {n}\n"),
     ("service.pool.workers", "service:\n  pool: {{workers: {n}}}\n"),
-    ("service.pool.min_workers", "service:\n  pool: {{min_workers: {n}}}\n"),
+    ("service.pool.min_workers", "service:\n  pool: {{min_workers: {n}, max_workers: {n}}}\n"),
     ("service.pool.max_workers", "service:\n  pool: {{min_workers: 1, max_workers: {n}}}\n"),
 ]
 

@@ -182,12 +182,27 @@ def test_autoscaling_defaults() -> None:
             "unknown field (did you mean 'replica_policy'?)",
         ),
         ("service:\n  readiness_probe: /h\nresource: {}\n", "resource", "unknown field"),
-        ("service:\n  pool: {workers: 1}\nrun: echo\n", "(top level)", "cannot have 'run'"),
         (
             "service:\n  pool: {workers: 1, min_workers: 1}\n",
             "service.pool",
-            "not both",
+            "max_workers must be set when min_workers is set",
         ),
+        (
+            "service:\n  pool: {workers: 2, queue_length_threshold: 3}\n",
+            "service.pool",
+            "max_workers must be set when queue_length_threshold is set",
+        ),
+        (
+            "service:\n  pool: {min_workers: 4, max_workers: 2}\n",
+            "service.pool",
+            "min_workers (4) must be <= max_workers (2)",
+        ),
+        (
+            "service:\n  pool: {workers: 5, max_workers: 3}\n",
+            "service.pool",
+            "workers (5) must be <= max_workers (3)",
+        ),
+        ("service:\n  pool: {}\n", "service.pool", "set 'workers', or both"),
         (
             "service:\n  pool: {workers: 1}\n  replica_policy: {min_replicas: 1}\n",
             "service",
@@ -262,8 +277,32 @@ def test_a_top_level_pool_is_skypilots_pool_yaml_and_not_beside_a_service() -> N
     assert spec.service.pool is not None and spec.service.pool.workers == 3
     with pytest.raises(InvalidSpec, match="set either 'service' or 'pool', not both"):
         parse_spec("service: {replicas: 1}\npool: {workers: 1}\n")
-    with pytest.raises(InvalidSpec, match="cannot have 'run'"):
-        parse_spec("pool: {workers: 1}\nrun: echo job\n")
+    # SkyPilot's examples/batch pool YAMLs carry a `run`, which `sky jobs pool apply` ignores
+    # with a warning (sky/serve/server/impl.py); so does fleetserve (the workers run jobs').
+    assert parse_spec("pool: {workers: 1}\nrun: echo job\n").run == "echo job"
+
+
+@pytest.mark.parametrize(
+    ("pool", "bounds", "autoscaled"),
+    [
+        ("{workers: 3}", (3, 3), False),
+        ("{min_workers: 1, max_workers: 5}", (1, 5), True),
+        ("{min_workers: 0, max_workers: 5, queue_length_threshold: 2}", (0, 5), True),
+        # SkyPilot's docs (pools section): `workers` with min_workers/max_workers; as its
+        # service_spec reads it, min_workers wins, and `workers` is the minimum without it.
+        ("{workers: 2, min_workers: 1, max_workers: 4}", (1, 4), True),
+        ("{workers: 2, max_workers: 4}", (2, 4), True),
+        ("{max_workers: 4}", (0, 4), True),
+        ("{workers: 3, upscale_delay_seconds: 10}", (3, 3), False),
+    ],
+)
+def test_pool_sizes_are_read_as_skypilot_reads_them(
+    pool: str, bounds: tuple[int, int], autoscaled: bool
+) -> None:
+    spec = parse_spec(f"pool: {pool}\n")
+    assert spec.service.pool is not None
+    assert spec.service.pool.bounds() == bounds
+    assert spec.service.pool.autoscaled is autoscaled
 
 
 def test_skypilot_task_and_resources_keys_are_accepted() -> None:
