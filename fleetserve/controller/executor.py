@@ -23,6 +23,7 @@ from fleetserve.infra.git import GitSource
 from fleetserve.infra.host import elsewhere, host_of
 from fleetserve.infra.zones import NoCapacity
 from fleetserve.spec.models import ServiceTask, WorkdirGit
+from fleetserve.spec.task_env import spec_gpus
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
@@ -72,6 +73,7 @@ def launch_request(spec: ServiceTask, rec: ReplicaRecord, home: Path) -> LaunchR
         own_network=uses_own_network(spec),
         spot=rec.spot,
         zone=rec.zone,
+        gpus=spec_gpus(spec),
     )
 
 

@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError
@@ -38,6 +39,7 @@ from fleetserve.policies.jobs import (
     pool_target,
 )
 from fleetserve.spec.models import Pool, ServiceTask
+from fleetserve.spec.task_env import spec_gpus, task_env
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
@@ -47,9 +49,26 @@ ACTIVE = (JobStatus.PENDING, JobStatus.RUNNING)
 QUEUE_HEAD = 512  # queued jobs read per round (more than the free slots of any round)
 
 
-def job_envs(spec: ServiceTask, job: JobRecord, home: Path) -> dict[str, str]:
-    """A job's environment: the pool's envs and secrets, the job's own, its rank."""
+def job_envs(
+    spec: ServiceTask, job: JobRecord, home: Path, worker: ReplicaRecord | None = None
+) -> dict[str, str]:
+    """A job's environment: the pool's envs and secrets, the job's own, its rank, and
+    SkyPilot's task variables for its worker (a single node: its address, its GPUs)."""
     envs = {k: "" if v is None else str(v) for k, v in {**spec.envs, **spec.secrets}.items()}
+    node = "127.0.0.1"
+    if worker is not None and worker.endpoint:
+        node = urlsplit(worker.endpoint).hostname or node
+    envs.update(
+        task_env(
+            node,
+            spec_gpus(spec),
+            f"{job.pool}-{job.worker_id}",
+            worker.infra if worker is not None else "local",
+            None,
+            worker.zone if worker is not None else None,
+            job=job.job_id,
+        )
+    )
     envs.update(json.loads(job.envs_json))
     rank = {
         "SKYPILOT_JOB_RANK": str(job.rank),
@@ -243,7 +262,7 @@ class PoolRunner:
                     worker_token=worker.launch_token,
                     worker_handle=worker.handle,
                     run=job.run,
-                    envs=job_envs(spec, placed, self.home),
+                    envs=job_envs(spec, placed, self.home, worker),
                 )
             )
         except WorkerBroken as e:

@@ -46,6 +46,7 @@ class LaunchRequest:
     own_network: bool = False
     spot: bool = False  # a spot instance (preemptible)
     zone: str | None = None  # where the placer put it; None: the infra chooses
+    gpus: int = 0  # its accelerators (SKYPILOT_NUM_GPUS_PER_NODE; fleetserve.spec.task_env)
 
 
 class InstanceKind(enum.StrEnum):

@@ -48,6 +48,7 @@ from fleetserve.infra.procs import (
     stop_processes,
 )
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
+from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
 HOME_ID_ENV = "FLEETSERVE_HOME_ID"  # every process a controller starts carries its home's id
@@ -385,6 +386,14 @@ class LocalInfra:
                 **kv_events_env(port),
                 "FLEETSERVE_REPLICA_ID": str(request.replica_id),
                 "SKYPILOT_SERVE_REPLICA_ID": str(request.replica_id),
+                **task_env(
+                    address,
+                    request.gpus,
+                    f"{request.service}-{request.replica_id}",
+                    "local",
+                    "local",
+                    zone,
+                ),
                 "FLEETSERVE_SERVICE": request.service,
                 "FLEETSERVE_VERSION": str(request.version),
                 "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
@@ -402,6 +411,7 @@ class LocalInfra:
             netns, address = await asyncio.to_thread(
                 self.networks.create, request.launch_token, env
             )
+            env[NODE_IPS] = env[SETUP_NODE_IPS] = address  # the replica's own, in its namespace
         elif how == "userns":
             relay = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             relay.bind(("127.0.0.1", 0))

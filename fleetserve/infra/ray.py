@@ -20,6 +20,7 @@ import collections
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -35,6 +36,7 @@ from typing import Any
 from fleetserve.core.errors import TerminalError, TransientError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.jobs import JobRequest, WorkerBroken
+from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 NAMESPACE = "fleetserve"
 ACTOR_PREFIX = "fs-"
@@ -84,8 +86,12 @@ class ReplicaProcess:
                 "FLEETSERVE_SERVICE": req["service"],
                 "FLEETSERVE_VERSION": str(req["version"]),
                 "PYTHONUNBUFFERED": "1",
+                # SkyPilot's task variables (fleetserve.spec.task_env), on this node.
+                **req.get("task_env", {}),
             }
         )
+        node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        env[NODE_IPS] = env[SETUP_NODE_IPS] = node_ip
         d = shlex.quote(str(rdir))
         script = (
             f"cd {shlex.quote(str(workdir))} && bash {d}/setup.sh && : > {d}/setup.done "
@@ -105,7 +111,7 @@ class ReplicaProcess:
         return {
             "pid": self.proc.pid,
             "port": port,
-            "host": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "host": node_ip,
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
@@ -357,6 +363,15 @@ class RayInfra:
             "envs": request.envs,
             "workdir": str(request.workdir) if request.workdir else None,
             "port": request.port,
+            # The GPUs Ray reserves for the actor (rounded up, as SkyPilot counts them).
+            "task_env": task_env(
+                "",
+                math.ceil(float(options.get("num_gpus", request.gpus))),
+                f"{request.service}-{request.replica_id}",
+                "ray",
+                None,
+                request.zone,
+            ),
         }
         try:
             # Scheduling waits for a node with the resources (Ray's autoscaler may add one).

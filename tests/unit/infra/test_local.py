@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -295,3 +296,31 @@ def test_a_handle_without_a_namespace_reads_as_before_and_one_with_it_round_trip
     assert LocalHandle.from_json(old).to_json() == old
     h = LocalHandle(7, 1.5, 8080, "/d", netns="fleetserve-a-b", address="10.231.0.2")
     assert LocalHandle.from_json(h.to_json()) == h
+
+
+async def test_setup_and_run_see_skypilots_task_variables(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    """SkyPilot's variables (fleetserve.spec.task_env) in both setup and run: a single node,
+    this machine's loopback address, the replica's GPUs."""
+    dump = "python3 -c 'import json, os; print(json.dumps(dict(os.environ)))' > {}"
+    req = request(
+        tmp_path, setup=dump.format("setup.json"), run=dump.format("run.json") + "; sleep 30"
+    )
+    launched = await infra.launch(dataclasses.replace(req, gpus=2, zone="local"))
+    try:
+        workdir = Path(LocalHandle.from_json(launched.handle).dir) / "workdir"
+        for _ in range(100):
+            if (workdir / "run.json").exists() and (workdir / "run.json").stat().st_size:
+                break
+            await asyncio.sleep(0.05)
+        for name in ("setup.json", "run.json"):
+            env = json.loads((workdir / name).read_text())
+            assert env["SKYPILOT_NUM_GPUS_PER_NODE"] == "2", name
+            assert env["SKYPILOT_NODE_RANK"] == "0" and env["SKYPILOT_NUM_NODES"] == "1"
+            assert env["SKYPILOT_NODE_IPS"] == "127.0.0.1" == env["SKYPILOT_SETUP_NODE_IPS"]
+            assert env["SKYPILOT_SERVE_REPLICA_ID"] == "1"
+            assert env["SKYPILOT_TASK_ID"].endswith("_svc-1_1")
+            assert json.loads(env["SKYPILOT_CLUSTER_INFO"])["cluster_name"] == "svc-1"
+    finally:
+        await infra.terminate(launched.handle, "tok-1")
