@@ -127,6 +127,22 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def fixed_port_taken(port: int) -> str | None:
+    """Why a replica's server could not listen on a port its spec fixes, or None. Checked
+    the way the server binds it (every address, 0.0.0.0), and only a listener takes a port:
+    a service on that port taken down a moment ago leaves connections in TIME_WAIT (for a
+    minute) that fail a test bind, yet a server that sets SO_REUSEADDR (most do) or
+    SO_REUSEPORT, as its predecessor did, binds beside them."""
+    if port_free(port, "0.0.0.0"):
+        return None
+    holders = listeners_on(port)
+    if not holders:
+        return None  # only connections left, no listener: the server's own bind decides
+    known = sorted({p for p in holders if p is not None})
+    who = f" (listening: pid {', '.join(map(str, known))})" if known else ""
+    return f"port {port} (fixed by the spec) is already in use on this machine{who}"
+
+
 def free_port(avoid: set[int] | None = None) -> int:
     """A port that nothing listens on now (the kernel's pick), not in `avoid`."""
     for _ in range(50):
@@ -354,10 +370,9 @@ class LocalInfra:
         if req.port is not None and req.own_network:
             return req.port  # free in the replica's own, new namespace
         if req.port is not None:
-            if not port_free(req.port):
-                raise TerminalError(
-                    f"port {req.port} (fixed by the spec) is already in use on this machine"
-                )
+            taken = fixed_port_taken(req.port)
+            if taken:
+                raise TerminalError(taken)
             return req.port
         # The next two ports too: a replica may publish its KV cache events on them
         # (FLEETSERVE_KV_EVENTS_PORT, _REPLAY_PORT: cache_aware's precise mode).

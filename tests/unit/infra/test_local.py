@@ -324,3 +324,66 @@ async def test_setup_and_run_see_skypilots_task_variables(
             assert json.loads(env["SKYPILOT_CLUSTER_INFO"])["cluster_name"] == "svc-1"
     finally:
         await infra.terminate(launched.handle, "tok-1")
+
+
+REUSING_SERVER = textwrap.dedent(
+    """
+    import os, socket
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("0.0.0.0", int(os.environ["PORT"])))
+    s.listen()
+    while True:
+        c, _ = s.accept()
+        c.recv(1024)
+        c.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok")
+        c.close()
+    """
+)
+
+
+def time_wait_only_port() -> int:
+    """A port that only TIME_WAIT connections hold: its server (SO_REUSEPORT, no SO_REUSEADDR,
+    as some servers set) closed a connection first, then stopped listening."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = int(s.getsockname()[1])
+        with socket.create_connection(("127.0.0.1", port)):
+            conn, _ = s.accept()
+            conn.close()  # the server's end goes to TIME_WAIT
+            time.sleep(0.1)
+    return port
+
+
+async def test_a_fixed_port_held_only_by_time_wait_connections_is_free_for_the_next_server(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    """A service on a fixed port taken down, then another on it at once: no listener is
+    left, only TIME_WAIT connections, and a server that binds as servers do gets the port."""
+    from fleetserve.infra.local import fixed_port_taken, listeners_on, port_free
+
+    port = time_wait_only_port()
+    assert not port_free(port, "0.0.0.0") and listeners_on(port) == []  # the situation
+    assert fixed_port_taken(port) is None
+    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "src" / "reuse.py").write_text(REUSING_SERVER)
+    launched = await infra.launch(request(tmp_path, port=port, run="python3 reuse.py", setup=None))
+    try:
+        assert await get(port) == "ok"
+    finally:
+        await infra.terminate(launched.handle, "tok-1")
+
+
+def test_a_listener_on_another_address_still_takes_a_fixed_port() -> None:
+    from fleetserve.infra.local import fixed_port_taken
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))  # the server would bind 0.0.0.0, which includes it
+        s.listen()
+        port = s.getsockname()[1]
+        why = fixed_port_taken(port)
+        assert why is not None and f"port {port} (fixed by the spec) is already in use" in why
+        assert f"pid {os.getpid()}" in why
