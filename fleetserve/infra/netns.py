@@ -18,10 +18,12 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 import shutil
 import subprocess
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import psutil
@@ -108,16 +110,45 @@ def allocate_link(net: ipaddress.IPv4Network, used: set[ipaddress.IPv4Address]) 
     raise TerminalError(f"no free /30 is left in {net} for another replica's network")
 
 
+# iproute2 names an interface it can no longer name (gone between its route and link dumps:
+# a replica's veth being removed) `if<index>`.
+_UNNAMED = re.compile(r"if\d+")
+# A route that overlaps the range may be on an interface being removed that second (a
+# sibling replica's, or any that goes away): the routes are read again after these pauses
+# before the range is refused.
+COLLISION_RECHECKS = (0.2, 0.5, 1.0)
+
+
 def collisions(
     net: ipaddress.IPv4Network, routes: list[tuple[ipaddress.IPv4Network, str]]
 ) -> list[str]:
-    """Routes of this machine that overlap `net` and are not ours (not on one of our veths);
-    the default route (0.0.0.0/0) never counts."""
+    """Routes of this machine that overlap `net` and are not ours (not on one of our veths,
+    nor on an interface gone while the routes were read); the default route (0.0.0.0/0)
+    never counts."""
     return [
         f"{dest} dev {dev}"
         for dest, dev in routes
-        if dest.prefixlen > 0 and dest.overlaps(net) and not dev.startswith(_HOST_PREFIX)
+        if dest.prefixlen > 0
+        and dest.overlaps(net)
+        and not dev.startswith((_HOST_PREFIX, _PEER_PREFIX))
+        and not _UNNAMED.fullmatch(dev)
     ]
+
+
+def lasting_collisions(
+    net: ipaddress.IPv4Network,
+    routes: Callable[[], list[tuple[ipaddress.IPv4Network, str]]],
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:
+    """`collisions` that outlast COLLISION_RECHECKS: an interface removed in the same second
+    (a sibling replica's teardown racing this launch) does not refuse the range."""
+    bad = collisions(net, routes())
+    for pause in COLLISION_RECHECKS:
+        if not bad:
+            break
+        sleep(pause)
+        bad = collisions(net, routes())
+    return bad
 
 
 # -- I/O: iproute2 -----------------------------------------------------------------------------
@@ -230,7 +261,7 @@ class ReplicaNetworks:
         if not available():
             raise TerminalError(REFUSAL)
         net = parse_range(self.range_text)
-        bad = collisions(net, _routes())
+        bad = lasting_collisions(net, _routes)
         if bad:
             raise TerminalError(
                 f"the replica network {net} overlaps this machine's routes ({', '.join(bad)}): "

@@ -8,8 +8,10 @@ import pytest
 
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.netns import (
+    COLLISION_RECHECKS,
     allocate_link,
     collisions,
+    lasting_collisions,
     namespace_name,
     parse_range,
     token_digest,
@@ -75,3 +77,26 @@ def test_names_derive_from_the_token_and_the_home() -> None:
     assert token_of_namespace(name, "home-b") is None  # another home's: never swept
     outer, inner = veth_names("token-1")
     assert outer != inner and max(len(outer), len(inner)) <= 15  # the kernel's limit
+
+
+def test_routes_of_an_interface_being_removed_do_not_collide() -> None:
+    """iproute2 prints `if<index>` for an interface gone between its dumps (a sibling
+    replica's veth removed that second), and a replica end may be seen on the host before
+    it moves into its namespace: neither is a route of someone else."""
+    routes = [
+        (ipaddress.IPv4Network("10.231.0.1/32"), "if1234"),
+        (ipaddress.IPv4Network("10.231.0.4/30"), "fsr0123456789a"),
+        (ipaddress.IPv4Network("10.231.9.0/24"), "ifb0"),  # a real interface named ifb0
+    ]
+    assert collisions(NET, routes) == ["10.231.9.0/24 dev ifb0"]
+
+
+def test_a_collision_that_goes_away_within_the_rechecks_does_not_refuse_the_range() -> None:
+    foreign = [(ipaddress.IPv4Network("10.231.0.0/30"), "veth9")]
+    reads = iter([foreign, foreign, []])
+    slept: list[float] = []
+    assert lasting_collisions(NET, lambda: next(reads), slept.append) == []
+    assert slept == [0.2, 0.5]
+    slept.clear()
+    assert lasting_collisions(NET, lambda: foreign, slept.append) == ["10.231.0.0/30 dev veth9"]
+    assert slept == list(COLLISION_RECHECKS)
