@@ -39,6 +39,7 @@ from fleetserve.infra.git import clone
 from fleetserve.infra.host import host_id
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
 from fleetserve.infra.kv_ports import KV_EVENTS_PORTS, kv_events_env
+from fleetserve.infra.missing import setup_missing
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 from fleetserve.infra.procs import (
     find_process,
@@ -480,8 +481,8 @@ class LocalInfra:
                     if proc.pid in self._preempted:
                         raise NoCapacity(self._preempted[proc.pid], zone, preempted=True)
                     raise TerminalError(
-                        f"setup failed with exit code {code} (see `fleetserve logs "
-                        f"{request.service} {request.replica_id}`)"
+                        f"setup failed with exit code {code}{setup_missing(log)} (see "
+                        f"`fleetserve logs {request.service} {request.replica_id}`)"
                     )
                 await asyncio.sleep(self.poll_interval)
         except BaseException:

@@ -36,6 +36,7 @@ from typing import Any
 from fleetserve.core.errors import TerminalError, TransientError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.jobs import JobRequest, WorkerBroken
+from fleetserve.infra.missing import TAIL_BYTES, missing_commands, what_is_missing
 from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 NAMESPACE = "fleetserve"
@@ -209,6 +210,16 @@ class ReplicaProcess:
             data = f.read(limit)
         return [data, offset + len(data)]
 
+    def log_tail(self, limit: int) -> str:
+        """The last `limit` bytes of the replica's log."""
+        assert self.dir is not None
+        path = self.dir / "replica.log"
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace")
+        return ""
+
     def read_log(self, offset: int, limit: int = 1 << 20) -> list[Any]:
         assert self.dir is not None
         path = self.dir / "replica.log"
@@ -377,13 +388,19 @@ class RayInfra:
             # Scheduling waits for a node with the resources (Ray's autoscaler may add one).
             info = await asyncio.to_thread(ray.get, actor.start.remote(req))
             while True:
-                kind, code, _done = await self._call(ray, actor.state.remote())
+                kind, code, done = await self._call(ray, actor.state.remote())
                 if kind == "RUNNING":
                     break
                 if kind == "EXITED":
+                    missing = ""
+                    if not done:  # setup failed: a command this node lacks (conda, uv)?
+                        with contextlib.suppress(Exception):
+                            tail = await self._call(ray, actor.log_tail.remote(TAIL_BYTES))
+                            missing = what_is_missing(missing_commands(tail))
                     raise TerminalError(
-                        f"setup or run exited with code {code} on node {info['host']} "
-                        f"(see `fleetserve logs {request.service} {request.replica_id}`)"
+                        f"setup or run exited with code {code} on node {info['host']}"
+                        f"{missing} (see `fleetserve logs {request.service} "
+                        f"{request.replica_id}`)"
                     )
                 await asyncio.sleep(0.2)
         except BaseException:
