@@ -74,12 +74,15 @@ def _explain(e: Exception, url: str) -> str:
     """The probe's failure in words: the exception, plus what it usually means."""
     label = e.label if isinstance(e, ProbeError) else type(e).__name__
     text = f"{label}: {e}"
-    host = httpx.URL(url).host
+    parsed = httpx.URL(url)
+    host, port = parsed.host, parsed.port or (443 if parsed.scheme == "https" else 80)
     refused = isinstance(e, ProbeConnectError | httpx.ConnectError)
-    if refused and host and not is_loopback(host):
+    if refused and host:
+        where = f"[{host}]" if ":" in host else host
+        also = "" if is_loopback(host) else " on 0.0.0.0 (every address, not only 127.0.0.1)"
         return (
-            f"{text} (nothing accepts connections at {host}: the server must listen on "
-            "0.0.0.0, every address, not only 127.0.0.1)"
+            f"{text} (nothing accepts connections at {where}:{port}, the address probed: "
+            f"the server must listen there, on $PORT{also})"
         )
     closed = isinstance(
         e, ProbeReadError | ProbeProtocolError | httpx.ReadError | httpx.RemoteProtocolError

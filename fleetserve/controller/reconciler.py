@@ -49,6 +49,7 @@ from fleetserve.policies.fleet import (
     FleetSettings,
     InstanceObservation,
     Observation,
+    ProbeResult,
     SetStatus,
     StartLaunch,
     Terminate,
@@ -66,6 +67,9 @@ log = logging.getLogger("fleetserve.controller")
 _RUNNING = (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY)
 CAPACITY_BACKOFF = 1.0  # seconds before a launch of a kind that just found no capacity
 CAPACITY_BACKOFF_MAX = 60.0
+# A probe that cannot connect (fleetserve.controller.probe_client's label, httpx's name).
+CONNECT_ERROR = "ConnectError"
+LISTENERS_EVERY = 5.0  # seconds between two reads of a replica's listening ports
 OBSERVE_BATCH = 250  # replicas observed between two pauses of a round (other tasks run)
 
 
@@ -140,6 +144,8 @@ class ServiceReconciler:
         self.infra = infra
         self.lb = lb
         self.prober = prober  # this service's own: results never cross services
+        # replica id -> (its handle, when, the ports its processes listened on then)
+        self._listeners: dict[int, tuple[str, float, list[int] | None]] = {}
         self.settings = settings
         self.clock = clock
         self.home_id = home_id
@@ -492,6 +498,8 @@ class ServiceReconciler:
             probe = self.spec(r.version).service.readiness_probe  # each version's own probe
             if inst.alive and probe is not None and r.endpoint:
                 result = self.prober.take(self.key(r.replica_id))
+                if result is not None and not result.ok and CONNECT_ERROR in result.detail:
+                    result = await self._with_listeners(r, result, now)
                 interval = probe_interval(r.status, probe, self.settings)
                 self.prober.maybe_start(
                     self.key(r.replica_id),
@@ -504,6 +512,28 @@ class ServiceReconciler:
                 )
             out[r.replica_id] = Observation(instance=inst, probe=result)
         return out
+
+    async def _with_listeners(
+        self, r: ReplicaRecord, result: ProbeResult, now: float
+    ) -> ProbeResult:
+        """A probe that could not connect, with the ports the replica's processes do listen
+        on (an infra that can say: ReportsListeners): a server on another port than the one
+        probed shows at once. Read at most every LISTENERS_EVERY seconds per replica."""
+        ports_of = getattr(self.infra, "listening_ports", None)
+        if ports_of is None or not r.handle:
+            return result
+        seen = self._listeners.get(r.replica_id)
+        if seen is None or seen[0] != r.handle or now - seen[1] >= LISTENERS_EVERY:
+            try:
+                ports = await asyncio.to_thread(ports_of, r.handle)
+            except Exception:  # a hint only: never fail the round for it
+                return result
+            self._listeners[r.replica_id] = seen = (r.handle, now, ports)
+        ports = seen[2]
+        if ports is None:
+            return result
+        where = f"listen on {', '.join(map(str, ports))}" if ports else "listen on no TCP port yet"
+        return ProbeResult(False, f"{result.detail}; the replica's processes {where}")
 
     def _apply(
         self,

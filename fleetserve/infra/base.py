@@ -120,6 +120,14 @@ class Infra(Protocol):
         ...
 
 
+class ReportsListeners(Protocol):
+    """An infra that can say which TCP ports a replica's processes listen on (local: read
+    from /proc). A probe that cannot connect names them: the server may listen, on another
+    port. Optional."""
+
+    def listening_ports(self, handle: str) -> list[int] | None: ...
+
+
 # Told (service, replica_id) when an infra learns that a replica's instance ended.
 ExitCallback = Callable[[str, int], None]
 

@@ -39,6 +39,7 @@ from fleetserve.infra.git import clone
 from fleetserve.infra.host import host_id
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
 from fleetserve.infra.kv_ports import KV_EVENTS_PORTS, kv_events_env
+from fleetserve.infra.listening import listening_ports
 from fleetserve.infra.missing import setup_missing
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
 from fleetserve.infra.procs import (
@@ -527,6 +528,17 @@ class LocalInfra:
         else:
             detail = f"exited with code {code}"
         return InstanceState(InstanceKind.EXITED, exit_code=code, detail=detail)
+
+    def listening_ports(self, handle: str) -> list[int] | None:
+        """The TCP ports the replica's processes (its leader and descendants) listen on, in
+        its own network; None when its leader is gone or not ours."""
+        h = LocalHandle.from_json(handle)
+        leader = find_process(h.pid, h.create_time)
+        if leader is None or not self._ours(leader, h.create_time):
+            return None
+        with contextlib.suppress(psutil.Error):
+            return listening_ports([leader.pid, *(c.pid for c in leader.children(True))])
+        return None
 
     def watch_exits(self, callback: ExitCallback) -> None:
         """`WatchesExits`: a replica whose process ends is reported at once (a pidfd per

@@ -47,8 +47,10 @@ def test_a_probe_failure_says_what_it_usually_means() -> None:
 
     refused = httpx.ConnectError("All connection attempts failed")
     away = _explain(refused, "http://10.231.0.2:8080/health")
-    assert "must listen on 0.0.0.0" in away and "10.231.0.2" in away
-    assert "0.0.0.0" not in _explain(refused, "http://127.0.0.1:8080/health")
+    assert "at 10.231.0.2:8080, the address probed" in away
+    assert "must listen there, on $PORT on 0.0.0.0" in away
+    local = _explain(refused, "http://127.0.0.1:8081/health")
+    assert "0.0.0.0" not in local and "at 127.0.0.1:8081, the address probed" in local
     closed = _explain(httpx.ReadError(""), "http://127.0.0.1:4000/")
     assert closed == "ReadError: the connection was closed before any answer (see the log)"
     assert _explain(httpx.ReadError("boom"), "http://127.0.0.1:4000/") == "ReadError: boom"

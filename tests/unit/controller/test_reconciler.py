@@ -320,3 +320,45 @@ async def test_the_yaml_failure_window_sets_when_a_failing_replica_is_failed(
         await run_rounds(clock, [rec], rounds=60)  # 15 s of failing probes: < 180 s default
     status = store.replica("good", 1).status
     assert (status is ReplicaStatus.FAILED_PROBING) is failed, status
+
+
+class ListeningInfra(FakeInfra):
+    """A fake infra whose replicas' processes listen on port 9000 (not the probed 8000)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def listening_ports(self, handle: str) -> list[int] | None:
+        self.reads += 1
+        return [9000]
+
+
+async def test_a_probe_that_cannot_connect_names_the_port_probed_and_the_ports_listened_on(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    """A server that listens on 0.0.0.0, on another port than the service's: the reason says
+    which port the probe used and which ones the replica's processes listen on, not only
+    "listen on 0.0.0.0"."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    yaml_text = (
+        "service:\n  readiness_probe: {path: /health, initial_delay_seconds: 3}\n"
+        "  replicas: 1\nrun: python3 server.py\n"
+    )
+    infra, lb = ListeningInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
+        create_service(store, "good", yaml_text, clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=24)  # 6 s: past the initial delay
+
+    first = store.replica("good", 1)
+    assert first.status is ReplicaStatus.FAILED_INITIAL_DELAY
+    reason = first.reason or ""
+    assert f"nothing accepts connections at {host_of('good', 1)}:8000, the address probed" in (
+        reason
+    ), reason
+    assert "the replica's processes listen on 9000" in reason, reason
+    assert 1 <= infra.reads <= 3  # read at most every 5 s, not at every probe

@@ -387,3 +387,28 @@ def test_a_listener_on_another_address_still_takes_a_fixed_port() -> None:
         why = fixed_port_taken(port)
         assert why is not None and f"port {port} (fixed by the spec) is already in use" in why
         assert f"pid {os.getpid()}" in why
+
+
+async def test_the_ports_a_replicas_processes_listen_on_are_read_from_proc(
+    infra: LocalInfra, tmp_path: Path
+) -> None:
+    """A server listening on another port than $PORT: the infra says which one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        other = int(s.getsockname()[1])
+    server = "import socket, time\ns = socket.socket()\n"
+    server += f"s.bind(('0.0.0.0', {other}))\ns.listen()\ntime.sleep(60)\n"
+    (tmp_path / "src").mkdir(exist_ok=True)
+    (tmp_path / "src" / "other.py").write_text(server)
+    launched = await infra.launch(request(tmp_path, run="python3 other.py", setup=None))
+    try:
+        ports: list[int] | None = []
+        for _ in range(100):
+            ports = infra.listening_ports(launched.handle)
+            if ports:
+                break
+            await asyncio.sleep(0.05)
+        assert ports == [other] and other != launched.port
+    finally:
+        await infra.terminate(launched.handle, "tok-1")
+    assert infra.listening_ports(launched.handle) is None  # gone
