@@ -89,3 +89,10 @@ def test_a_pool_with_workers_and_min_max_workers_is_valid_and_autoscaled(tmp_pat
     assert code == 0 and out.rstrip().endswith("a worker pool of 2..4 workers"), out
     code, out = validate(tmp_path, "pool: {min_workers: 2}\n")
     assert code == 2 and "max_workers must be set when min_workers is set" in out, out
+
+
+def test_skypilots_pool_example_with_an_s3_mount_cannot_run_here(tmp_path: Path) -> None:
+    code, out = validate(tmp_path, (POOLS / "pool.yaml").read_text())
+    assert code == 0 and "cannot run here: file_mounts./my-data" in out, out
+    strict, _ = validate(tmp_path, (POOLS / "pool.yaml").read_text(), "--strict")
+    assert strict == 2
