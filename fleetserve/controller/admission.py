@@ -19,13 +19,23 @@ _REMOTE = re.compile(r"^[a-z][a-z0-9+.-]*://")
 SUPPORTED_INFRAS = FLEETSERVE_INFRAS
 
 
+def _as_service_name(task_name: str) -> str | None:
+    """`Llama_3.1-8B` -> `llama-3-1-8b`; None when nothing of it makes a service name."""
+    text = re.sub(r"[^a-z0-9]+", "-", task_name.lower())
+    text = re.sub(r"^[^a-z]+", "", text)[:63].rstrip("-")
+    return text if _NAME.fullmatch(text) else None
+
+
 def has_container_runtime() -> bool:
     return shutil.which("docker") is not None or shutil.which("podman") is not None
 
 
 def service_name(requested: str | None, spec: ServiceTask) -> str:
-    """The name given, else the YAML's `name`, else SkyServe's default `sky-service-<4 hex>`."""
-    name = requested or spec.name or f"sky-service-{secrets.token_hex(2)}"
+    """The name given, else the YAML's `name` made a service name (SkyPilot's task names also
+    take capitals, `_` and `.`, and `sky serve up` never refuses a file for its task name),
+    else SkyServe's default `sky-service-<4 hex>`."""
+    name = requested or (spec.name and _as_service_name(spec.name))
+    name = name or f"sky-service-{secrets.token_hex(2)}"
     if not _NAME.fullmatch(name):
         raise InvalidSpec(
             f"service name {name!r}: use 1-63 lowercase letters, digits and '-', starting with a "

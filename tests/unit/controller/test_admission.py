@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fleetserve.controller import admission
-from fleetserve.controller.admission import check_deployable, resolve_paths
+from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
 from fleetserve.controller.executor import launch_request
 from fleetserve.core.errors import InvalidSpec, TerminalError
 from fleetserve.core.status import ReplicaStatus
@@ -106,3 +106,25 @@ def test_a_normal_user_gets_user_namespaces_for_a_fixed_port_fleet(
 def test_an_unknown_replica_netns_mode_is_named() -> None:
     with pytest.raises(TerminalError, match="FLEETSERVE_REPLICA_NETNS='bridge'"):
         admission.netns.kind("bridge")
+
+
+@pytest.mark.parametrize(
+    ("yaml_name", "expected"),
+    [
+        ("vllm-llama3", "vllm-llama3"),
+        ("Llama_3.1-8B", "llama-3-1-8b"),  # a SkyPilot task name, not a service name
+        ("sd.xl__turbo", "sd-xl-turbo"),
+        ("123", None),  # nothing of it: SkyServe's default
+    ],
+)
+def test_the_yamls_task_name_becomes_a_service_name_and_never_refuses_the_file(
+    yaml_name: str, expected: str | None
+) -> None:
+    spec = parse_spec(f"name: '{yaml_name}'\n" + BASE)
+    got = service_name(None, spec)
+    if expected is None:
+        assert got.startswith("sky-service-")
+    else:
+        assert got == expected
+    with pytest.raises(InvalidSpec, match="service name 'Bad_Name'"):
+        service_name("Bad_Name", spec)  # a name given with -n is taken as it is, or refused
