@@ -46,7 +46,6 @@ __all__ = [
     "MAX_YAML_BYTES",
     "load_spec",
     "load_spec_file",
-    "missing_secrets",
     "parse_spec",
     "require_values",
 ]
@@ -195,24 +194,18 @@ def _kind(value: object) -> str:
     return type(value).__name__
 
 
-def require_values(spec: ServiceTask, secrets_too: bool = True) -> None:
+def require_values(spec: ServiceTask) -> None:
     """SkyPilot's rule: an `envs` or `secrets` entry set to null must be given a value (by
     `--env` / `--secret`, or the API's `envs` / `secrets`), else nothing starts. SkyPilot's
-    parser refuses a null env, but takes a null secret until launch: `validate` does the
-    same (`secrets_too=False`); `up` needs both."""
+    task parser refuses both alike (sky/task.py: "Environment variable ... is None",
+    "Secret variable ... is None"), and so do `validate`, `up` and `update`."""
     missing = [f"envs.{k}" for k, v in spec.envs.items() if v is None]
-    if secrets_too:
-        missing += [f"secrets.{k}" for k, v in spec.secrets.items() if v is None]
+    missing += [f"secrets.{k}" for k, v in spec.secrets.items() if v is None]
     if missing:
         raise InvalidSpec(
             f"{', '.join(missing)}: null in the YAML, which means a value is required: pass "
             "--env KEY=VALUE (--secret for secrets), or --env KEY to take it from your shell"
         )
-
-
-def missing_secrets(spec: ServiceTask) -> list[str]:
-    """The null `secrets` entries, which `up` needs with --secret."""
-    return [k for k, v in spec.secrets.items() if v is None]
 
 
 def load_spec(
