@@ -21,7 +21,13 @@ import json, os
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class H(BaseHTTPRequestHandler):
     def do_GET(self):
-        body = json.dumps({"replica": os.environ["FLEETSERVE_REPLICA_ID"]}).encode()
+        body = json.dumps({
+            "replica": os.environ["FLEETSERVE_REPLICA_ID"],
+            **{k: os.environ.get(k) for k in (
+                "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE",
+                "SKYPILOT_NODE_RANK", "SKYPILOT_CLUSTER_INFO",
+            )},
+        }).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body)))
         self.end_headers(); self.wfile.write(body)
     def log_message(self, *a): pass

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -125,7 +126,8 @@ def main(work: Path) -> None:
         "pool:\n  workers: 2\nresources: {infra: ray, cpus: 0.25}\nsetup: echo ready\n"
     )
     (work / "job.yaml").write_text(
-        f'run: echo "rank $SKYPILOT_JOB_RANK on $(hostname)" | tee -a {work}/ranks.txt; sleep 1\n'
+        f'run: echo "rank $SKYPILOT_JOB_RANK on $(hostname) ips $SKYPILOT_NODE_IPS gpus '
+        f'$SKYPILOT_NUM_GPUS_PER_NODE" | tee -a {work}/ranks.txt; sleep 1\n'
     )
     cli("pool", "apply", "-p", "raypool", str(work / "pool.yaml"))
     started = time.monotonic()
@@ -147,6 +149,7 @@ def main(work: Path) -> None:
     rep = pinned["replicas"][0]  # type: ignore[index]
     found["pinned_endpoint"] = pinned["endpoint"]
     found["pinned_answer"] = get(f"{pinned['endpoint']}/")
+    found["pinned_replica_host"] = urllib.parse.urlsplit(str(rep["endpoint"])).hostname
     found["pinned_node_is_b"] = _node_of(rep) == node_b.node_id
     found["pinned_log"] = cli("logs", "pinned", "1")  # streamed from the node
     cli("up", str(work / "roaming.yaml"), "-n", "roaming", "--infra", "ray")

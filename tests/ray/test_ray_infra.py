@@ -31,6 +31,13 @@ def test_ray_replicas_zones_node_loss_and_adoption(tmp_path: Path) -> None:
     assert found["pool_job_statuses"] == ["SUCCEEDED"]
     assert found["pool_ranks"] == list(range(6)) and found["pool_workers_used"] == 2
     assert "rank 0 on" in found["pool_job_log"]
+    # SkyPilot's task variables: a job on its worker's node, no GPU asked for.
+    assert " ips 10.213." in found["pool_job_log"] and " gpus 0" in found["pool_job_log"]
+    answer = found["pinned_answer"]
+    assert answer["SKYPILOT_NODE_IPS"] == found["pinned_replica_host"]  # its node's address
+    assert answer["SKYPILOT_NUM_NODES"] == "1" and answer["SKYPILOT_NODE_RANK"] == "0"
+    assert answer["SKYPILOT_NUM_GPUS_PER_NODE"] == "0"
+    assert '"cloud": "ray"' in answer["SKYPILOT_CLUSTER_INFO"]
     assert found["pinned_answer"]["replica"] == "1"
     assert found["pinned_node_is_b"] is True  # placed in the zone it asked for
     assert "replica 1 serving on" in found["pinned_log"]
