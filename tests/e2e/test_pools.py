@@ -283,6 +283,16 @@ def test_skypilots_batch_job_runs_unchanged_and_small_jobs_pack_on_a_worker(
     assert fleet.cli("validate", str(FIXTURES / "pool.yaml")).returncode == 0
     s3 = fleet.cli("pool", "apply", "-p", "s3", str(FIXTURES / "pool.yaml"), check=False)
     assert s3.returncode == 2 and "file_mounts./my-data" in s3.stderr
+    # SkyPilot's examples/batch pool YAML with a `run`: applied, `run` ignored with a warning
+    # (as `sky jobs pool apply` does), its workers come up.
+    fmt = fleet.cli("pool", "apply", "-p", "fmt", str(FIXTURES / "custom_formats_pool.yaml"))
+    assert fmt.returncode == 0
+    fleet.wait_for(
+        "2 READY workers",
+        lambda: sum(r.status == "READY" for r in client.pools("fmt")[0].replicas) == 2,
+        timeout=60,
+    )
+    assert any("run: ignored in a pool" in e.message for e in client.events("fmt"))
 
 
 def test_service_commands_keep_pool_rules_and_a_broken_pool_fails_its_queue(fleet: Fleet) -> None:
