@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from fleetserve.api.models import JobInfo
 
@@ -242,6 +243,7 @@ def test_apply_resizes_in_place_and_rolls_workers_without_killing_a_running_job(
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "skypilot_pools"
 
 
+@pytest.mark.slow  # about 70 s on a busy machine
 def test_skypilots_batch_job_runs_unchanged_and_small_jobs_pack_on_a_worker(
     fleet: Fleet,
 ) -> None:
