@@ -197,8 +197,9 @@ def _kind(value: object) -> str:
 def require_values(spec: ServiceTask) -> None:
     """SkyPilot's rule: an `envs` or `secrets` entry set to null must be given a value (by
     `--env` / `--secret`, or the API's `envs` / `secrets`), else nothing starts. SkyPilot's
-    task parser refuses both alike (sky/task.py: "Environment variable ... is None",
-    "Secret variable ... is None"), and so do `validate`, `up` and `update`."""
+    current task parser refuses both alike ("Environment variable ... is None", "Secret
+    variable ... is None"; 0.14.1 took a null secret as a managed-secret reference, resolved
+    at launch), and so do `validate`, `up` and `update`: fleetserve has no secret store."""
     missing = [f"envs.{k}" for k, v in spec.envs.items() if v is None]
     missing += [f"secrets.{k}" for k, v in spec.secrets.items() if v is None]
     if missing:
