@@ -350,16 +350,21 @@ class Pool(_Strict):
 
     @model_validator(mode="after")
     def _one_form(self) -> Pool:
-        # SkyPilot's rules (sky/serve/service_spec.py, SkyServiceSpec.from_yaml_config): a
-        # fixed size (`workers`), or an autoscaled one (`max_workers`, from `min_workers`,
-        # else from `workers`, else 0); `min_workers` and `queue_length_threshold` need
+        # SkyPilot's rules (sky/serve/service_spec.py, SkyServiceSpec, 0.14.1): a fixed size
+        # (`workers`), or an autoscaled one (`max_workers`, from `min_workers`, else from
+        # `workers`, else 1); `min_workers`, `queue_length_threshold` and the delays need
         # `max_workers`.
         if self.workers is None and self.min_workers is None and self.max_workers is None:
             raise ValueError(
                 "set 'workers', or both 'min_workers' and 'max_workers' (to autoscale)"
             )
         if self.max_workers is None:
-            for field in ("min_workers", "queue_length_threshold"):
+            for field in (
+                "min_workers",
+                "queue_length_threshold",
+                "upscale_delay_seconds",
+                "downscale_delay_seconds",
+            ):
                 if getattr(self, field) is not None:
                     raise ValueError(f"max_workers must be set when {field} is set")
         lo, hi = self.bounds()
@@ -374,14 +379,15 @@ class Pool(_Strict):
 
     def bounds(self) -> tuple[int, int]:
         """(min, max) workers, as SkyPilot reads the section: with `max_workers` the pool
-        autoscales from `min_workers` (else `workers`, else 0) up to it; without, `workers`
-        is its fixed size (and a `workers` beside both min_workers and max_workers is
-        ignored, as there)."""
+        autoscales from `min_workers` (else `workers`, else 1, SkyServe's default minimum)
+        up to it; without, `workers` is its fixed size (and a `workers` beside both
+        min_workers and max_workers is ignored, as there)."""
         if self.max_workers is None:
             n = self.workers or 0
             return n, n
-        lo = self.min_workers if self.min_workers is not None else (self.workers or 0)
-        return lo, self.max_workers
+        if self.min_workers is not None:
+            return self.min_workers, self.max_workers
+        return (self.workers if self.workers is not None else 1), self.max_workers
 
 
 class ServiceSection(_Strict):

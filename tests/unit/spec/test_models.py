@@ -204,6 +204,11 @@ def test_autoscaling_defaults() -> None:
         ),
         ("service:\n  pool: {}\n", "service.pool", "set 'workers', or both"),
         (
+            "service:\n  pool: {workers: 3, upscale_delay_seconds: 10}\n",
+            "service.pool",
+            "max_workers must be set when upscale_delay_seconds is set",
+        ),
+        (
             "service:\n  pool: {workers: 1}\n  replica_policy: {min_replicas: 1}\n",
             "service",
             "a pool cannot have 'replica_policy'",
@@ -292,8 +297,8 @@ def test_a_top_level_pool_is_skypilots_pool_yaml_and_not_beside_a_service() -> N
         # service_spec reads it, min_workers wins, and `workers` is the minimum without it.
         ("{workers: 2, min_workers: 1, max_workers: 4}", (1, 4), True),
         ("{workers: 2, max_workers: 4}", (2, 4), True),
-        ("{max_workers: 4}", (0, 4), True),
-        ("{workers: 3, upscale_delay_seconds: 10}", (3, 3), False),
+        ("{max_workers: 4}", (1, 4), True),  # SkyServe's default minimum, 1
+        ("{workers: 0, max_workers: 4}", (0, 4), True),
     ],
 )
 def test_pool_sizes_are_read_as_skypilot_reads_them(
