@@ -2,7 +2,8 @@
 and jobs (docs/skyserve.md lists them).
 
 SkyPilot exports these to a task's `setup` and `run` (docs/source/running-jobs/
-environment-variables.rst; sky/backends: the task code generator; sky/skylet/constants.py).
+environment-variables.rst; sky/backends/task_codegen.py and cloud_vm_ray_backend.py;
+sky/skylet/constants.py; read in SkyPilot 0.14.1).
 A fleetserve replica, worker or job is a single-node task: rank 0 of 1 node, whose address is
 the only line of the node IPs. SKYPILOT_NUM_GPUS_PER_NODE is the count of the replica's
 accelerators, rounded up (SkyPilot: "the same as the count in `accelerators: <name>:<count>`
@@ -12,8 +13,10 @@ accelerators, rounded up (SkyPilot: "the same as the count in `accelerators: <na
 from __future__ import annotations
 
 import datetime
+import getpass
 import json
 import math
+import os
 import re
 
 from fleetserve.spec.models import ResourcesBase, ServiceTask
@@ -24,6 +27,8 @@ NUM_NODES = "SKYPILOT_NUM_NODES"
 NUM_GPUS_PER_NODE = "SKYPILOT_NUM_GPUS_PER_NODE"
 SETUP_NODE_RANK = "SKYPILOT_SETUP_NODE_RANK"
 SETUP_NODE_IPS = "SKYPILOT_SETUP_NODE_IPS"
+SETUP_NUM_GPUS_PER_NODE = "SKYPILOT_SETUP_NUM_GPUS_PER_NODE"
+USER = "SKYPILOT_USER"  # who launched it
 TASK_ID = "SKYPILOT_TASK_ID"
 CLUSTER_INFO = "SKYPILOT_CLUSTER_INFO"
 SERVE_REPLICA_ID = "SKYPILOT_SERVE_REPLICA_ID"
@@ -60,6 +65,13 @@ def spec_gpus(spec: ServiceTask) -> int:
     return gpus_per_node(spec.resources.candidates()[0])
 
 
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        return str(os.getuid())
+
+
 def task_id(cluster: str, when: datetime.datetime | None = None, job: int = 1) -> str:
     """SkyPilot's form: `sky-<YYYY-MM-DD-HH-MM-SS-ffffff>_<cluster>_<job id>`."""
     stamp = (when or datetime.datetime.now()).strftime("%Y-%m-%d-%H-%M-%S-%f")
@@ -84,6 +96,8 @@ def task_env(
         NUM_GPUS_PER_NODE: str(gpus),
         SETUP_NODE_RANK: "0",
         SETUP_NODE_IPS: node_ip,
+        SETUP_NUM_GPUS_PER_NODE: str(gpus),
+        USER: _user(),
         TASK_ID: task_id(cluster, job=job),
         CLUSTER_INFO: json.dumps(info, sort_keys=True),
     }

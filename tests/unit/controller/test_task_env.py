@@ -58,7 +58,8 @@ def test_the_variables_of_a_single_node_task() -> None:
     assert env["SKYPILOT_NODE_RANK"] == "0" and env["SKYPILOT_NUM_NODES"] == "1"
     assert env["SKYPILOT_NODE_IPS"] == "10.0.0.7" == env["SKYPILOT_SETUP_NODE_IPS"]
     assert env["SKYPILOT_SETUP_NODE_RANK"] == "0"
-    assert env["SKYPILOT_NUM_GPUS_PER_NODE"] == "4"
+    assert env["SKYPILOT_NUM_GPUS_PER_NODE"] == "4" == env["SKYPILOT_SETUP_NUM_GPUS_PER_NODE"]
+    assert env["SKYPILOT_USER"]
     assert re.fullmatch(r"sky-\d{4}(-\d\d){5}-\d{6}_svc-3_1", env["SKYPILOT_TASK_ID"])
     info = json.loads(env["SKYPILOT_CLUSTER_INFO"])
     assert info == {"cluster_name": "svc-3", "cloud": "local", "region": "local", "zone": "zone-a"}
