@@ -48,6 +48,7 @@ from fleetserve.infra import netns
 from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import load_spec_file, require_values
+from fleetserve.spec.models import FLEETSERVE_INFRAS
 
 if TYPE_CHECKING:
     from fleetserve.sim.simulator import Run, Trace
@@ -114,6 +115,10 @@ def validate(
             "--strict", help="Also exit 2 when the file is valid but cannot run on this machine."
         ),
     ] = False,
+    infra: Annotated[
+        str | None,
+        typer.Option(help="The infra `up --infra` would get (local, ray): checked as up does"),
+    ] = None,
 ) -> None:
     """Check a service YAML (with the --env / --secret values `up` would get) as SkyPilot's
     parser does: print what is wrong, exit 2 if anything is. What is valid but `up` (or
@@ -127,8 +132,16 @@ def validate(
             require_values(spec)  # SkyPilot's parser refuses a null env and a null secret
         except InvalidSpec as e:
             raise InvalidSpec(f"{file}: {e.message}") from None
+        if infra is not None and infra.split("/")[0] not in FLEETSERVE_INFRAS:
+            raise InvalidSpec(
+                f"infra {infra!r} is not available; supported: {', '.join(FLEETSERVE_INFRAS)}"
+            )
     except InvalidSpec as e:
         raise _fail(e) from None
+    if infra is not None:  # as `up --infra` overrides the YAML's resources.infra
+        spec = spec.model_copy(
+            update={"resources": spec.resources.model_copy(update={"infra": infra})}
+        )
     infra = spec.requested_infra() or "local"
     mode = os.environ.get(netns.MODE_ENV, "auto")
     not_here = deploy_problems(spec, infra, mode if mode in netns.MODES else "auto", Path.cwd())

@@ -96,3 +96,13 @@ def test_skypilots_pool_example_with_an_s3_mount_cannot_run_here(tmp_path: Path)
     assert code == 0 and "cannot run here: file_mounts./my-data" in out, out
     strict, _ = validate(tmp_path, (POOLS / "pool.yaml").read_text(), "--strict")
     assert strict == 2
+
+
+def test_infra_is_checked_as_up_checks_it(tmp_path: Path) -> None:
+    text = "service: {readiness_probe: /}\nworkdir: {url: 'file:///r.git'}\nrun: echo\n"
+    code, out = validate(tmp_path, text, "--strict")
+    assert code == 0, out  # a git workdir is cloned on the local infra
+    code, out = validate(tmp_path, text, "--strict", "--infra", "ray")
+    assert code == 2 and "cloned on the local infra only, not on ray" in out, out
+    code, out = validate(tmp_path, text, "--infra", "aws")
+    assert code == 2 and "infra 'aws' is not available" in out, out
