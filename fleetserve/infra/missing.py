@@ -1,5 +1,6 @@
 """What a replica's host lacks, read from its log when `setup` fails: a command the shell did
-not find (`bash: line 3: conda: command not found`).
+not find (`bash: line 3: conda: command not found`), or the network (a download that could not
+resolve or reach its host).
 
 SkyPilot runs setup on its own VM images, which carry conda (Miniconda) and uv among other
 tools; real service YAMLs call them in `setup` (docs/skyserve.md, "Hosts without SkyPilot's
@@ -30,6 +31,26 @@ _PROVIDERS = {
 }
 
 
+# What a download that cannot reach the network prints (pip, curl, wget, git, Python).
+_OFFLINE = re.compile(
+    r"Temporary failure in name resolution|Could not resolve host[^\n]*|"
+    r"Name or service not known|Network is unreachable|No route to host|"
+    r"Failed to establish a new connection|unable to resolve host address[^\n]*"
+)
+
+
+def offline(text: str) -> str:
+    """`: ... this host may have no internet access` when `text` shows a download that
+    could not reach the network ("" otherwise)."""
+    found = _OFFLINE.findall(text)
+    if not found:
+        return ""
+    return (
+        f": setup could not reach the network ({found[-1].strip()[:120]}); this host may "
+        "have no internet access, which SkyPilot's cloud VMs have"
+    )
+
+
 def missing_commands(text: str) -> list[str]:
     """The commands a shell reported as not found in `text`, first seen first."""
     found: list[str] = []
@@ -51,7 +72,8 @@ def what_is_missing(commands: list[str]) -> str:
 
 
 def setup_missing(log: Path) -> str:
-    """`what_is_missing` for the commands the end of a replica's log reports not found."""
+    """`what_is_missing` for the commands the end of a replica's log reports not found, else
+    `offline` for a download that could not reach the network."""
     try:
         with open(log, "rb") as f:
             f.seek(0, 2)
@@ -60,4 +82,4 @@ def setup_missing(log: Path) -> str:
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
-    return what_is_missing(missing_commands(text))
+    return what_is_missing(missing_commands(text)) or offline(text)

@@ -36,7 +36,7 @@ from typing import Any
 from fleetserve.core.errors import TerminalError, TransientError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.jobs import JobRequest, WorkerBroken
-from fleetserve.infra.missing import TAIL_BYTES, missing_commands, what_is_missing
+from fleetserve.infra.missing import TAIL_BYTES, missing_commands, offline, what_is_missing
 from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 NAMESPACE = "fleetserve"
@@ -396,7 +396,7 @@ class RayInfra:
                     if not done:  # setup failed: a command this node lacks (conda, uv)?
                         with contextlib.suppress(Exception):
                             tail = await self._call(ray, actor.log_tail.remote(TAIL_BYTES))
-                            missing = what_is_missing(missing_commands(tail))
+                            missing = what_is_missing(missing_commands(tail)) or offline(tail)
                     raise TerminalError(
                         f"setup or run exited with code {code} on node {info['host']}"
                         f"{missing} (see `fleetserve logs {request.service} "
