@@ -164,7 +164,7 @@ def test_an_update_that_changes_the_lb_settings_replaces_it_without_a_failed_req
         time.sleep(2)
     report(load)
     assert load.failures == []
-    log = fleet.cli("logs", "lbset", "--load-balancer").stdout
+    log = fleet.cli("logs", "--no-follow", "lbset", "--load-balancer").stdout
     assert "policy least_load" in log
     with fleet.client() as c:
         events = [e.message for e in c.events("lbset", 200)]
