@@ -122,6 +122,9 @@ def service_info(
     if spec.service.pool is not None:  # a pool's workers
         lo, hi = pool_bounds(spec.service.pool)
         target = ctl.pool_target_of(svc.name, lo, fleet.pools if fleet else None)
+        # The stored target is the last round's: within the active version's bounds (`pool
+        # apply --workers 1` answered "3 worker(s) wanted", the old size).
+        target = min(max(target, lo), hi)
     else:
         target = ctl.target_of(svc.name, lo, fleet.autoscaler if fleet else None)
     return ServiceInfo(

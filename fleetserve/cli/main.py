@@ -96,7 +96,8 @@ def _root(
 
 
 out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+# Messages on stderr are never wrapped by rich: a long error keeps its `command` whole.
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, soft_wrap=True)
 
 
 def _fail(e: FleetserveError) -> typer.Exit:
