@@ -356,13 +356,13 @@ def _rollout_failed(svc: ServiceInfo, version: int) -> ServiceFailed:
     failed = [r for r in svc.replicas if r.version == version and "FAIL" in r.status]
     logs = (
         f"; `fleetserve logs {svc.name} {failed[-1].replica_id} --no-follow` shows its output"
-        if failed
+        if failed and "fleetserve logs" not in (svc.failure_reason or "")
         else ""
     )
     return ServiceFailed(
         f"version {version} of {svc.name} failed; version {svc.serving_version} keeps "
-        f"serving. {svc.failure_reason} `fleetserve rollback {svc.name}` drops version "
-        f"{version}{logs}."
+        f"serving. {(svc.failure_reason or '').rstrip('.')}. `fleetserve rollback {svc.name}` "
+        f"drops version {version}{logs}."
     )
 
 
@@ -591,6 +591,14 @@ def _status_view(
     for s in services:
         if s.failure_reason:
             parts.append(Text.from_markup(f"[red]{escape(s.name)}:[/] {escape(s.failure_reason)}"))
+            if s.serving_version and s.serving_version != s.active_version:
+                parts.append(
+                    Text(
+                        f"{s.name}: version {s.active_version} failed; version "
+                        f"{s.serving_version} keeps serving. `fleetserve rollback {s.name}` "
+                        f"drops version {s.active_version}."
+                    )
+                )
         if s.spot_placer:
             placer, summary = s.spot_placer.get("placer"), s.spot_placer.get("summary")
             parts.append(Text(f"{s.name}: spot placer {placer}; {summary}"))
