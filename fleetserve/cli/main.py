@@ -280,10 +280,7 @@ def _follow_up(client: Client, name: str, prog: Progress) -> ServiceInfo:
             last_tail[0] = time.monotonic()
             _last_setup_line(client, svc, shown, prog)
 
-    svc = client.wait_ready(name, math.inf, on_poll=show)
-    if svc.status != "READY":
-        prog.line("  scaled to zero: the first request starts a replica (and waits for it)")
-    return svc
+    return client.wait_ready(name, math.inf, on_poll=show)
 
 
 @app.command()
@@ -344,7 +341,13 @@ def up(
         return
     if detach:
         return
-    out.print(f"Service [bold]{escape(svc.name)}[/] is {svc.status}.")
+    if svc.status == "READY":
+        out.print(f"Service [bold]{escape(svc.name)}[/] is READY.")
+    else:
+        out.print(
+            f"Service [bold]{escape(svc.name)}[/] is scaled to zero: the first request starts "
+            "a replica (and waits for it)."
+        )
     out.print(f"Endpoint: {svc.endpoint}", highlight=False)
 
 
@@ -447,23 +450,24 @@ def update(
         version = svc.active_version
         in_place = svc.serving_version == version
         with Progress(out, err, quiet) as prog:
-            if in_place:
-                prog.line(f"Version {version} serves: the replicas moved to it in place.")
-            elif svc.traffic_percent is not None:
-                prog.line(
-                    f"Canary: version {version} of {escape(name)} takes "
-                    f"{svc.traffic_percent}% of requests once a replica of it is READY."
-                )
-            else:
-                prog.line(f"Rolling out version {version} of {escape(name)} ({svc.update_mode}).")
-            if not in_place and not detach:
-                svc = _follow_rollout(client, name, version, prog)
+            if not in_place:  # (in place: the result says so, below)
+                if svc.traffic_percent is not None:
+                    prog.line(
+                        f"Canary: version {version} of {escape(name)} takes "
+                        f"{svc.traffic_percent}% of requests once a replica of it is READY."
+                    )
+                else:
+                    prog.line(
+                        f"Rolling out version {version} of {escape(name)} ({svc.update_mode})."
+                    )
+                if not detach:
+                    svc = _follow_rollout(client, name, version, prog)
     except FleetserveError as e:
         raise _fail(e) from None
     if quiet:
         emit(svc, output)
     elif in_place:
-        return
+        out.print(f"Version {version} serves: the replicas moved to it in place.")
     elif detach:
         out.print(f"Follow it with `fleetserve status {name}`.", highlight=False)
     elif svc.traffic_percent is not None and svc.serving_version != version:

@@ -211,6 +211,9 @@ def test_a_command_that_always_fails_stops_after_three_tries(fleet: Fleet) -> No
     proc = fleet.cli("up", str(path), check=False)
     assert proc.returncode == 1
     assert "FAILED" in proc.stderr and "exited with code 4" in proc.stderr
+    # The cause from the replica's own output, and the command that shows the rest.
+    assert "last log lines: boom" in proc.stderr
+    assert "`fleetserve logs broken 3 --no-follow` shows the rest" in proc.stderr
     with fleet.client() as c:
         svc = c.service("broken")
     assert [r.status for r in svc.replicas] == ["FAILED"] * 3
