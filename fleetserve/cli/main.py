@@ -320,26 +320,27 @@ def up(
         client = Client()
         svc = client.up_file(file, name, infra, envs, secrets, host)
         _print_warnings(svc.warnings, err if quiet else out)
-        with Progress(out, err, quiet) as prog:
-            lo, hi = svc.min_replicas, svc.max_replicas
-            size = f"{lo}" if lo == hi else f"{lo}..{hi}"
-            prog.line(f"Service [bold]{escape(svc.name)}[/] accepted: {size} replica(s).")
-            if detach:
-                prog.line(f"Check it with `fleetserve status {svc.name}`.")
+        lo, hi = svc.min_replicas, svc.max_replicas
+        size = f"{lo}" if lo == hi else f"{lo}..{hi}"
+        accepted = f"Service [bold]{escape(svc.name)}[/] accepted: {size} replica(s)."
+        if detach:  # the acceptance is the result
+            if quiet:
+                emit(svc, output)
             else:
-                try:
-                    svc = _follow_up(client, svc.name, prog)
-                except KeyboardInterrupt:
-                    prog.line(
-                        f"Stopped watching; {svc.name} keeps launching (`fleetserve status`)."
-                    )
-                    return
+                out.print(accepted)
+                out.print(f"Check it with `fleetserve status {svc.name}`.", highlight=False)
+            return
+        with Progress(out, err, quiet) as prog:
+            prog.line(accepted)
+            try:
+                svc = _follow_up(client, svc.name, prog)
+            except KeyboardInterrupt:
+                prog.line(f"Stopped watching; {svc.name} keeps launching (`fleetserve status`).")
+                return
     except FleetserveError as e:
         raise _fail(e) from None
     if quiet:
         emit(svc, output)
-        return
-    if detach:
         return
     if svc.status == "READY":
         out.print(f"Service [bold]{escape(svc.name)}[/] is READY.")

@@ -348,3 +348,47 @@ def test_jobs_launch_wait_shows_each_job_ending_and_the_logs_command() -> None:
 
 def pools_run(*args: str) -> Any:
     return CliRunner().invoke(app, list(args))
+
+
+def test_up_detach_prints_the_acceptance_on_stdout(spec: Path) -> None:
+    res = run("up", "-d", str(spec))
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines() == [
+        "Service web accepted: 2 replica(s).",
+        "Check it with `fleetserve status web`.",
+    ]
+    assert Fake.views == []  # nothing waited for
+
+
+def test_progress_on_a_terminal_piped_and_quiet() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from fleetserve.cli.progress import Progress
+
+    def consoles(terminal: bool) -> tuple[Console, Console, StringIO, StringIO]:
+        o, e = StringIO(), StringIO()
+        return (
+            Console(file=o, force_terminal=terminal, width=100),
+            Console(file=e, width=100),
+            o,
+            e,
+        )
+
+    out, err, o, e = consoles(True)
+    with Progress(out, err) as prog:
+        assert prog.live
+        prog.state("web: 1 STARTING")
+        prog.line("  replica 1: READY")
+    assert "replica 1: READY" in o.getvalue() and e.getvalue() == ""
+    out, err, o, e = consoles(False)
+    with Progress(out, err) as prog:
+        prog.state("web: 1 STARTING")  # no spinner off a terminal
+        prog.line("  replica 1: READY")
+    assert o.getvalue() == "" and e.getvalue() == "  replica 1: READY\n"
+    out, err, o, e = consoles(True)
+    with Progress(out, err, quiet=True) as prog:
+        prog.state("x")
+        prog.line("y")
+    assert o.getvalue() == e.getvalue() == ""
