@@ -221,10 +221,24 @@ def _print_warnings(lines: list[str], to: Console | None = None) -> None:
         (to or out).print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
+_SEEDED = -1  # a key of `seen`: the first view was taken
+_HISTORY = ("PREEMPTED",)
+
+
 def _print_changes(
     svc: ServiceInfo, seen: dict[int, str], prog: Progress, versions: bool = False
 ) -> None:
-    """One line per replica whose status changed since the last call."""
+    """One line per replica whose status changed since the last call. Replicas that had
+    already ended at the first call (an older version's failed rows) are history: not shown."""
+    if _SEEDED not in seen:
+        seen[_SEEDED] = ""
+        seen.update(
+            {
+                r.replica_id: r.status
+                for r in svc.replicas
+                if r.status in _HISTORY or "FAIL" in r.status
+            }
+        )
     for r in svc.replicas:
         if seen.get(r.replica_id) != r.status:
             seen[r.replica_id] = r.status
@@ -265,7 +279,7 @@ def _last_setup_line(
 def _follow_up(client: Client, name: str, prog: Progress) -> ServiceInfo:
     """Show replica status changes until one is READY or the service fails (raises
     ServiceFailed with the reason); while setup runs, its newest log line."""
-    seen: dict[int, str] = {}
+    seen: dict[int, str] = {_SEEDED: ""}  # a new service: every row it has is news
     shown: dict[int, str] = {}
     prog.line(
         "  (Ctrl-C stops watching; the service keeps launching. `fleetserve up -d` returns "
@@ -580,7 +594,8 @@ def status(
             print(services[0].endpoint)
             return
         for part in _status_view(client, services, verbose):
-            out.print(part, highlight=False)
+            # A reason's line is never wrapped by rich (its `command` stays whole); tables are.
+            out.print(part, highlight=False, soft_wrap=isinstance(part, Text))
     except FleetserveError as e:
         raise _fail(e) from None
 

@@ -392,3 +392,24 @@ def test_progress_on_a_terminal_piped_and_quiet() -> None:
         prog.state("x")
         prog.line("y")
     assert o.getvalue() == e.getvalue() == ""
+
+
+def test_a_rollout_shows_its_own_replicas_not_an_older_versions_failed_rows(spec: Path) -> None:
+    # Replica 3 failed in an earlier, abandoned rollout: history, not this rollout's progress.
+    Fake.views = [
+        view(
+            "READY",
+            [replica(1, "READY"), replica(3, "FAILED"), replica(6, "PENDING", 2)],
+            active_version=2,
+        ),
+        view(
+            "READY",
+            [replica(1, "READY"), replica(3, "FAILED"), replica(6, "FAILED", 2)],
+            active_version=2,
+            failure_reason="launches stopped",
+        ),
+    ]
+    res = run("update", "web", str(spec))
+    assert res.exit_code == 1
+    assert "replica 3 (v1)" not in res.stderr
+    assert "replica 6 (v2): PENDING" in res.stderr and "replica 6 (v2): FAILED" in res.stderr
