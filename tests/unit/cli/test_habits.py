@@ -413,3 +413,38 @@ def test_a_rollout_shows_its_own_replicas_not_an_older_versions_failed_rows(spec
     assert res.exit_code == 1
     assert "replica 3 (v1)" not in res.stderr
     assert "replica 6 (v2): PENDING" in res.stderr and "replica 6 (v2): FAILED" in res.stderr
+
+
+def test_pool_apply_wait_shows_workers_until_the_wanted_ones_are_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    views = [
+        [view("REPLICA_INIT", [replica(1, "PROVISIONING")], name="batch", target_replicas=1)],
+        [view("READY", [replica(1, "READY")], name="batch", target_replicas=1)],
+    ]
+    monkeypatch.setattr(Fake, "pools", lambda self, name=None: views.pop(0), raising=False)
+    res = run("pool", "apply", "-p", "batch", "--workers", "1", "--wait")
+    assert res.exit_code == 0, res.output
+    assert "worker 1 (v1): PROVISIONING" in res.stderr and "worker 1 (v1): READY" in res.stderr
+    assert "Pool batch: 1 worker(s) READY." in res.stdout and views == []
+
+
+def test_pool_apply_wait_fails_with_the_pools_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = view(
+        "FAILED",
+        [replica(1, "FAILED_PROVISION")],
+        name="batch",
+        failure_reason="setup failed with exit code 7",
+    )
+    monkeypatch.setattr(Fake, "pools", lambda self, name=None: [broken], raising=False)
+    res = run("pool", "apply", "-p", "batch", "--workers", "1", "--wait")
+    assert res.exit_code == 1
+    assert "pool batch cannot start workers: setup failed with exit code 7" in res.stderr
+    assert "`fleetserve pool apply -p batch FILE`" in res.stderr
+
+
+def test_jobs_launch_o_json_prints_the_jobs_alone() -> None:
+    res = run("jobs", "launch", "-p", "batch", "-o", "json", "/dev/null")
+    assert res.exit_code == 0, res.output
+    assert [j["job_id"] for j in json.loads(res.stdout)] == [7, 8]
+    assert res.stderr == ""
