@@ -517,6 +517,8 @@ def rollback(name: ServiceArg, wait: WaitOption = False) -> None:
             with Progress(out, err) as prog:
                 svc = _settle_on(client, name, svc.active_version, prog)
             out.print(f"Version {svc.active_version} serves.", highlight=False)
+        else:
+            out.print(f"Follow it with `fleetserve status {name}` (or --wait).", highlight=False)
     except FleetserveError as e:
         raise _fail(e) from None
 
@@ -534,6 +536,8 @@ def promote(name: ServiceArg, wait: WaitOption = False) -> None:
             with Progress(out, err) as prog:
                 svc = _settle_on(client, name, svc.active_version, prog)
             out.print(f"Version {svc.active_version} serves all requests.", highlight=False)
+        else:
+            out.print(f"Follow it with `fleetserve status {name}` (or --wait).", highlight=False)
     except FleetserveError as e:
         raise _fail(e) from None
 
