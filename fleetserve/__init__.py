@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from fleetserve._version import __version__
 
-__all__ = ["Client", "__version__"]
+__all__ = ["Client", "ServiceFailed", "WaitTimeout", "__version__"]
 
 if TYPE_CHECKING:
     from fleetserve.client import Client
+    from fleetserve.core.errors import ServiceFailed, WaitTimeout
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from fleetserve.client import Client
 
         return Client
+    if name in ("ServiceFailed", "WaitTimeout"):
+        from fleetserve.core import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'fleetserve' has no attribute {name!r}")

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,14 +34,18 @@ from fleetserve.core.errors import (
     FleetserveError,
     InvalidSpec,
     NotFound,
+    ServiceFailed,
     TransientError,
     Unauthorized,
+    WaitTimeout,
 )
 from fleetserve.core.sockets import listener_uids
 from fleetserve.infra.local import open_private
 from fleetserve.infra.procs import started_as
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
+FAILED_SERVICE_STATUSES = ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")
+WAIT_POLL = 0.5  # seconds between polls of a wait
 BUSY_WAIT_SECONDS = 10.0  # for a controller whose port is open but that does not answer yet
 
 
@@ -133,7 +137,9 @@ def start_server(settings: Settings, wait: float = 30.0) -> int:
                     or f"the controller exited at start (code {proc.returncode}); see "
                     f"{settings.controller_log}"
                 )
-                if proc.returncode in (2, 6):  # invalid settings; an unusable database or home
+                # Invalid settings; another controller of this home (on another port); an
+                # unusable database or home.
+                if proc.returncode in (2, 5, 6):
                     failed.exit_code = proc.returncode
                 raise failed
             if client.healthy():
@@ -385,14 +391,49 @@ class Client:
         envs: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
         host: str | None = None,
+        wait: bool = False,
+        timeout: float = 1800.0,
     ) -> ServiceInfo:
+        """Start the service in the YAML file. The answer comes at once (CONTROLLER_INIT);
+        with `wait=True` it comes once the service is READY (`wait_ready`: raises
+        ServiceFailed with the reason if it fails, WaitTimeout after `timeout` seconds)."""
         p = Path(path)
         try:
             text = p.read_text()
         except OSError as e:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
         # Relative paths in the YAML start from the caller's folder, as in SkyPilot.
-        return self.up(text, name, str(Path.cwd()), infra, envs, secrets, host)
+        svc = self.up(text, name, str(Path.cwd()), infra, envs, secrets, host)
+        return self.wait_ready(svc.name, timeout) if wait else svc
+
+    def wait_ready(
+        self,
+        name: str,
+        timeout: float = 1800.0,
+        on_poll: Callable[[ServiceInfo], None] | None = None,
+    ) -> ServiceInfo:
+        """Wait until the service is READY (a scale-to-zero service: until its endpoint is
+        up with no replica) and return it. A service that fails raises ServiceFailed naming
+        the reason (a crashed replica's last log lines included); none of these within
+        `timeout` seconds raises WaitTimeout. `on_poll` sees each view (the CLI's progress)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            svc = self.service(name)
+            if on_poll is not None:
+                on_poll(svc)
+            if svc.status == "READY":
+                return svc
+            if svc.min_replicas == 0 and svc.endpoint and not svc.replicas:
+                return svc
+            if svc.status in FAILED_SERVICE_STATUSES:
+                why = svc.failure_reason or f"see `fleetserve status {name} -v`"
+                raise ServiceFailed(f"service {name} is {svc.status}: {why}")
+            if time.monotonic() >= deadline:
+                raise WaitTimeout(
+                    f"service {name} is not READY after {timeout:g} s (it is {svc.status}; it "
+                    f"keeps launching): see `fleetserve status {name} -v`"
+                )
+            time.sleep(WAIT_POLL)
 
     def update_file(
         self,
@@ -563,11 +604,19 @@ class Client:
         return self._stream(f"/services/{name}/replicas/{replica_id}/logs", params)
 
     def component_logs(
-        self, which: str, service: str | None = None, follow: bool = False
+        self,
+        which: str,
+        service: str | None = None,
+        follow: bool = False,
+        tail: int | None = None,
     ) -> Iterator[str]:
+        """The controller's log (with `service`: only its lines that name it) or a service's
+        load balancer's; the last `tail` lines, if given."""
         params: dict[str, Any] = {"follow": follow}
         if service:
             params["service"] = service
+        if tail is not None:
+            params["tail"] = tail
         return self._stream(f"/logs/{which}", params)
 
     def _stream(self, path: str, params: dict[str, Any]) -> Iterator[str]:

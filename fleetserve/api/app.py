@@ -52,7 +52,7 @@ from fleetserve.controller.pools import pool_bounds
 from fleetserve.controller.scaling import STATE_KEY as AUTOSCALER_KEY
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound, Standby
 from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
-from fleetserve.infra.local import read_lines
+from fleetserve.infra.local import lines_naming, read_lines
 from fleetserve.lb.wake import wake_token
 from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import lb_host, reachable_host
@@ -122,6 +122,9 @@ def service_info(
     if spec.service.pool is not None:  # a pool's workers
         lo, hi = pool_bounds(spec.service.pool)
         target = ctl.pool_target_of(svc.name, lo, fleet.pools if fleet else None)
+        # The stored target is the last round's: within the active version's bounds (`pool
+        # apply --workers 1` answered "3 worker(s) wanted", the old size).
+        target = min(max(target, lo), hi)
     else:
         target = ctl.target_of(svc.name, lo, fleet.autoscaler if fleet else None)
     return ServiceInfo(
@@ -539,11 +542,19 @@ def create_app(
 
     @app.get(f"{PREFIX}/logs/{{which}}", responses=_ERRORS)
     async def component_logs(
-        which: str, service: str | None = None, follow: bool = False
+        which: str,
+        service: str | None = Query(None, max_length=64),
+        follow: bool = False,
+        tail: int | None = Query(None, ge=1, le=10_000, description="Only the last N lines"),
     ) -> StreamingResponse:
         if which not in ("controller", "load-balancer"):
             raise NotFound(f"no log called {which!r}: use controller or load-balancer")
         path = ctl.log_file(which, service)
-        return StreamingResponse(read_lines(path, follow), media_type="text/plain")
+        if which == "controller" and service is not None:
+            ctl.store.service(service)  # a name that is no service's is an error, not silence
+            lines = lines_naming(path, service, follow, tail)
+        else:
+            lines = read_lines(path, follow, tail)
+        return StreamingResponse(lines, media_type="text/plain")
 
     return app

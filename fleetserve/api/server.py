@@ -26,12 +26,13 @@ import uvicorn
 from fleetserve.api.app import create_app
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.home import ensure_token, secure_home
-from fleetserve.controller.settings import Settings
+from fleetserve.controller.settings import DEFAULT_API_PORT, Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 from fleetserve.infra.base import Infra
 from fleetserve.infra.procs import started
 
 EXIT_REFUSED = 2
+EXIT_OTHER_CONTROLLER = 5  # the home's controller runs: reach that one (like "unreachable")
 MAX_HEADER_BYTES = 64 * 1024  # request line and headers of one request
 MAX_CONNECTIONS = 512  # past it new requests get 503 at once
 
@@ -43,6 +44,36 @@ def _refuse(message: str, code: int = EXIT_REFUSED) -> NoReturn:
     if not sys.stdout.isatty():
         print(line, flush=True)
     sys.exit(code)
+
+
+def _another_controller(settings: Settings) -> str:
+    """Why this controller does not start: the home's running one, its port and how to
+    reach it (a second FLEETSERVE_API_PORT for the same home, say)."""
+    try:
+        info = json.loads(settings.server_file.read_text())
+        port, pid = int(info["port"]), int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return (
+            f"another fleetserve controller is running for {settings.home} (its port is not "
+            f"known: {settings.server_file} is missing); stop it with `fleetserve server stop` "
+            "and its FLEETSERVE_API_PORT"
+        )
+    if port == settings.api_port:
+        return (
+            f"another fleetserve controller is running for {settings.home} on port {port} "
+            f"(pid {pid}); use it, or stop it first with `fleetserve server stop`"
+        )
+    reach = (
+        "unset FLEETSERVE_API_PORT (it runs on the default port)"
+        if port == DEFAULT_API_PORT
+        else f"set FLEETSERVE_API_PORT={port}"
+    )
+    return (
+        f"another fleetserve controller is running for {settings.home} on port {port} (pid "
+        f"{pid}), not {settings.api_port}: one controller per FLEETSERVE_HOME. To use it, "
+        f"{reach}; to move it, stop it first with `FLEETSERVE_API_PORT={port} fleetserve "
+        "server stop`"
+    )
 
 
 def bind(settings: Settings) -> socket.socket:
@@ -80,8 +111,7 @@ def main(infra: Infra | None = None) -> None:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        where = f" on port {settings.api_port}" if settings.ha else ""
-        _refuse(f"another fleetserve controller is running for {settings.home}{where}", 1)
+        _refuse(_another_controller(settings), EXIT_OTHER_CONTROLLER)
     try:
         sock = bind(settings)
         controller = Controller(settings, replica_umask=user_umask, infra=infra)

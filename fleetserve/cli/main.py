@@ -33,6 +33,7 @@ from fleetserve.cli.output import (
     write,
 )
 from fleetserve.cli.pools import jobs_app, pool_app
+from fleetserve.cli.progress import Progress
 from fleetserve.cli.render import (
     event_line,
     events_table,
@@ -43,7 +44,13 @@ from fleetserve.cli.render import (
 from fleetserve.client import BUSY_WAIT_SECONDS, Client, server_pid, start_server, stop_server
 from fleetserve.controller.admission import deploy_problems
 from fleetserve.controller.settings import Settings, is_loopback
-from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound, TransientError
+from fleetserve.core.errors import (
+    FleetserveError,
+    InvalidSpec,
+    NotFound,
+    ServiceFailed,
+    TransientError,
+)
 from fleetserve.infra import netns
 from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import exposure_warning, override_host
@@ -65,12 +72,38 @@ app.add_typer(chaos_app, name="chaos")
 app.add_typer(pool_app, name="pool")
 app.add_typer(jobs_app, name="jobs")
 app.command("dashboard")(dashboard)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from fleetserve._version import __version__
+
+        print(f"fleetserve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_show_version,
+            is_eager=True,
+            help="Print fleetserve's version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Serve any model server as a fleet of replicas behind one endpoint."""
+
+
 out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+# Messages on stderr are never wrapped by rich: a long error keeps its `command` whole.
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, soft_wrap=True)
 
 
 def _fail(e: FleetserveError) -> typer.Exit:
-    err.print(f"[red]Error:[/] {e.message}", highlight=False, markup=True, soft_wrap=True)
+    err.print(f"[red]Error:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
     return typer.Exit(e.exit_code)
 
 
@@ -91,6 +124,26 @@ SecretOption = Annotated[
         "--secret",
         help="KEY=VALUE over the YAML's secrets (repeatable); KEY alone takes your shell's "
         "value. Never shown back",
+    ),
+]
+
+YesOption = Annotated[
+    bool,
+    typer.Option(
+        "--yes",
+        "-y",
+        help="Skip confirmation (accepted for `sky serve` habits: fleetserve asks none).",
+    ),
+]
+
+ResultOption = Annotated[
+    OutputFormat,
+    typer.Option(
+        "-o",
+        "--output",
+        case_sensitive=False,
+        help="table (default: progress, then a summary), json or yaml: no progress, only the "
+        "result as the REST API's body",
     ),
 ]
 
@@ -177,22 +230,51 @@ def validate(
     out.print(f"[green]OK[/] {escape(str(file))}: {summary}", highlight=False, soft_wrap=True)
 
 
-def _print_warnings(lines: list[str]) -> None:
+def _print_warnings(lines: list[str], to: Console | None = None) -> None:
     for line in lines:
-        out.print(f"[yellow]warning:[/] {escape(line)}", highlight=False)
+        (to or out).print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
-def _print_changes(svc: ServiceInfo, seen: dict[int, str], versions: bool = False) -> None:
-    """One line per replica whose status changed since the last call."""
+_SEEDED = -1  # a key of `seen`: the first view was taken
+_HISTORY = ("PREEMPTED",)
+
+
+def _print_changes(
+    svc: ServiceInfo, seen: dict[int, str], prog: Progress, versions: bool = False
+) -> None:
+    """One line per replica whose status changed since the last call. Replicas that had
+    already ended at the first call (an older version's failed rows) are history: not shown."""
+    if _SEEDED not in seen:
+        seen[_SEEDED] = ""
+        seen.update(
+            {
+                r.replica_id: r.status
+                for r in svc.replicas
+                if r.status in _HISTORY or "FAIL" in r.status
+            }
+        )
     for r in svc.replicas:
         if seen.get(r.replica_id) != r.status:
             seen[r.replica_id] = r.status
-            extra = f" - {r.reason}" if r.reason else ""
+            extra = f" - {escape(r.reason)}" if r.reason else ""
             which = f"{r.replica_id} (v{r.version})" if versions else str(r.replica_id)
-            out.print(f"  replica {which}: {styled(r.status)}{extra}", highlight=False)
+            prog.line(f"  replica {which}: {styled(r.status)}{extra}")
 
 
-def _last_setup_line(client: Client, svc: ServiceInfo, shown: dict[int, str]) -> None:
+def _fleet_state(svc: ServiceInfo, version: int | None = None) -> str:
+    """The spinner's line: how many replicas are where (of one version, if given)."""
+    mine = [r for r in svc.replicas if version is None or r.version == version]
+    count: dict[str, int] = {}
+    for r in mine:
+        count[r.status] = count.get(r.status, 0) + 1
+    parts = ", ".join(f"{n} {status}" for status, n in sorted(count.items())) or "no replica yet"
+    of = f" v{version}" if version is not None else ""
+    return f"{escape(svc.name)}{of}: {parts} (target {svc.target_replicas})"
+
+
+def _last_setup_line(
+    client: Client, svc: ServiceInfo, shown: dict[int, str], prog: Progress
+) -> None:
     """While a replica runs its setup, show its newest log line (when it changes)."""
     for r in svc.replicas:
         if r.status != "PROVISIONING":
@@ -204,37 +286,29 @@ def _last_setup_line(client: Client, svc: ServiceInfo, shown: dict[int, str]) ->
         line = lines[-1].strip()[:160] if lines else ""
         if line and shown.get(r.replica_id) != line:
             shown[r.replica_id] = line
-            text = f"    [dim]replica {r.replica_id}:[/] {escape(line)}"
-            out.print(text, highlight=False, markup=True)
+            prog.line(f"    [dim]replica {r.replica_id}:[/] {escape(line)}")
         return  # one replica's setup is enough to show progress
 
 
-def _follow_up(client: Client, name: str) -> ServiceInfo:
-    """Print replica status changes until one is READY or the service fails; while setup
-    runs, its newest log line."""
-    seen: dict[int, str] = {}
+def _follow_up(client: Client, name: str, prog: Progress) -> ServiceInfo:
+    """Show replica status changes until one is READY or the service fails (raises
+    ServiceFailed with the reason); while setup runs, its newest log line."""
+    seen: dict[int, str] = {_SEEDED: ""}  # a new service: every row it has is news
     shown: dict[int, str] = {}
-    out.print(
+    prog.line(
         "  (Ctrl-C stops watching; the service keeps launching. `fleetserve up -d` returns "
-        "at once.)",
-        highlight=False,
+        "at once.)"
     )
-    last_tail = 0.0
-    while True:
-        svc = client.service(name)
-        _print_changes(svc, seen)
-        if time.monotonic() - last_tail >= 2.0:
-            last_tail = time.monotonic()
-            _last_setup_line(client, svc, shown)
-        if svc.status == "READY":
-            return svc
-        if svc.min_replicas == 0 and svc.endpoint and not svc.replicas:
-            out.print("  scaled to zero: the first request starts a replica (and waits for it)")
-            return svc
-        if svc.status in ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP"):
-            why = svc.failure_reason or "see `fleetserve status -v`"
-            raise FleetserveError(f"service {name} is {svc.status}: {why}")
-        time.sleep(0.5)
+    last_tail = [0.0]
+
+    def show(svc: ServiceInfo) -> None:
+        _print_changes(svc, seen, prog)
+        prog.state(_fleet_state(svc))
+        if not prog.quiet and time.monotonic() - last_tail[0] >= 2.0:
+            last_tail[0] = time.monotonic()
+            _last_setup_line(client, svc, shown, prog)
+
+    return client.wait_ready(name, math.inf, on_poll=show)
 
 
 @app.command()
@@ -255,8 +329,13 @@ def up(
             "127.0.0.1 on the local infra, 0.0.0.0 on ray"
         ),
     ] = None,
+    yes: YesOption = False,
+    output: ResultOption = OutputFormat.table,
 ) -> None:
-    """Start a service: its replicas and a load balancer; print the endpoint."""
+    """Start a service: its replicas and a load balancer; print the endpoint. Progress shows
+    on a terminal (on stderr when piped); `-o json|yaml` prints only the service's final view
+    (GET /services/NAME's body)."""
+    quiet = output is not OutputFormat.table
     try:
         envs, secrets = _overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)  # a clear local error before anything
@@ -268,40 +347,98 @@ def up(
             err.print(warning, highlight=False)
         client = Client()
         svc = client.up_file(file, name, infra, envs, secrets, host)
-        _print_warnings(svc.warnings)
-        out.print(f"Service [bold]{svc.name}[/] accepted; launching {svc.min_replicas} replica(s).")
-        if detach:
-            out.print(f"Check it with `fleetserve status {svc.name}`.")
+        _print_warnings(svc.warnings, err if quiet else out)
+        lo, hi = svc.min_replicas, svc.max_replicas
+        size = f"{lo}" if lo == hi else f"{lo}..{hi}"
+        accepted = f"Service [bold]{escape(svc.name)}[/] accepted: {size} replica(s)."
+        if detach:  # the acceptance is the result
+            if quiet:
+                emit(svc, output)
+            else:
+                out.print(accepted)
+                out.print(f"Check it with `fleetserve status {svc.name}`.", highlight=False)
             return
-        try:
-            svc = _follow_up(client, svc.name)
-        except KeyboardInterrupt:
-            out.print(f"\nStopped watching; {svc.name} keeps launching (`fleetserve status`).")
-            return
+        with Progress(out, err, quiet) as prog:
+            prog.line(accepted)
+            try:
+                svc = _follow_up(client, svc.name, prog)
+            except KeyboardInterrupt:
+                prog.line(f"Stopped watching; {svc.name} keeps launching (`fleetserve status`).")
+                return
     except FleetserveError as e:
         raise _fail(e) from None
-    out.print(f"Service [bold]{svc.name}[/] is {svc.status}.")
+    if quiet:
+        emit(svc, output)
+        return
+    if svc.status == "READY":
+        out.print(f"Service [bold]{escape(svc.name)}[/] is READY.")
+    else:
+        out.print(
+            f"Service [bold]{escape(svc.name)}[/] is scaled to zero: the first request starts "
+            "a replica (and waits for it)."
+        )
     out.print(f"Endpoint: {svc.endpoint}", highlight=False)
 
 
-def _follow_rollout(client: Client, name: str, version: int) -> ServiceInfo:
-    """Print replica changes until `version` serves (or, for a canary, has a READY replica),
+_ENDED = ("SHUTTING_DOWN", "PREEMPTED")
+
+
+def _rollout_failed(svc: ServiceInfo, version: int) -> ServiceFailed:
+    """Why waiting for `version` ended in failure, and the commands that go on from there."""
+    failed = [r for r in svc.replicas if r.version == version and "FAIL" in r.status]
+    logs = (
+        f"; `fleetserve logs {svc.name} {failed[-1].replica_id} --no-follow` shows its output"
+        if failed and "fleetserve logs" not in (svc.failure_reason or "")
+        else ""
+    )
+    return ServiceFailed(
+        f"version {version} of {svc.name} failed; version {svc.serving_version} keeps "
+        f"serving. {(svc.failure_reason or '').rstrip('.')}. `fleetserve rollback {svc.name}` "
+        f"drops version {version}{logs}."
+    )
+
+
+def _follow_rollout(client: Client, name: str, version: int, prog: Progress) -> ServiceInfo:
+    """Show replica changes until `version` serves (or, for a canary, has a READY replica),
     or the rollout fails."""
     seen: dict[int, str] = {}
     while True:
         svc = client.service(name)
-        _print_changes(svc, seen, versions=True)
+        _print_changes(svc, seen, prog, versions=True)
+        prog.state(_fleet_state(svc, version))
         if svc.active_version != version:
             raise FleetserveError(f"the rollout of version {version} was abandoned (rollback)")
         if svc.failure_reason:
-            raise FleetserveError(
-                f"version {version} failed; version {svc.serving_version} keeps serving. "
-                f"{svc.failure_reason}"
-            )
+            raise _rollout_failed(svc, version)
         if svc.serving_version == version:
             return svc
         if svc.traffic_percent is not None and any(
             r.version == version and r.status == "READY" for r in svc.replicas
+        ):
+            return svc
+        time.sleep(0.5)
+
+
+def _settle_on(client: Client, name: str, version: int, prog: Progress) -> ServiceInfo:
+    """Show replica changes until `version` serves alone (`promote`, `rollback`): it serves,
+    one of its replicas is READY and no other version's replica is left running."""
+    seen: dict[int, str] = {}
+    while True:
+        svc = client.service(name)
+        _print_changes(svc, seen, prog, versions=True)
+        prog.state(_fleet_state(svc, version))
+        if svc.active_version != version:
+            raise FleetserveError(
+                f"{name} moved on to version {svc.active_version} while waiting for {version}"
+            )
+        if svc.failure_reason:
+            raise _rollout_failed(svc, version)
+        alive = [r for r in svc.replicas if r.status not in _ENDED and "FAIL" not in r.status]
+        if (
+            svc.serving_version == version
+            and svc.traffic_percent is None
+            and all(r.version == version for r in alive)
+            and any(r.status == "READY" for r in alive)
         ):
             return svc
         time.sleep(0.5)
@@ -315,60 +452,108 @@ def update(
     file: Annotated[Path, typer.Argument(help="The new service YAML.")],
     mode: Annotated[str, typer.Option(help="rolling or blue_green")] = "rolling",
     traffic_percent: Annotated[
-        int | None, typer.Option(help="A canary: send this % of requests to the new version")
+        int | None,
+        typer.Option(help="A canary: send this % of requests (1..99) to the new version"),
     ] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once accepted.")] = False,
     env: EnvOption = None,
     env_file: EnvFileOption = None,
     secret: SecretOption = None,
+    yes: YesOption = False,
+    output: ResultOption = OutputFormat.table,
 ) -> None:
     """Roll out a new version with no failed request (rolling, blue-green or canary)."""
+    quiet = output is not OutputFormat.table
     try:
+        if traffic_percent is not None and not 1 <= traffic_percent <= 99:
+            raise InvalidSpec(
+                f"--traffic-percent {traffic_percent}: a canary's share of requests, 1..99 "
+                f"(all of them: update without it, or `fleetserve promote {name}` a canary)"
+            )
         envs, secrets = _overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)
         require_values(spec)
         client = Client()
         svc = client.update_file(name, file, mode, traffic_percent, envs, secrets)
-        _print_warnings(svc.warnings)
+        _print_warnings(svc.warnings, err if quiet else out)
         version = svc.active_version
-        if svc.serving_version == version:
-            out.print(f"Version {version} serves: the replicas moved to it in place.")
-            return
-        out.print(f"Rolling out version {version} of {name} ({svc.update_mode}).")
-        if detach:
-            return
-        svc = _follow_rollout(client, name, version)
+        in_place = svc.serving_version == version
+        with Progress(out, err, quiet) as prog:
+            if not in_place:  # (in place: the result says so, below)
+                if svc.traffic_percent is not None:
+                    prog.line(
+                        f"Canary: version {version} of {escape(name)} takes "
+                        f"{svc.traffic_percent}% of requests once a replica of it is READY."
+                    )
+                else:
+                    prog.line(
+                        f"Rolling out version {version} of {escape(name)} ({svc.update_mode})."
+                    )
+                if not detach:
+                    svc = _follow_rollout(client, name, version, prog)
     except FleetserveError as e:
         raise _fail(e) from None
-    if svc.traffic_percent is not None and svc.serving_version != version:
+    if quiet:
+        emit(svc, output)
+    elif in_place:
+        out.print(f"Version {version} serves: the replicas moved to it in place.")
+    elif detach:
+        out.print(f"Follow it with `fleetserve status {name}`.", highlight=False)
+    elif svc.traffic_percent is not None and svc.serving_version != version:
         out.print(
             f"Canary version {version} takes {svc.traffic_percent}% of requests; "
-            f"`fleetserve promote {name}` to roll it out, `fleetserve rollback {name}` to drop it."
+            f"`fleetserve promote {name}` to roll it out, `fleetserve rollback {name}` to drop it.",
+            highlight=False,
+            soft_wrap=True,
         )
     else:
         out.print(
-            f"Version {version} serves. `fleetserve rollback {name}` returns to the last one."
+            f"Version {version} serves. `fleetserve rollback {name}` returns to the last one.",
+            highlight=False,
+            soft_wrap=True,
         )
 
 
+WaitOption = Annotated[
+    bool,
+    typer.Option("--wait", help="Show progress until the version serves alone (or fails)."),
+]
+
+
 @app.command()
-def rollback(name: ServiceArg) -> None:
+def rollback(name: ServiceArg, wait: WaitOption = False) -> None:
     """Return to the version that served before (abandons a rollout in progress)."""
     try:
-        svc = Client().rollback(name)
+        client = Client()
+        svc = client.rollback(name)
+        out.print(f"{name}: rolling back to version {svc.active_version}.", highlight=False)
+        if wait:
+            with Progress(out, err) as prog:
+                svc = _settle_on(client, name, svc.active_version, prog)
+            out.print(f"Version {svc.active_version} serves.", highlight=False)
+        else:
+            out.print(f"Follow it with `fleetserve status {name}` (or --wait).", highlight=False)
     except FleetserveError as e:
         raise _fail(e) from None
-    out.print(f"{name}: rolling back to version {svc.active_version}.")
 
 
 @app.command()
-def promote(name: ServiceArg) -> None:
+def promote(name: ServiceArg, wait: WaitOption = False) -> None:
     """Roll a canary out to the whole fleet."""
     try:
-        svc = Client().promote(name)
+        client = Client()
+        svc = client.promote(name)
+        out.print(
+            f"{name}: promoting version {svc.active_version} to the whole fleet.", highlight=False
+        )
+        if wait:
+            with Progress(out, err) as prog:
+                svc = _settle_on(client, name, svc.active_version, prog)
+            out.print(f"Version {svc.active_version} serves all requests.", highlight=False)
+        else:
+            out.print(f"Follow it with `fleetserve status {name}` (or --wait).", highlight=False)
     except FleetserveError as e:
         raise _fail(e) from None
-    out.print(f"{name}: promoting version {svc.active_version} to the whole fleet.")
 
 
 @app.command()
@@ -427,7 +612,8 @@ def status(
             print(services[0].endpoint)
             return
         for part in _status_view(client, services, verbose):
-            out.print(part, highlight=False)
+            # A reason's line is never wrapped by rich (its `command` stays whole); tables are.
+            out.print(part, highlight=False, soft_wrap=isinstance(part, Text))
     except FleetserveError as e:
         raise _fail(e) from None
 
@@ -443,6 +629,14 @@ def _status_view(
     for s in services:
         if s.failure_reason:
             parts.append(Text.from_markup(f"[red]{escape(s.name)}:[/] {escape(s.failure_reason)}"))
+            if s.serving_version and s.serving_version != s.active_version:
+                parts.append(
+                    Text(
+                        f"{s.name}: version {s.active_version} failed; version "
+                        f"{s.serving_version} keeps serving. `fleetserve rollback {s.name}` "
+                        f"drops version {s.active_version}."
+                    )
+                )
         if s.spot_placer:
             placer, summary = s.spot_placer.get("placer"), s.spot_placer.get("summary")
             parts.append(Text(f"{s.name}: spot placer {placer}; {summary}"))
@@ -576,30 +770,65 @@ def logs(
         str | None, typer.Argument(help="Service name.", autocompletion=complete_service)
     ] = None,
     replica_id: Annotated[int | None, typer.Argument(help="Replica id.")] = None,
-    controller: Annotated[bool, typer.Option("--controller", help="The controller's log.")] = False,
+    controller: Annotated[
+        bool,
+        typer.Option(
+            "--controller",
+            help="The controller's log (with NAME: only its lines that name the service).",
+        ),
+    ] = False,
     load_balancer: Annotated[
         bool, typer.Option("--load-balancer", help="The service's load-balancer log.")
     ] = False,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing.")] = False,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow/--no-follow",
+            "-f",
+            help="Keep printing new lines until Ctrl-C (the default, as `sky serve logs`); "
+            "--no-follow prints what there is and returns. A replica that has ended returns "
+            "either way.",
+        ),
+    ] = True,
+    tail: Annotated[
+        int,
+        typer.Option(
+            "--tail",
+            min=0,
+            max=10_000,
+            help="Only the last N lines (0, the default: all of them), then follow.",
+        ),
+    ] = 0,
 ) -> None:
-    """Print a replica's output (setup and run), or the controller's or load balancer's log."""
+    """Print a replica's output (setup and run), or the controller's or load balancer's log.
+    Follows by default (Ctrl-C stops); --no-follow for scripts."""
+    last = tail or None
     try:
+        if controller and load_balancer:
+            raise InvalidSpec("--controller and --load-balancer: give one")
+        if controller and replica_id is not None:
+            raise InvalidSpec("--controller takes a service NAME, not a replica id")
+        if load_balancer and replica_id is not None:
+            raise InvalidSpec("--load-balancer takes a service NAME, not a replica id")
         client = Client()
         if controller:
-            lines = client.component_logs("controller", follow=follow)
+            lines = client.component_logs("controller", name, follow, last)
         elif load_balancer:
             if name is None:
                 raise InvalidSpec("--load-balancer needs a service name")
-            lines = client.component_logs("load-balancer", name, follow)
+            lines = client.component_logs("load-balancer", name, follow, last)
         else:
             if name is None or replica_id is None:
                 raise InvalidSpec(
-                    "give NAME and REPLICA_ID, or --controller, or NAME --load-balancer"
+                    "give NAME and REPLICA_ID, or --controller [NAME], or NAME --load-balancer"
                 )
-            lines = client.replica_logs(name, replica_id, follow)
+            lines = client.replica_logs(name, replica_id, follow, last)
         for line in lines:
             print(line, flush=True)
     except KeyboardInterrupt:
+        return
+    except BrokenPipeError:  # `fleetserve logs NAME 1 | head`
+        quiet_broken_pipe()
         return
     except FleetserveError as e:
         raise _fail(e) from None
@@ -618,6 +847,7 @@ def down(
     replica_id: Annotated[
         int | None, typer.Option("--replica-id", help="Terminate one replica (it is replaced).")
     ] = None,
+    yes: YesOption = False,
 ) -> None:
     """Stop services (replicas, load balancer) and remove them; or terminate one replica."""
     try:

@@ -12,20 +12,23 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fleetserve.api.models import JobInfo, ServiceInfo
 from fleetserve.cli.completion import complete_pool
 from fleetserve.cli.envs import overrides
 from fleetserve.cli.output import OutputFormat, OutputOption, emit
+from fleetserve.cli.progress import Progress
 from fleetserve.cli.render import ago, styled
 from fleetserve.client import Client
-from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.core.errors import FleetserveError, InvalidSpec, ServiceFailed
 
 pool_app = typer.Typer(help="Worker pools: warm workers that run batch jobs.", no_args_is_help=True)
 jobs_app = typer.Typer(help="Batch jobs on a worker pool.", no_args_is_help=True)
 out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Messages are never wrapped by rich: a long error keeps its `command` whole on one line.
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 PoolName = Annotated[
     str, typer.Option("-p", "--pool", help="The pool's name.", autocompletion=complete_pool)
@@ -51,7 +54,7 @@ def _pool_name(name: str) -> str:
 
 
 def _fail(e: FleetserveError) -> typer.Exit:
-    err.print(f"[red]Error:[/] {e.message}")
+    err.print(f"[red]Error:[/] {escape(e.message)}")
     return typer.Exit(e.exit_code)
 
 
@@ -128,6 +131,13 @@ def jobs_table(jobs: list[JobInfo]) -> Table:
     return t
 
 
+YesOption = Annotated[
+    bool,
+    typer.Option("--yes", "-y", help="Skip confirmation (accepted for SkyPilot habits)."),
+]
+WAIT_POLL = 0.5  # seconds between polls of --wait
+
+
 @pool_app.command("apply")
 def apply(
     file: Annotated[Path | None, typer.Argument(help="Pool YAML (top-level pool:).")] = None,
@@ -137,6 +147,11 @@ def apply(
     ] = None,
     env: Envs = None,
     secret: Annotated[list[str] | None, typer.Option("--secret", help="KEY=VALUE")] = None,
+    wait: Annotated[
+        bool,
+        typer.Option("--wait", help="Show progress until the wanted workers are READY."),
+    ] = False,
+    yes: YesOption = False,
 ) -> None:
     """Create a pool, or update it in place: resize it (--workers) or roll its workers to a new
     YAML (busy workers finish their jobs first)."""
@@ -145,12 +160,46 @@ def apply(
         if file is None and workers is None:
             raise InvalidSpec("give a pool YAML, --workers N, or both")
         envs, secrets = overrides(env, None, secret, os.environ)
-        done = Client().apply_pool(pool, file, workers, envs, secrets)
+        client = Client()
+        done = client.apply_pool(pool, file, workers, envs, secrets)
+        p = done.pool
+        out.print(
+            f"Pool [bold]{escape(p.name)}[/] {done.action}: {p.target_replicas} worker(s) wanted."
+        )
+        if wait:
+            with Progress(out, err) as prog:
+                p = _wait_workers(client, p.name, prog)
+            ready = sum(r.status == "READY" for r in p.replicas)
+            out.print(f"Pool {escape(p.name)}: {ready} worker(s) READY.")
     except FleetserveError as e:
         raise _fail(e) from None
-    p = done.pool
-    out.print(f"Pool [bold]{p.name}[/] {done.action}: {p.target_replicas} worker(s) wanted.")
-    out.print(f"Submit jobs with `fleetserve jobs launch -p {p.name} [--num-jobs N] job.yaml`.")
+    out.print(
+        f"Submit jobs with `fleetserve jobs launch -p {p.name} [--num-jobs N] job.yaml`.",
+        soft_wrap=True,
+    )
+
+
+def _wait_workers(client: Client, name: str, prog: Progress) -> ServiceInfo:
+    """Until as many workers of the active version are READY as the pool wants (at least
+    one of a pool that may scale to zero is not waited for), or the pool fails."""
+    seen: dict[int, str] = {}
+    while True:
+        p = client.pools(name)[0]
+        for r in p.replicas:
+            if seen.get(r.replica_id) != r.status:
+                seen[r.replica_id] = r.status
+                why = f" - {escape(r.reason)}" if r.reason else ""
+                prog.line(f"  worker {r.replica_id} (v{r.version}): {styled(r.status)}{why}")
+        ready = [r for r in p.replicas if r.status == "READY" and r.version == p.active_version]
+        prog.state(f"{escape(name)}: {len(ready)}/{p.target_replicas} worker(s) READY")
+        if p.failure_reason and not ready:
+            raise ServiceFailed(
+                f"pool {name} cannot start workers: {p.failure_reason}. Fix it with "
+                f"`fleetserve pool apply -p {name} FILE`"
+            )
+        if len(ready) >= p.target_replicas:
+            return p
+        time.sleep(WAIT_POLL)
 
 
 PoolArg = Annotated[str, typer.Argument(help="Pool.", autocompletion=complete_pool)]
@@ -191,6 +240,7 @@ def pool_down(
     cancel_jobs: Annotated[
         bool, typer.Option("--cancel-jobs", help="Cancel its unfinished jobs first.")
     ] = False,
+    yes: YesOption = False,
 ) -> None:
     """Stop a pool's workers and remove it (refused while jobs are unfinished)."""
     try:
@@ -204,6 +254,9 @@ def pool_down(
     out.print(f"Pool {name} is down.")
 
 
+ENDED = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
 @jobs_app.command("launch")
 def launch(
     file: Annotated[Path, typer.Argument(help="Job YAML (name, run, envs).")],
@@ -213,9 +266,26 @@ def launch(
     ] = 1,
     name: Annotated[str | None, typer.Option("-n", "--name", help="Job name.")] = None,
     env: Envs = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Wait for every job to end.")] = False,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="Show each job's end until all have ended (exit 1 if any did not succeed).",
+        ),
+    ] = False,
+    yes: YesOption = False,
+    output: Annotated[
+        OutputFormat,
+        typer.Option(
+            "-o",
+            "--output",
+            case_sensitive=False,
+            help="table (default), json or yaml: no progress, only the jobs (GET /jobs's body)",
+        ),
+    ] = OutputFormat.table,
 ) -> None:
     """Queue jobs on a pool; each runs on a free worker, in order."""
+    quiet = output is not OutputFormat.table
     try:
         _pool_name(pool)
         envs, _ = overrides(env, None, None, os.environ)
@@ -223,21 +293,55 @@ def launch(
         jobs = client.launch_jobs(pool, file, num_jobs, envs, name)
         ids = [j.job_id for j in jobs]
         span = f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
-        out.print(f"Queued {len(ids)} job(s) on pool {pool}: ids {span}.")
-        if not wait:
-            out.print(f"Follow them with `fleetserve jobs queue -p {pool}`.")
-            return
-        while True:
-            now = [client.job(i) for i in ids] if len(ids) <= 20 else _batch(client, pool, ids)
-            if all(j.status in ("SUCCEEDED", "FAILED", "CANCELLED") for j in now):
-                break
-            time.sleep(0.5)
+        with Progress(out, err, quiet) as prog:
+            prog.line(f"Queued {len(ids)} job(s) on pool {escape(pool)}: ids {span}.")
+            if not wait:
+                prog.line(f"Follow them with `fleetserve jobs queue -p {pool}`.")
+            else:
+                jobs = _wait_jobs(client, pool, ids, prog)
     except FleetserveError as e:
         raise _fail(e) from None
-    failed = [j for j in now if j.status != "SUCCEEDED"]
-    out.print(f"{len(now) - len(failed)} succeeded, {len(failed)} did not.")
+    if quiet:
+        emit(jobs, output)
+    if not wait:
+        return
+    failed = [j for j in jobs if j.status != "SUCCEEDED"]
+    if not quiet:
+        out.print(f"{len(jobs) - len(failed)} succeeded, {len(failed)} did not.")
+        if failed:
+            out.print(f"`fleetserve jobs logs {failed[0].job_id}` shows why.", soft_wrap=True)
     if failed:
         raise typer.Exit(1)
+
+
+def _wait_jobs(client: Client, pool: str, ids: list[int], prog: Progress) -> list[JobInfo]:
+    """Poll until every job has ended: a line per job that ends (or starts, on a terminal
+    the counts on the spinner line)."""
+    told: dict[int, str] = {}
+    while True:
+        now = [client.job(i) for i in ids] if len(ids) <= 20 else _batch(client, pool, ids)
+        counts: dict[str, int] = {}
+        for j in now:
+            counts[j.status] = counts.get(j.status, 0) + 1
+            if j.status in ENDED and told.get(j.job_id) != j.status:
+                told[j.job_id] = j.status
+                took = (
+                    f" in {j.ended_at - j.started_at:.1f}s"
+                    if j.ended_at is not None and j.started_at is not None
+                    else ""
+                )
+                why = f" - {escape(j.reason)}" if j.reason and j.status != "SUCCEEDED" else ""
+                logs = f" (`fleetserve jobs logs {j.job_id}`)" if j.status == "FAILED" else ""
+                prog.line(
+                    f"  job {j.job_id} (rank {j.rank}): {_job_status(j.status)}{took}{why}{logs}"
+                )
+        prog.state(
+            f"jobs on {escape(pool)}: "
+            + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        )
+        if all(j.status in ENDED for j in now):
+            return now
+        time.sleep(WAIT_POLL)
 
 
 def _batch(client: Client, pool: str, ids: list[int]) -> list[JobInfo]:

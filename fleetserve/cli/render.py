@@ -48,6 +48,8 @@ def services_table(services: list[ServiceInfo]) -> Table:
         version = str(s.serving_version or s.active_version)
         if s.serving_version and s.serving_version != s.active_version:
             how = f"canary {s.traffic_percent}%" if s.traffic_percent else s.update_mode
+            if s.failure_reason:  # the new version's launches stopped: no longer rolling
+                how = "failed"
             version += f" -> {s.active_version} ({how})"
         t.add_row(
             s.name,

@@ -741,6 +741,8 @@ class Controller:
             raise NotFound(f"service {name!r} has no replica {replica_id}")
         row = self.store.get_replica(name, replica_id)
         infra = self.infra_for(row.infra) if row else self.infra
+        if row is None or row.status.is_terminal:
+            follow = False  # it has ended: its log will not grow (`logs` follows by default)
         return infra.logs(name, replica_id, follow, row.handle if row else None, tail)
 
     def _log_exists(self, name: str, file: str) -> bool:

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from fleetserve.controller.logtail import log_tail, with_tail
 from fleetserve.controller.pools import WORKER_RUN
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError, TerminalError, TransientError
@@ -158,8 +159,12 @@ class Executor:
             self.on_no_capacity(rec, e)
             return
         except FleetserveError as e:
+            tail = await log_tail(self.infra, rec.service, rec.replica_id, None)
             self.store.update_replica(
-                rec, self.clock.now(), status=ReplicaStatus.FAILED_PROVISION, reason=e.message
+                rec,
+                self.clock.now(),
+                status=ReplicaStatus.FAILED_PROVISION,
+                reason=with_tail(e.message, tail),
             )
             return
         except Exception as e:

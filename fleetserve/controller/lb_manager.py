@@ -186,7 +186,7 @@ class LbManager:
             if proc.poll() is not None:
                 raise TerminalError(
                     f"load balancer exited with code {proc.returncode} at start "
-                    f"(see `fleetserve logs {svc.name} --load-balancer`)"
+                    f"(see `fleetserve logs {svc.name} --load-balancer --no-follow`)"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 r = await self.client.get(

@@ -17,6 +17,7 @@ from typing import cast
 from fleetserve.controller.executor import Executor, new_launch_token
 from fleetserve.controller.history import History
 from fleetserve.controller.lb_manager import LbManager, upstream_payload
+from fleetserve.controller.logtail import log_tail, with_tail
 from fleetserve.controller.metrics import ControllerMetrics
 from fleetserve.controller.pools import PoolRunner
 from fleetserve.controller.prober import Prober
@@ -109,6 +110,12 @@ def lb_config(
         admin_secret=admin_secret,
         wake_token=wake_token(admin_secret) if admin_secret else None,
     )
+
+
+def _headline(reason: str | None) -> str | None:
+    """A failure reason without its last part (" Last: replica N: ..."), which changes as more
+    replicas fail while the failure stays the same."""
+    return None if reason is None else reason.split(" Last: ", 1)[0]
 
 
 def rows_after(actions: list[Action], replicas: list[ReplicaRecord]) -> list[ReplicaRecord]:
@@ -368,10 +375,14 @@ class ServiceReconciler:
                 pool.fail_queue(plan.failure_reason)
             await pool.dispatch(self.spec, workers)
         if plan.failure_reason != svc.failure_reason and (svc.lb_pid is not None or pool):
+            svc_reason_before = svc.failure_reason
             svc = self.store.update_service(
                 self.name, self.clock.now(), failure_reason=plan.failure_reason
             )
-            if plan.failure_reason:
+            if plan.failure_reason and _headline(plan.failure_reason) != _headline(
+                svc_reason_before
+            ):
+                # One event when launches stop, not one more per replica failing after.
                 self.store.add_event(self.name, self.clock.now(), "service", plan.failure_reason)
         await self._push(svc, rows_after(plan.actions, replicas))
         return False
@@ -488,11 +499,16 @@ class ServiceReconciler:
                 out[r.replica_id] = Observation(instance=lost, probe=None)
                 continue
             state = await self.infra.poll(r.handle)
+            detail = state.detail
+            if state.kind is InstanceKind.EXITED:
+                # Its cause is in its log (a missing file, a traceback): in the reason too.
+                tail = await log_tail(self.infra, self.name, r.replica_id, r.handle)
+                detail = with_tail(detail, tail)
             inst = InstanceObservation(
                 alive=state.kind is InstanceKind.RUNNING,
                 lost=state.kind is InstanceKind.LOST,
                 exit_code=state.exit_code,
-                detail=state.detail,
+                detail=detail,
             )
             result = None
             probe = self.spec(r.version).service.readiness_probe  # each version's own probe

@@ -81,6 +81,20 @@ class TerminalError(FleetserveError):
     kind = "terminal"
 
 
+class ServiceFailed(FleetserveError):
+    """A service (or rollout) that was waited for failed: the message is its failure reason
+    and the command that shows more (`Client.wait_ready`, `up_file(..., wait=True)`)."""
+
+    exit_code = 1
+    kind = "service_failed"
+
+
+class WaitTimeout(TransientError):
+    """A wait (`Client.wait_ready`) ran out of time; the service may still get there."""
+
+    kind = "wait_timeout"
+
+
 ERROR_KINDS: dict[str, type[FleetserveError]] = {
     cls.kind: cls
     for cls in (
@@ -93,5 +107,7 @@ ERROR_KINDS: dict[str, type[FleetserveError]] = {
         Standby,
         Fenced,
         TerminalError,
+        ServiceFailed,
+        WaitTimeout,
     )
 }

@@ -10,9 +10,11 @@ finds them all by that token, including children that left the process group, an
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -722,6 +724,34 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                         f.seek(0)  # rotated: the file was copied away and truncated
             else:
                 return
+
+
+def naming(service: str) -> re.Pattern[str]:
+    """Text that names `service` as a word of its own (`web` and `web/3`, not `web2`)."""
+    return re.compile(rf"(?<![\w.-]){re.escape(service)}(?![\w-])")
+
+
+async def lines_naming(
+    path: Path, service: str, follow: bool, tail: int | None = None
+) -> AsyncIterator[str]:
+    """The lines of a log that name `service` (`logs --controller NAME`): the last `tail` of
+    them if given, then, with `follow`, the new ones as they come."""
+    pattern = naming(service)
+    if tail is None:
+        async for line in read_lines(path, follow):
+            if pattern.search(line):
+                yield line
+        return
+    last: collections.deque[str] = collections.deque(maxlen=tail)
+    async for line in read_lines(path, False):
+        if pattern.search(line):
+            last.append(line)
+    for line in last:
+        yield line
+    if follow:
+        async for line in read_lines(path, True, tail=0):
+            if pattern.search(line):
+                yield line
 
 
 def rotate_log(path: Path, cap_bytes: int) -> bool:

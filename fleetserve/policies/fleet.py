@@ -179,20 +179,15 @@ def _lifecycle(
     return None
 
 
-def crash_loop_reason(
-    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str] | None = None
-) -> str | None:
-    """Why launching should stop: the newest finished replicas of the version all failed
-    without ever becoming READY (a broken command would otherwise relaunch forever).
-
-    Replicas being torn down after a failure (SHUTTING_DOWN, not a scale-down) and those this
-    round fails (`failing_now`) count as failed already.
-    """
-    failing_now = failing_now or {}
+def _never_ready_failures(
+    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str]
+) -> list[ReplicaRecord] | None:
+    """The version's replicas that failed without ever becoming READY, by id; None once one
+    of its replicas has been READY (the version works: failures are not a crash loop)."""
     of_version = [r for r in replicas if r.version == s.version]
     if s.crash_loop_limit <= 0 or any(r.first_ready_at is not None for r in of_version):
         return None
-    ended = sorted(
+    return sorted(
         (
             r
             for r in of_version
@@ -202,14 +197,45 @@ def crash_loop_reason(
         ),
         key=lambda r: r.replica_id,
     )
-    if len(ended) < s.crash_loop_limit:
+
+
+def crash_loop_reason(
+    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str] | None = None
+) -> str | None:
+    """Why launching should stop: the newest finished replicas of the version all failed
+    without ever becoming READY (a broken command would otherwise relaunch forever).
+
+    Replicas being torn down after a failure (SHUTTING_DOWN, not a scale-down) and those this
+    round fails (`failing_now`) count as failed already. The text up to "Last:" stays the
+    same while more of them fail (one event, not one per failure).
+    """
+    failing_now = failing_now or {}
+    ended = _never_ready_failures(replicas, s, failing_now)
+    if ended is None or len(ended) < s.crash_loop_limit:
         return None
     last = ended[-1]
     return (
-        f"{len(ended)} replicas of version {s.version} failed before ever becoming READY; "
-        f"launches stopped. Last: replica {last.replica_id}: "
+        f"{s.crash_loop_limit} replicas of version {s.version} in a row failed before ever "
+        f"becoming READY; launches stopped. Last: replica {last.replica_id}: "
         f"{failing_now.get(last.replica_id) or last.reason or last.status}"
     )
+
+
+def replacement_budget(
+    replicas: list[ReplicaRecord],
+    alive: list[ReplicaRecord],
+    s: FleetSettings,
+    failing_now: Mapping[int, str],
+) -> int | None:
+    """How many replicas may still be created for the version while it has failures and no
+    READY replica yet: the crash-loop limit, less the failures and the launches still under
+    way, so that a broken version launches exactly `crash_loop_limit` replicas past its
+    first ones, not a round's worth more. None: no bound (no failure yet, or it works)."""
+    ended = _never_ready_failures(replicas, s, failing_now)
+    if not ended:
+        return None
+    launching = sum(1 for r in alive if r.version == s.version)
+    return max(0, s.crash_loop_limit - len(ended) - launching)
 
 
 def plan_fleet(
@@ -249,6 +275,9 @@ def plan_fleet(
     # Rows are written only as launch slots free up: a target of thousands never writes
     # thousands of rows in one round (the next rounds write more as launches finish).
     room = settings.max_concurrent_launches - launching - pending
+    budget = replacement_budget(replicas, alive, settings, failing_now)
+    if budget is not None:
+        room = min(room, budget)
     creates: list[CreateReplicas] = [CreateReplicas(rs.create)]
     if settings.spot is not None:
         rs, creates = _spot_step(alive, rs, settings.spot, settings.version, stopped)

@@ -34,8 +34,9 @@ def test_a_setup_that_never_ends_fails_with_the_reason_and_up_shows_its_progress
     started = time.monotonic()
     proc = fleet.cli("up", str(spec), "-n", "stuck", check=False, timeout=120)
     assert proc.returncode != 0
-    assert "Ctrl-C stops watching" in proc.stdout
-    assert "downloading weights 10%" in proc.stdout  # the setup's last line, while it waits
+    # Progress goes to stderr when piped: stdout keeps only the result.
+    assert "Ctrl-C stops watching" in proc.stderr
+    assert "downloading weights 10%" in proc.stderr  # the setup's last line, while it waits
     assert "setup did not finish within 4 s" in proc.stdout + proc.stderr
     assert "FAILED" in proc.stderr
     assert time.monotonic() - started < 90

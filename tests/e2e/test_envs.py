@@ -105,8 +105,8 @@ def test_env_and_secret_flags_fill_nulls_reach_the_replica_and_secrets_stay_hidd
     for args in (
         ("status", "-v"),
         ("status", "guarded", "-v"),
-        ("logs", "--controller"),
-        ("logs", "guarded", "--load-balancer"),
+        ("logs", "--controller", "--no-follow"),
+        ("logs", "guarded", "--load-balancer", "--no-follow"),
     ):
         done = fleet.cli(*args)
         shown += [done.stdout, done.stderr]

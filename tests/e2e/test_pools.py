@@ -229,7 +229,7 @@ def test_apply_resizes_in_place_and_rolls_workers_without_killing_a_running_job(
     )
     before = {r.replica_id for r in client.pools("batch")[0].replicas if r.status == "READY"}
     resized = fleet.cli("pool", "apply", "-p", "batch", "--workers", "1").stdout
-    assert "resized in place" in resized
+    assert "resized in place: 1 worker(s) wanted" in resized  # the new size, not the old 3
     fleet.wait_for(
         "1 worker",
         lambda: len([r for r in client.pools("batch")[0].replicas if r.status == "READY"]) == 1,

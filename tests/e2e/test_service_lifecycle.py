@@ -97,8 +97,11 @@ def test_up_serves_every_replica_and_down_purge_leaves_nothing(fleet: Fleet) -> 
     assert fleet.cli("status", "hello", "--endpoint").stdout.strip() == endpoint
     status = fleet.cli("status", "-v").stdout
     assert "READY" in status and "hello" in status and "STARTING -> READY" in status
-    assert "starting run on port" in fleet.cli("logs", "hello", "1").stdout
-    assert "load balancer for hello" in fleet.cli("logs", "hello", "--load-balancer").stdout
+    assert "starting run on port" in fleet.cli("logs", "--no-follow", "hello", "1").stdout
+    assert (
+        "load balancer for hello"
+        in fleet.cli("logs", "--no-follow", "hello", "--load-balancer").stdout
+    )
 
     with fleet.client() as c:
         pids = [r.pid for r in c.service("hello").replicas]
@@ -208,10 +211,13 @@ def test_a_command_that_always_fails_stops_after_three_tries(fleet: Fleet) -> No
     proc = fleet.cli("up", str(path), check=False)
     assert proc.returncode == 1
     assert "FAILED" in proc.stderr and "exited with code 4" in proc.stderr
+    # The cause from the replica's own output, and the command that shows the rest.
+    assert "last log lines: boom" in proc.stderr
+    assert "`fleetserve logs broken 3 --no-follow` shows the rest" in proc.stderr
     with fleet.client() as c:
         svc = c.service("broken")
     assert [r.status for r in svc.replicas] == ["FAILED"] * 3
-    assert "boom" in fleet.cli("logs", "broken", "3").stdout
+    assert "boom" in fleet.cli("logs", "--no-follow", "broken", "3").stdout
 
 
 def test_bad_input_gets_a_clear_error_and_exit_code(fleet: Fleet) -> None:
@@ -363,9 +369,9 @@ def test_tls_and_api_keys_from_the_yaml(fleet: Fleet) -> None:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
         assert json.loads(r.read())["path"] == "/secret"
-    lb_log = fleet.cli("logs", "secure", "--load-balancer").stdout
+    lb_log = fleet.cli("logs", "--no-follow", "secure", "--load-balancer").stdout
     assert "TLS" in lb_log and "API keys required" in lb_log
-    assert key not in lb_log and key not in fleet.cli("logs", "--controller").stdout
+    assert key not in lb_log and key not in fleet.cli("logs", "--no-follow", "--controller").stdout
 
 
 def test_the_nginx_data_plane_through_the_cli(fleet: Fleet) -> None:

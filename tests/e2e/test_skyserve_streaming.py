@@ -73,5 +73,7 @@ def test_skyserves_streaming_test_runs_unchanged_and_streams(fleet: Fleet, tmp_p
     # Streamed, not buffered: the first words arrive long before the last one is written.
     first, last = arrivals[0][0], arrivals[-1][0]
     assert len(arrivals) >= 4 and last - first >= 1.0, [round(t, 2) for t, _ in arrivals]
-    assert "running setup" in fleet.cli("logs", "streaming", "1").stdout  # pip ran first
+    assert (
+        "running setup" in fleet.cli("logs", "--no-follow", "streaming", "1").stdout
+    )  # pip ran first
     fleet.cli("down", "streaming", timeout=120)

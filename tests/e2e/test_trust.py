@@ -234,7 +234,7 @@ def test_the_load_balancer_admin_api_needs_its_secret(fleet: Fleet) -> None:
     routed = [r["replica_id"] for r in body["replicas"]]  # type: ignore[attr-defined]
     assert status == 200 and routed and 9 not in routed
     assert call(endpoint + "/still")[0] == 200  # the refused push changed nothing
-    lb_log = fleet.cli("logs", "svc", "--load-balancer").stdout
+    lb_log = fleet.cli("logs", "--no-follow", "svc", "--load-balancer").stdout
     assert secret not in lb_log
 
 
@@ -306,8 +306,8 @@ def test_another_local_user_gets_401s_and_reads_no_file(tmp_path: Path, fleet: F
         shown = [
             fleet.cli("status", "-v").stdout,
             fleet.cli("status", "svc", "-v").stdout,
-            fleet.cli("logs", "--controller").stdout,
-            fleet.cli("logs", "svc", "--load-balancer").stdout,
+            fleet.cli("logs", "--no-follow", "--controller").stdout,
+            fleet.cli("logs", "--no-follow", "svc", "--load-balancer").stdout,
             json.dumps(call(f"{fleet.api}/services", headers=fleet.auth())[1]),
             json.dumps(call(f"{fleet.api}/services/svc/events", headers=fleet.auth())[1]),
         ]

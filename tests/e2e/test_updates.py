@@ -119,7 +119,13 @@ def test_a_broken_update_leaves_the_old_version_serving(fleet: Fleet) -> None:
         svc = c.service("stable")
     assert svc.status == "READY" and svc.serving_version == 1
     assert sum(r.status == "READY" and r.version == 1 for r in svc.replicas) == 2
-    fleet.cli("rollback", "stable")
+    # The cause and the next commands, in the error and in `status`.
+    assert "last log lines: crashing" in proc.stderr
+    assert "`fleetserve rollback stable` drops version 2" in proc.stderr
+    shown = fleet.cli("status", "stable").stdout
+    assert "1 -> 2 (failed)" in shown and "(rolling)" not in shown
+    back = fleet.cli("rollback", "stable", "--wait")
+    assert "Version 1 serves." in back.stdout
     with fleet.client() as c:
         assert c.service("stable").active_version == 1
 
@@ -164,7 +170,7 @@ def test_an_update_that_changes_the_lb_settings_replaces_it_without_a_failed_req
         time.sleep(2)
     report(load)
     assert load.failures == []
-    log = fleet.cli("logs", "lbset", "--load-balancer").stdout
+    log = fleet.cli("logs", "--no-follow", "lbset", "--load-balancer").stdout
     assert "policy least_load" in log
     with fleet.client() as c:
         events = [e.message for e in c.events("lbset", 200)]

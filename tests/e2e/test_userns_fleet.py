@@ -89,14 +89,14 @@ def test_a_fixed_port_fleet_in_user_namespaces_serves_heals_and_leaves_nothing(
             "the log line of a dead outbound link",
             lambda: (
                 "slirp4netns ended (killed by signal SIGKILL)"
-                in fleet.cli("logs", "fixed", "2").stdout
+                in fleet.cli("logs", "--no-follow", "fixed", "2").stdout
             ),
             timeout=20,
         )
         assert set(Counter(get(f"{endpoint}/w")["replica"] for _ in range(15))) == {"1", "2", "3"}
     else:
         assert reply["interfaces"] == ["lo"], reply
-        assert "loopback only" in fleet.cli("logs", "fixed", "1").stdout
+        assert "loopback only" in fleet.cli("logs", "--no-follow", "fixed", "1").stdout
 
     victim = next(r for r in replicas if r.replica_id == 1)
     assert victim.pid is not None

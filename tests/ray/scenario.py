@@ -151,7 +151,7 @@ def main(work: Path) -> None:
     found["pinned_answer"] = get(f"{pinned['endpoint']}/")
     found["pinned_replica_host"] = urllib.parse.urlsplit(str(rep["endpoint"])).hostname
     found["pinned_node_is_b"] = _node_of(rep) == node_b.node_id
-    found["pinned_log"] = cli("logs", "pinned", "1")  # streamed from the node
+    found["pinned_log"] = cli("logs", "--no-follow", "pinned", "1")  # streamed from the node
     cli("up", str(work / "roaming.yaml"), "-n", "roaming", "--infra", "ray")
     roaming = service("roaming")
     first = roaming["replicas"][0]  # type: ignore[index]

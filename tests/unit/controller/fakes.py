@@ -46,6 +46,7 @@ class FakeInfra:
         self.terminated: list[tuple[str | None, str]] = []
         self.states: dict[str, InstanceState] = {}
         self.forgotten: list[str] = []
+        self.log_lines: dict[str, list[str]] = {}  # handle_of(service, id) -> its log
 
     def set_state(
         self, service: str, replica_id: int, kind: InstanceKind, exit_code: int | None = None
@@ -97,7 +98,9 @@ class FakeInfra:
         handle: str | None = None,
         tail: int | None = None,
     ) -> AsyncIterator[str]:
-        yield f"{service}/{replica_id}: no logs in memory\n"
+        lines = self.log_lines.get(handle_of(service, replica_id), [])
+        for line in lines[-tail:] if tail else lines:
+            yield line
 
 
 @dataclass(frozen=True)

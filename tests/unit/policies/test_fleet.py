@@ -209,3 +209,34 @@ def test_rows_are_created_only_as_launch_slots_free_up() -> None:
     assert [a for a in plan.actions if isinstance(a, StartLaunch)] == [
         StartLaunch(i) for i in range(1, 5)
     ]
+
+
+def test_replacements_of_a_never_ready_version_stay_within_the_crash_loop_limit() -> None:
+    # Target 2, limit 3: replicas 1 and 2 failed, nothing was ever READY: one replacement
+    # only (3 launches in all), not two (a 4th launch past the limit).
+    two_failed = [rep(1, R.FAILED), rep(2, R.FAILED)]
+    plan = plan_fleet(two_failed, {}, settings(target_replicas=2), T0)
+    assert [a for a in plan.actions if isinstance(a, CreateReplicas)] == [CreateReplicas(1)]
+    assert not plan.scaling_stopped
+    # While that one is launching, no other is created.
+    launching = [*two_failed, rep(3, R.PROVISIONING)]
+    plan = plan_fleet(launching, {}, settings(target_replicas=2), T0)
+    assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
+    # A first failure of a large fleet creates nothing while the others are still starting.
+    big = [rep(1, R.FAILED), *(rep(i, R.STARTING) for i in range(2, 6))]
+    plan = plan_fleet(big, {i: ALIVE for i in range(2, 6)}, settings(target_replicas=5), T0)
+    assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
+    # A version that was READY once has no such bound: every failed replica is replaced.
+    was_ready = [rep(1, R.FAILED, first_ready_at=T0), rep(2, R.FAILED), rep(3, R.READY)]
+    plan = plan_fleet(was_ready, {3: OK}, settings(target_replicas=3), T0)
+    assert CreateReplicas(2) in plan.actions
+
+
+def test_the_crash_loop_reason_stays_the_same_as_more_replicas_fail() -> None:
+    three = [rep(i, R.FAILED, reason=f"exited with code {i}") for i in range(1, 4)]
+    four = [*three, rep(4, R.FAILED, reason="exited with code 4")]
+    first = plan_fleet(three, {}, settings(target_replicas=4), T0).failure_reason
+    later = plan_fleet(four, {}, settings(target_replicas=4), T0).failure_reason
+    assert first is not None and later is not None
+    assert first.split(" Last: ")[0] == later.split(" Last: ")[0]  # one event, not two
+    assert later.endswith("replica 4: exited with code 4")
