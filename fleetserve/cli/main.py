@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -433,6 +434,10 @@ def _status_view(
             placer, summary = s.spot_placer.get("placer"), s.spot_placer.get("summary")
             parts.append(Text(f"{s.name}: spot placer {placer}; {summary}"))
     parts.append(replicas_table(services))
+    with contextlib.suppress(FleetserveError):
+        processes = client.health().processes
+        if processes and processes.startswith("token scan"):  # no cgroups here: say so
+            parts.append(Text(f"Local replicas and jobs: stopped by {processes}", style="yellow"))
     if verbose:
         parts += [events_table(s.name, client.events(s.name, 30)) for s in services]
     return parts
@@ -987,6 +992,11 @@ def server_status() -> None:
         f"Controller: {'running' if healthy else 'not answering'} (pid {pid}) on "
         f"127.0.0.1:{settings.api_port}, home {settings.home}"
     )
+    if healthy:
+        with contextlib.suppress(FleetserveError):
+            processes = Client(settings=settings, auto_start=False).health().processes
+            if processes:
+                out.print(f"Local replicas and jobs: {processes}", highlight=False)
 
 
 def main() -> None:
