@@ -421,12 +421,15 @@ class LocalInfra:
             relay.bind(("127.0.0.1", 0))
             relay.listen(1024)
             relay_port = int(relay.getsockname()[1])
-        cgroup = await asyncio.to_thread(
-            self.cgroups.create,
-            replica_name(request.service, request.replica_id, request.launch_token),
-        )
-        out = open_private(log)
+        cgroup: Path | None = None
+        out = -1
         try:
+            # Made here, not in a thread: a cancelled launch never leaves one being made. (The
+            # first call checks whether cgroups can be used: a few milliseconds, once.)
+            cgroup = self.cgroups.create(
+                replica_name(request.service, request.replica_id, request.launch_token)
+            )
+            out = open_private(log)
             entry = ["bash", str(rdir / "entry.sh")]
             if netns:
                 entry = ["ip", "netns", "exec", netns, *entry]
@@ -446,7 +449,8 @@ class LocalInfra:
             await asyncio.to_thread(self.cgroups.destroy, cgroup)
             raise
         finally:
-            os.close(out)
+            if out >= 0:
+                os.close(out)
             if relay is not None:
                 relay.close()  # the relay holds it now
         self._children[proc.pid] = proc

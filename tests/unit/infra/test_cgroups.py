@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from fleetserve.infra.base import InstanceKind, LaunchRequest
 from fleetserve.infra.cgroups import Cgroups, own_cgroup, replica_name
 from fleetserve.infra.jobs import JobHandle, JobRequest
 from fleetserve.infra.local import TOKEN_ENV, LocalHandle, LocalInfra, processes_with_token
-from fleetserve.infra.procs import find_process
+from fleetserve.infra.procs import find_process, started
 from tests.escapees import SHAPES, Escapees, escapees, escaping
 
 __all__ = ["escapees"]  # the fixture
@@ -281,3 +282,46 @@ async def test_a_cgroup_path_not_of_this_home_in_a_handle_is_not_touched(
             if not other.exists():
                 break
             await asyncio.sleep(0.05)
+
+
+async def test_a_replica_that_exited_leaves_its_escapees_until_terminate_kills_them(
+    infra: LocalInfra, tmp_path: Path, escapees: Escapees
+) -> None:
+    """The controller terminates an EXITED replica: what it left running goes then."""
+    token = f"{HOME_ID}-exits"
+    async with launched(infra, request(tmp_path, escaping(tmp_path / "p", "exit 3"), token)) as h:
+        escapees.collect(tmp_path / "p")
+        for _ in range(100):
+            state = await infra.poll(h.to_json())
+            if state.kind is not InstanceKind.RUNNING:
+                break
+            await asyncio.sleep(0.05)
+        assert (state.kind, state.exit_code) == (InstanceKind.EXITED, 3)
+        assert len(escapees.alive()) == len(SHAPES)
+        await infra.terminate(h.to_json(), token)
+        assert escapees.wait_gone() == []
+        assert h.cgroup is not None and not Path(h.cgroup).exists()
+
+
+async def test_an_escapee_that_ignores_sigterm_and_keeps_forking_is_killed_whole(
+    infra: LocalInfra, tmp_path: Path, escapees: Escapees
+) -> None:
+    pids = tmp_path / "p"
+    pids.mkdir()
+    stubborn = (
+        f'(setsid env -i /bin/sh -c \'trap "" TERM HUP; echo $$ > {pids}/stubborn; '
+        "while :; do sleep 0.05 & wait; done' &)\nexec sleep 300"
+    )
+    token = f"{HOME_ID}-stubborn"
+    async with launched(infra, request(tmp_path, stubborn, token)) as h:
+        for _ in range(200):
+            if (pids / "stubborn").exists() and (pids / "stubborn").read_text().endswith("\n"):
+                break
+            await asyncio.sleep(0.05)
+        p = psutil.Process(int((pids / "stubborn").read_text()))
+        escapees.seen[p.pid] = started(p)
+        started_at = time.monotonic()
+        await infra.terminate(h.to_json(), token)
+        assert escapees.alive() == []
+        assert time.monotonic() - started_at < 10  # the grace (2 s), then killed at once
+        assert h.cgroup is not None and not Path(h.cgroup).exists()
