@@ -18,7 +18,9 @@ Layout, under the cgroup the controller itself runs in (its `0::` line in /proc/
 
 The names are derived from what the store keeps (a restarted controller finds a replica's
 cgroup from its row, and the handle also records the path), and the home id and the tokens
-keep two homes, two services, or two launches of one replica from ever sharing one.
+keep two homes, two services, or two launches of one replica from ever sharing one. The
+home's file `cgroup` lists where its cgroups were made: a controller restarted in another
+cgroup (another login session, say) still finds and sweeps those.
 
 Elsewhere (no cgroup v2, no permission to create cgroups, FLEETSERVE_CGROUPS=off) the token
 scan alone stops processes, as before; `fleetserve server status` and /health say which.
@@ -109,6 +111,7 @@ class Cgroups:
             raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, not {mode!r}")
         ident = home_id or hashlib.sha256(str(home).encode()).hexdigest()[:12]
         self.name = _checked(f"fleetserve-{ident}")
+        self.record = home / "cgroup"  # where this home's cgroups were made (one a line)
         self.mode = mode
         self._base = base  # the parent of the home's cgroup; None: this process's cgroup
         self._lock = threading.Lock()
@@ -183,6 +186,8 @@ class Cgroups:
         if home is None:
             return None
         path = (parent or home) / _checked(name)
+        if parent is None:
+            self._remember(home)
         with self._lock:  # `remove` may take away an empty home's cgroup meanwhile
             for _ in range(2):
                 try:
@@ -195,6 +200,38 @@ class Cgroups:
                 except OSError:
                     return None
         return None
+
+    def _recorded(self) -> list[Path]:
+        """The home's cgroups that the record names and that still exist."""
+        try:
+            lines = self.record.read_text().splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            p = Path(line.strip())
+            if p.is_absolute() and p.name == self.name and (p / "cgroup.procs").is_file():
+                out.append(p)
+        return out
+
+    def _remember(self, home: Path) -> None:
+        """Add `home` to the record (0600, replaced atomically, never through a symlink)."""
+        known = self._recorded()
+        if home in known:
+            return
+        tmp = self.record.with_name(f".{self.record.name}.{os.getpid()}")
+        with contextlib.suppress(OSError):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(f"{p}\n" for p in [*known, home]))
+            os.replace(tmp, self.record)
+
+    def homes(self) -> list[Path]:
+        """This home's cgroup here, then those of earlier controllers (in other cgroups)."""
+        home = self.home
+        if home is None:
+            return []
+        return [home, *(p for p in self._recorded() if p != home)]
 
     @staticmethod
     def wrap(argv: list[str], path: Path | None) -> list[str]:
@@ -220,19 +257,21 @@ class Cgroups:
     def find(self, token: str) -> Path | None:
         """The cgroup of the replica or job with this token (a handle-less stop: a launch cut
         short, a job whose start a restart cut short)."""
-        home = self.home
-        if home is None or not token:
+        if not token:
             return None
         end = f".{token}"
-        with contextlib.suppress(OSError):
-            for child in home.iterdir():
-                if not child.is_dir() or not child.name.startswith("r."):
-                    continue
-                if child.name.endswith(end):
-                    return child
-                for job in child.iterdir():
-                    if job.is_dir() and job.name.startswith("job.") and job.name.endswith(end):
-                        return job
+        for home in self.homes():
+            with contextlib.suppress(OSError):
+                for child in home.iterdir():
+                    if not child.is_dir() or not child.name.startswith("r."):
+                        continue
+                    if child.name.endswith(end):
+                        return child
+                    for job in child.iterdir():
+                        if not job.is_dir() or not job.name.startswith("job."):
+                            continue
+                        if job.name.endswith(end):
+                            return job
         return None
 
     @staticmethod
@@ -311,27 +350,27 @@ class Cgroups:
             for d, _, _ in os.walk(path, topdown=False):
                 with contextlib.suppress(OSError):
                     os.rmdir(d)
-        home = self._state[0] if self._state else None
-        if home is None or path.parent != home:
-            return
+        if path.parent.name != self.name:
+            return  # a job's: its worker's stays
         with self._lock, contextlib.suppress(OSError):
-            home.rmdir()  # fails (busy, not empty) while another replica has one: kept
+            path.parent.rmdir()  # fails (busy, not empty) while another replica has one: kept
 
     def orphans(self, known_tokens: set[str]) -> list[Path]:
         """This home's replica cgroups whose launch token no row knows (and empty probes a
         crashed controller left)."""
-        home = self.home
         out: list[Path] = []
-        if home is None:
-            return out
-        with contextlib.suppress(OSError):
-            for child in home.iterdir():
-                if not child.is_dir():
-                    continue
-                if child.name.startswith("r."):
-                    if child.name.rsplit(".", 1)[1] not in known_tokens:
-                        out.append(child)
-                elif child.name.startswith("probe."):
-                    with contextlib.suppress(OSError):
-                        child.rmdir()
+        for home in self.homes():
+            with contextlib.suppress(OSError):
+                for child in home.iterdir():
+                    if not child.is_dir():
+                        continue
+                    if child.name.startswith("r."):
+                        if child.name.rsplit(".", 1)[1] not in known_tokens:
+                            out.append(child)
+                    elif child.name.startswith("probe."):
+                        with contextlib.suppress(OSError):
+                            child.rmdir()
+            if home != self.home:
+                with self._lock, contextlib.suppress(OSError):
+                    home.rmdir()  # an earlier controller's, now empty
         return out

@@ -325,3 +325,44 @@ async def test_an_escapee_that_ignores_sigterm_and_keeps_forking_is_killed_whole
         assert escapees.alive() == []
         assert time.monotonic() - started_at < 10  # the grace (2 s), then killed at once
         assert h.cgroup is not None and not Path(h.cgroup).exists()
+
+
+async def test_a_controller_restarted_in_another_cgroup_still_sweeps_the_first_ones(
+    tmp_path: Path, escapees: Escapees
+) -> None:
+    """The home records where its cgroups were made: a controller started again from another
+    cgroup (another login session) finds and sweeps those too."""
+    own, why = own_cgroup()
+    assert own is not None, why
+    bases = [own / f"fleetserve-test-base{i}-{os.getpid()}" for i in (1, 2)]
+    home = tmp_path / "home"
+
+    def infra_in(base: Path) -> LocalInfra:
+        infra = LocalInfra(home, grace_seconds=2, home_id=HOME_ID)
+        infra.cgroups = infra.jobs.cgroups = Cgroups(HOME_ID, home, base=base)
+        return infra
+
+    for base in bases:
+        base.mkdir()
+    token = f"{HOME_ID}-moved"
+    first = infra_in(bases[0])
+    out = await first.launch(request(tmp_path, escaping(tmp_path / "p"), token))
+    try:
+        escapees.collect(tmp_path / "p")
+        h = LocalHandle.from_json(out.handle)
+        assert h.cgroup is not None and Path(h.cgroup).parent.parent == bases[0]
+        assert (home / "cgroup").read_text() == f"{bases[0] / first.cgroups.name}\n"
+        restarted = infra_in(bases[1])
+        assert restarted.cgroups.find(token) == Path(h.cgroup)
+        assert await restarted.sweep(set()) >= 1
+        assert escapees.wait_gone() == []
+        assert not (bases[0] / first.cgroups.name).exists()
+    finally:
+        await first.terminate(out.handle, token)
+        for base in bases:
+            for _ in range(50):
+                with contextlib.suppress(OSError):
+                    base.rmdir()
+                if not base.exists():
+                    break
+                await asyncio.sleep(0.05)
