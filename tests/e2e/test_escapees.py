@@ -35,6 +35,7 @@ def job_yaml(fleet: Fleet, name: str, pids: Path, tail: str) -> Path:
     return path
 
 
+@pytest.mark.slow  # 15 to 21 s: a pool, three jobs, cancel, down
 def test_a_jobs_escaped_processes_go_at_cancel_at_its_end_and_at_pool_down(
     fleet: Fleet, escapees: Escapees
 ) -> None:

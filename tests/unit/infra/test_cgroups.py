@@ -366,3 +366,28 @@ async def test_a_controller_restarted_in_another_cgroup_still_sweeps_the_first_o
                 if not base.exists():
                     break
                 await asyncio.sleep(0.05)
+
+
+async def test_without_cgroup_kill_a_forking_cgroup_is_frozen_and_killed_member_by_member(
+    infra: LocalInfra, tmp_path: Path, escapees: Escapees
+) -> None:
+    """Kernels before 5.14 have no cgroup.kill: the same end, one SIGKILL at a time."""
+    pids = tmp_path / "p"
+    pids.mkdir()
+    forking = (
+        f"(setsid env -i /bin/sh -c 'echo $$ > {pids}/forker; "
+        "while :; do sleep 0.05 & sleep 0.01; done' &)\nexec sleep 300"
+    )
+    token = f"{HOME_ID}-forking"
+    async with launched(infra, request(tmp_path, forking, token)) as h:
+        for _ in range(200):
+            if (pids / "forker").exists() and (pids / "forker").read_text().endswith("\n"):
+                break
+            await asyncio.sleep(0.05)
+        p = psutil.Process(int((pids / "forker").read_text()))
+        escapees.seen[p.pid] = started(p)
+        assert h.cgroup is not None
+        cgroup = Path(h.cgroup)
+        assert len(infra.cgroups.pids(cgroup)) >= 3  # the wrapper's sleep, the loop, its sleeps
+        await asyncio.to_thread(infra.cgroups.kill_each, cgroup)
+        assert infra.cgroups.pids(cgroup) == [] and escapees.alive() == []
