@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fleetserve.infra import cgroups as cgroups_module
 from fleetserve.infra.base import InstanceKind, LaunchRequest
 from fleetserve.infra.cgroups import Cgroups, own_cgroup, replica_name
 from fleetserve.infra.jobs import JobHandle, JobRequest
@@ -229,16 +230,16 @@ def test_a_user_who_may_not_make_cgroups_falls_back_to_the_token_scan() -> None:
     """As `nobody` (the machine's cgroups are root's), the probe fails with its reason."""
     base, why = own_cgroup()
     assert base is not None, why
-    script = (
-        "from pathlib import Path; from fleetserve.infra.cgroups import Cgroups; "
-        "print(Cgroups('e0e0e0e0e0e0', Path('/nonexistent')).describe())"
-    )
-    root = Path(__file__).resolve().parents[3]
+    # The module as `nobody` runs it: its source on stdin (it needs the standard library only),
+    # so that neither the checkout nor the project's interpreter must be readable by nobody.
+    source = Path(cgroups_module.__file__).read_text()
+    script = source + "\nprint(Cgroups('e0e0e0e0e0e0', Path('/nonexistent')).describe())\n"
     done = subprocess.run(
-        ["/usr/bin/python3", "-c", script],  # one that `nobody` may run (no psutil needed)
+        ["/usr/bin/python3", "-"],
+        input=script,
         user="nobody",
         cwd="/",
-        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        env={"PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=60,
