@@ -392,3 +392,15 @@ async def test_without_cgroup_kill_a_forking_cgroup_is_frozen_and_killed_member_
         assert len(infra.cgroups.pids(cgroup)) >= 3  # the wrapper's sleep, the loop, its sleeps
         await asyncio.to_thread(infra.cgroups.kill_each, cgroup)
         assert infra.cgroups.pids(cgroup) == [] and escapees.alive() == []
+
+
+async def test_a_preempted_replicas_escapees_die_with_it(
+    infra: LocalInfra, tmp_path: Path, escapees: Escapees
+) -> None:
+    """`chaos preempt` (a lost host): the whole cgroup is killed at once, no grace."""
+    token = f"{HOME_ID}-spot"
+    async with launched(infra, request(tmp_path, escaping(tmp_path / "p"), token, spot=True)) as h:
+        escapees.collect(tmp_path / "p")
+        assert [held.replica_id for held in infra.preempt("svc", 1)] == [1]
+        assert escapees.wait_gone(timeout=5) == []
+        assert (await infra.poll(h.to_json())).kind is InstanceKind.LOST
