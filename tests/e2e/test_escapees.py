@@ -56,10 +56,16 @@ def test_a_jobs_escaped_processes_go_at_cancel_at_its_end_and_at_pool_down(
     escapees.collect(tmp / "a")
     fleet.cli("jobs", "cancel", str(client.jobs("batch")[0].job_id))
     assert escapees.wait_gone() == []
-    # The job's end: what it left behind is stopped.
-    ends = job_yaml(fleet, "b", tmp / "b", "echo started them")
-    fleet.cli("jobs", "launch", "-p", "batch", "--wait", str(ends), timeout=120)
-    escapees.collect(tmp / "b")
+    # The job's end: what it left behind is stopped. (It ends 3 s after its escapees wrote
+    # their pids, so that the test sees them alive before the job's end stops them.)
+    b = tmp / "b"
+    files = " && ".join(f"[ -s {b / shape} ]" for shape in SHAPES)
+    tail = f"for i in $(seq 400); do {files} && break; sleep 0.05; done; sleep 3; echo ok"
+    fleet.cli("jobs", "launch", "-p", "batch", str(job_yaml(fleet, "b", b, tail)))
+    escapees.collect(b)
+    fleet.wait_for(
+        "the job's end", lambda: client.jobs("batch")[1].status == "SUCCEEDED", timeout=60
+    )
     assert escapees.wait_gone() == []
     # `pool down` while a job runs.
     fleet.cli(
