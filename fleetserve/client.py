@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from fleetserve.api.models import EventInfo, JobInfo, PoolApplied, Preempted, ServiceInfo
+from fleetserve.api.models import EventInfo, Health, JobInfo, PoolApplied, Preempted, ServiceInfo
 from fleetserve.controller.home import secure_home
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import (
@@ -465,6 +465,11 @@ class Client:
 
     def promote(self, name: str) -> ServiceInfo:
         return ServiceInfo.model_validate(self._call("POST", f"/services/{name}/promote").json())
+
+    def health(self) -> Health:
+        """The controller's /health: its version, pid, home, role, and how it stops a local
+        replica's or job's processes."""
+        return Health.model_validate(self._call("GET", "/health").json())
 
     def status(self, name: str | None = None) -> list[ServiceInfo]:
         if name is not None:

@@ -52,6 +52,7 @@ from fleetserve.controller.pools import pool_bounds
 from fleetserve.controller.scaling import STATE_KEY as AUTOSCALER_KEY
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound, Standby
 from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
+from fleetserve.infra.cgroups import Cgroups
 from fleetserve.infra.local import lines_naming, read_lines
 from fleetserve.lb.wake import wake_token
 from fleetserve.spec.compat import compat_warnings
@@ -305,12 +306,17 @@ def create_app(
 
     @app.get(f"{PREFIX}/health", response_model=Health)
     async def health() -> Health:
+        cgroups = getattr(ctl.infra, "cgroups", None)  # the local infra's (a fake has none)
+        processes = None
+        if isinstance(cgroups, Cgroups):
+            processes = await asyncio.to_thread(cgroups.describe)
         return Health(
             ok=True,
             version=__version__,
             pid=os.getpid(),
             home=str(ctl.settings.home),
             role=ctl.role,
+            processes=processes,
         )
 
     @app.get("/metrics", include_in_schema=False)

@@ -133,6 +133,12 @@ class Health(BaseModel):
         description='"active", or "standby" when another controller holds the lease '
         "(FLEETSERVE_HA; docs/scaling.md)",
     )
+    processes: str | None = Field(
+        None,
+        description="How the local infra stops a replica's or job's processes: each in a "
+        'cgroup of its own ("cgroup v2: ..."), or "token scan only (why): ..." where cgroups '
+        "cannot be made (docs/security.md)",
+    )
 
 
 ZoneName = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9._-]*$")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -623,8 +624,9 @@ def _status_view(
 ) -> list[RenderableType]:
     """What `fleetserve status` shows: the services, their problems, the replicas, and with
     `verbose` each service's recent events."""
+    note = _token_scan_note(client)
     if not services:
-        return ["No services. Start one with `fleetserve up service.yaml`."]
+        return ["No services. Start one with `fleetserve up service.yaml`.", *note]
     parts: list[RenderableType] = [services_table(services)]
     for s in services:
         if s.failure_reason:
@@ -641,9 +643,20 @@ def _status_view(
             placer, summary = s.spot_placer.get("placer"), s.spot_placer.get("summary")
             parts.append(Text(f"{s.name}: spot placer {placer}; {summary}"))
     parts.append(replicas_table(services))
+    parts += note
     if verbose:
         parts += [events_table(s.name, client.events(s.name, 30)) for s in services]
     return parts
+
+
+def _token_scan_note(client: Client) -> list[RenderableType]:
+    """A line when the controller cannot put local replicas and jobs in cgroups (what escapes
+    their stop then: docs/security.md); nothing when it can."""
+    with contextlib.suppress(FleetserveError):
+        processes = client.health().processes
+        if processes and processes.startswith("token scan"):
+            return [Text(f"Local replicas and jobs: stopped by {processes}", style="yellow")]
+    return []
 
 
 def _watch_status(client: Client, name: str | None, verbose: bool, interval: float) -> None:
@@ -1231,6 +1244,11 @@ def server_status() -> None:
         f"Controller: {'running' if healthy else 'not answering'} (pid {pid}) on "
         f"127.0.0.1:{settings.api_port}, home {settings.home}"
     )
+    if healthy:
+        with contextlib.suppress(FleetserveError):
+            processes = Client(settings=settings, auto_start=False).health().processes
+            if processes:
+                out.print(f"Local replicas and jobs: {processes}", highlight=False)
 
 
 def main() -> None:

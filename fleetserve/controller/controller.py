@@ -76,6 +76,7 @@ class Controller:
             replica_netns=settings.replica_netns,
             zones=list(settings.local_zones),
             host=self.host,
+            cgroups=settings.cgroups,
         )
         self.infras: dict[str, Infra] = {self.infra.name: self.infra}  # more made on first use
         self._watch_exits(self.infra)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
+from fleetserve.infra.cgroups import MODE_ENV as CGROUPS_ENV
+from fleetserve.infra.cgroups import MODES as CGROUPS_MODES
 from fleetserve.infra.zones import ZoneConfig, parse_zones
 from fleetserve.store.url import resolve_db_url
 
@@ -45,6 +47,14 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise InvalidSpec(f"{name}={raw!r}: use 1 or 0")
 
 
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """One of `choices` (the first when unset)."""
+    raw = (env.get(name) or "").strip().lower() or choices[0]
+    if raw not in choices:
+        raise InvalidSpec(f"{name}={raw!r}: use {' or '.join(choices)}")
+    return raw
+
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -73,6 +83,9 @@ class Settings:
     replica_net: str = "10.231.0.0/16"
     # How: "veth" (root), "userns" (a normal user: a user namespace and a relay), or "auto".
     replica_netns: str = "auto"
+    # Each local replica and job in a cgroup of its own where possible ("auto"), or never
+    # ("off": the launch-token scan alone stops their processes). fleetserve.infra.cgroups.
+    cgroups: str = "auto"
     lb_repush_interval: float = 10.0  # the set is pushed on every change, and again this often
     autoscale_interval: float = 1.0  # seconds between two autoscaler decisions
     drain_seconds: float = 120.0  # the longest wait for a scaled-down replica's requests
@@ -122,6 +135,7 @@ class Settings:
             lb_port_start=int(num("FLEETSERVE_LB_PORT_START", 30001)),
             replica_net=env.get("FLEETSERVE_REPLICA_NET") or "10.231.0.0/16",
             replica_netns=env.get("FLEETSERVE_REPLICA_NETNS") or "auto",
+            cgroups=_choice(env, CGROUPS_ENV, CGROUPS_MODES),
             autoscale_interval=num("FLEETSERVE_AUTOSCALE_INTERVAL", 1.0),
             drain_seconds=num("FLEETSERVE_DRAIN_SECONDS", 120.0),
             launch_timeout=num("FLEETSERVE_LAUNCH_TIMEOUT", 1800.0),

@@ -5,6 +5,9 @@ A job's processes carry the worker's launch token (stopping or preempting the wo
 jobs too, and the orphan sweep treats them as the worker's) and a job token of their own (a
 cancel stops that job only). A small bash wrapper records the exit code, so a restarted
 controller that adopts a running job (not its child any more) still learns how it ended.
+Where its worker has a cgroup (fleetserve.infra.cgroups), a job runs in a cgroup of its own
+inside it: a cancel kills that one, the worker's stop kills both, and processes that cleared
+their environment (no tokens) go with them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import psutil
 
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState
+from fleetserve.infra.cgroups import Cgroups, job_name
 from fleetserve.infra.procs import (
     find_process,
     processes_where,
@@ -93,14 +97,15 @@ class JobHandle:
     pid: int
     create_time: float
     dir: str
+    cgroup: str | None = None  # the job's cgroup, inside its worker's (where there is one)
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+        return json.dumps({k: v for k, v in self.__dict__.items() if v is not None}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> JobHandle:
         d = json.loads(text)
-        return cls(int(d["pid"]), float(d["create_time"]), str(d["dir"]))
+        return cls(int(d["pid"]), float(d["create_time"]), str(d["dir"]), d.get("cgroup"))
 
 
 def job_dir(home: Path, pool: str, job_id: int) -> Path:
@@ -122,8 +127,10 @@ class LocalJobs:
         home_id_env: str,
         umask: int | None = None,
         grace_seconds: float = 10.0,
+        cgroups: Cgroups | None = None,
     ) -> None:
         self.home = home
+        self.cgroups = cgroups or Cgroups(home_id, home, "off")
         self.home_id = home_id
         self.token_env = token_env
         self.home_id_env = home_id_env
@@ -160,9 +167,18 @@ class LocalJobs:
         env[JOB_TOKEN_ENV] = req.token
         if self.home_id:
             env[self.home_id_env] = self.home_id
+        # Its own cgroup inside its worker's, where the worker has one.
+        worker_cgroup = self.cgroups.ours(json.loads(req.worker_handle).get("cgroup"))
+        cgroup = None
+        if worker_cgroup is not None:
+            cgroup = self.cgroups.create(job_name(req.job_id, req.token), worker_cgroup)
+        argv = self.cgroups.wrap(["bash", str(d / "entry.sh")], cgroup)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         try:
-            proc = spawn_session(["bash", str(d / "entry.sh")], d, env, fd, self.umask)
+            proc = spawn_session(argv, d, env, fd, self.umask)
+        except BaseException:
+            self.cgroups.destroy(cgroup)
+            raise
         finally:
             os.close(fd)
         self._children[proc.pid] = proc
@@ -170,7 +186,9 @@ class LocalJobs:
             created = started(psutil.Process(proc.pid))
         except psutil.NoSuchProcess:
             created = 0.0
-        return JobHandle(proc.pid, created, str(d)).to_json()
+        return JobHandle(
+            proc.pid, created, str(d), None if cgroup is None else str(cgroup)
+        ).to_json()
 
     def poll(self, handle: str) -> InstanceState:
         h = JobHandle.from_json(handle)
@@ -221,21 +239,30 @@ class LocalJobs:
             and (not self.home_id or env.get(self.home_id_env) == self.home_id)
         )
 
-    def stop(self, token: str) -> list[int]:
-        """Stop every process of the job (SIGTERM, then SIGKILL after the grace); returns the
-        pids that survived."""
-        alive = stop_processes(processes_where(self._ours(token)), self.grace_seconds)
+    def stop(self, token: str, handle: str | None = None) -> list[int]:
+        """Stop every process of the job: those with its token and those in its cgroup
+        (SIGTERM, then SIGKILL after the grace); then the cgroup is killed whole and removed.
+        Returns the pids that survived."""
+        recorded = JobHandle.from_json(handle).cgroup if handle else None
+        cgroup = self.cgroups.ours(recorded) or self.cgroups.find(token)
+        procs = {p.pid: p for p in processes_where(self._ours(token))}
+        procs.update(self.cgroups.members(cgroup))
+        alive = stop_processes(list(procs.values()), self.grace_seconds)
+        left = self.cgroups.destroy(cgroup)
         for pid in list(self._children):
             if self._children[pid].poll() is not None:
                 self._children.pop(pid, None)
-        return [p.pid for p in alive]
+        return sorted({p.pid for p in alive} | set(left))
 
     def find(self, pool: str, job_id: int, token: str) -> str | None:
         d = job_dir(self.home, pool, job_id)
         found = processes_where(self._ours(token))
+        cgroup = self.cgroups.find(token)
         if found:
             first = min(found, key=started)  # the wrapper started first
-            return JobHandle(first.pid, started(first), str(d)).to_json()
+            return JobHandle(
+                first.pid, started(first), str(d), None if cgroup is None else str(cgroup)
+            ).to_json()
         if (d / _EXIT_CODE).exists():
             return JobHandle(0, 0.0, str(d)).to_json()  # it ended: poll reads the exit code
         return None

@@ -5,6 +5,8 @@ A small bash wrapper runs `setup`, marks it done, runs `run` and records its exi
 controller that restarts and adopts the replica (not its child any more) still learns how it
 ended. Every process of a replica carries FLEETSERVE_LAUNCH_TOKEN in its environment: terminate
 finds them all by that token, including children that left the process group, and only them.
+Where cgroups can be made (fleetserve.infra.cgroups), each replica also runs in a cgroup of its
+own, which holds the processes that clear their environment too, and terminate kills it whole.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from fleetserve.infra.base import (
     LaunchRequest,
     Location,
 )
+from fleetserve.infra.cgroups import Cgroups, replica_name
 from fleetserve.infra.git import clone
 from fleetserve.infra.host import host_id
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
@@ -95,6 +98,7 @@ class LocalHandle:
     replica_id: int | None = None
     zone: str | None = None
     spot: bool | None = None
+    cgroup: str | None = None  # its cgroup (fleetserve.infra.cgroups), where there is one
 
     def to_json(self) -> str:
         d = {k: v for k, v in self.__dict__.items() if v is not None}
@@ -114,6 +118,7 @@ class LocalHandle:
             replica_id=d.get("replica_id"),
             zone=d.get("zone"),
             spot=d.get("spot"),
+            cgroup=d.get("cgroup"),
         )
 
 
@@ -227,14 +232,20 @@ class LocalInfra:
         replica_netns: str = "auto",
         zones: list[ZoneConfig] | None = None,
         host: str | None = None,
+        cgroups: str = "auto",
     ) -> None:
         self.home = home
+        # Each replica and job in a cgroup of its own where this user may make them; else the
+        # token scan alone (fleetserve.infra.cgroups). Found on first use.
+        self.cgroups = Cgroups(home_id, home, cgroups)
         # This host (fleetserve.infra.host): a replica's row records it at launch, and a
         # controller on another host never touches that replica's processes.
         self.host = host or host_id()
         self.zones = ZoneBook(zones or [ZoneConfig("local")])
         self._preempted: dict[int, str] = {}  # pid -> why (preempted replicas poll LOST)
-        self.jobs = LocalJobs(home, home_id, TOKEN_ENV, HOME_ID_ENV, umask, grace_seconds)
+        self.jobs = LocalJobs(
+            home, home_id, TOKEN_ENV, HOME_ID_ENV, umask, grace_seconds, self.cgroups
+        )
         self.networks = ReplicaNetworks(home_id, replica_net, replica_netns)  # fixed-port fleets
         self.home_id = home_id
         self.legacy_home = legacy_home  # processes of a home from before home ids
@@ -317,10 +328,13 @@ class LocalInfra:
     def _preempt(self, token: str, held: Held, why: str) -> Held:
         self._preempted[held.pid] = why
         self.zones.held.pop(token, None)
+        cgroup = self.cgroups.find(token)
+        if cgroup is not None:
+            self.cgroups.kill(cgroup)  # a lost host: no SIGTERM, no grace; removed at terminate
         procs = processes_with_token(token)
         for p in procs:
             with contextlib.suppress(psutil.Error):
-                p.kill()  # a lost host: no SIGTERM, no grace
+                p.kill()
         return held
 
     def prepare(self, service: str, resources: dict[str, Any]) -> None:
@@ -436,8 +450,15 @@ class LocalInfra:
             relay.bind(("127.0.0.1", 0))
             relay.listen(1024)
             relay_port = int(relay.getsockname()[1])
-        out = open_private(log)
+        cgroup: Path | None = None
+        out = -1
         try:
+            # Made here, not in a thread: a cancelled launch never leaves one being made. (The
+            # first call checks whether cgroups can be used: a few milliseconds, once.)
+            cgroup = self.cgroups.create(
+                replica_name(request.service, request.replica_id, request.launch_token)
+            )
+            out = open_private(log)
             entry = ["bash", str(rdir / "entry.sh")]
             if netns:
                 entry = ["ip", "netns", "exec", netns, *entry]
@@ -446,14 +467,19 @@ class LocalInfra:
                     *(sys.executable, "-m", "fleetserve.infra.userns"),
                     *("--listen-fd", str(relay.fileno()), "--port", str(port), "--", *entry),
                 ]
+            # The first process enters the cgroup before anything else runs: every process of
+            # the replica (namespaces, relay, setup, run) is forked inside it.
+            entry = self.cgroups.wrap(entry, cgroup)
             fds = () if relay is None else (relay.fileno(),)
             proc = spawn_session(entry, rdir, env, out, self.umask, fds)
         except BaseException:
             if netns:
                 await asyncio.to_thread(self.networks.remove, request.launch_token)
+            await asyncio.to_thread(self.cgroups.destroy, cgroup)
             raise
         finally:
-            os.close(out)
+            if out >= 0:
+                os.close(out)
             if relay is not None:
                 relay.close()  # the relay holds it now
         self._children[proc.pid] = proc
@@ -473,6 +499,7 @@ class LocalInfra:
             replica_id=request.replica_id,
             zone=zone,
             spot=request.spot,
+            cgroup=None if cgroup is None else str(cgroup),
         )
         self._hold(request.launch_token, handle)  # the zone's capacity counts it from now
         try:
@@ -587,8 +614,10 @@ class LocalInfra:
             leader = find_process(h.pid, h.create_time)
             if leader is not None and self._ours(leader, h.create_time):
                 procs[leader.pid] = leader
+        # Its cgroup: recorded in the handle, else found by the token (a cut-short launch).
+        cgroup = (h is not None and self.cgroups.ours(h.cgroup)) or self.cgroups.find(token)
         alive = self._stop_all(
-            lambda env: env.get(TOKEN_ENV) == token and self._env_ours(env), procs
+            lambda env: env.get(TOKEN_ENV) == token and self._env_ours(env), procs, cgroup=cgroup
         )
         if h is not None:
             child = self._children.pop(h.pid, None)
@@ -596,7 +625,7 @@ class LocalInfra:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.wait(timeout=1)
         if alive:
-            pids = ", ".join(str(p.pid) for p in alive)
+            pids = ", ".join(str(pid) for pid in alive)
             raise TerminalError(f"processes {pids} survived SIGKILL")
         if (h is not None and h.netns) or (h is None and self.networks.may_exist()):
             self.networks.remove(token)  # found by the token: also after a cut-short launch
@@ -605,23 +634,31 @@ class LocalInfra:
 
     def _stop_all(
         self,
-        match: Callable[[dict[str, str]], bool],
+        match: Callable[[dict[str, str]], bool] | None,
         extra: dict[int, psutil.Process] | None = None,
         rounds: int = 3,
-    ) -> list[psutil.Process]:
-        """Stop every process that `match`es, scanning again after each round: a process
-        forked while the last one was stopping (the wrapper starting `run`) is found too.
-        Returns those that survived SIGKILL."""
+        cgroup: Path | None = None,
+    ) -> list[int]:
+        """Stop every process that `match`es or is in `cgroup` (SIGTERM, the grace, SIGKILL),
+        scanning again after each round: a process forked while the last one was stopping (the
+        wrapper starting `run`) is found too. Then whatever is left in the cgroup is killed at
+        once and the cgroup removed. Returns the pids that survived SIGKILL."""
         procs = dict(extra or {})
+        alive: list[psutil.Process] = []
         for _ in range(rounds):
-            procs.update({p.pid: p for p in processes_where(match)})
+            if match is not None:
+                procs.update({p.pid: p for p in processes_where(match)})
+            procs.update(self.cgroups.members(cgroup))
             if not procs:
-                return []
+                break
             alive = stop_processes(list(procs.values()), self.grace_seconds)
             if alive:
-                return alive
+                break
             procs = {}
-        return [p for p in processes_where(match)]
+        else:
+            alive = processes_where(match) if match is not None else []
+        left = self.cgroups.destroy(cgroup)
+        return sorted({p.pid for p in alive} | set(left))
 
     # -- jobs on pool workers (fleetserve.infra.jobs) ---------------------------------------
 
@@ -635,7 +672,7 @@ class LocalInfra:
         await self.jobs.wait(handle)
 
     async def stop_job(self, handle: str | None, token: str) -> None:
-        await asyncio.to_thread(self.jobs.stop, token)
+        await asyncio.to_thread(self.jobs.stop, token, handle)
 
     def job_logs(
         self, pool: str, job_id: int, handle: str | None, follow: bool, tail: int | None
@@ -662,12 +699,19 @@ class LocalInfra:
             )
 
         procs = await asyncio.to_thread(processes_where, orphan)
+        stopped = len(procs)
         if procs:
             await asyncio.to_thread(self._stop_all, orphan)
+        if self.home_id:
+            # Replica cgroups no row knows: what is left in them (processes that cleared their
+            # environment, so no token) is stopped, and they are removed.
+            for cgroup in await asyncio.to_thread(self.cgroups.orphans, known_tokens):
+                stopped += self.cgroups.populated(cgroup)
+                await asyncio.to_thread(self._stop_all, None, None, 1, cgroup)
         networks = 0
         if self.home_id and self.networks.may_exist():
             networks = await asyncio.to_thread(self.networks.sweep, known_tokens)
-        return len(procs) + networks
+        return stopped + networks
 
     def logs(
         self,

@@ -14,7 +14,7 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from fleetserve.api.models import EventInfo, JobInfo, ReplicaInfo, ServiceInfo
+from fleetserve.api.models import EventInfo, Health, JobInfo, ReplicaInfo, ServiceInfo
 from fleetserve.cli import completion, main, pools
 from fleetserve.cli.main import app
 from fleetserve.cli.output import OutputFormat, check_interval, dumps, stream_item, to_data
@@ -63,6 +63,7 @@ class FakeClient:
     # Each call to events() takes the next item: a list, or an exception to raise.
     script: list[Any] = []
     status_calls = 0
+    processes = "cgroup v2: each replica and job in its own cgroup, under /sys/fs/cgroup/x"
 
     def __init__(self, *_a: object, **_kw: object) -> None:
         pass
@@ -78,6 +79,9 @@ class FakeClient:
         if FakeClient.status_calls > 2:  # `status -w`: the user presses Ctrl-C
             raise KeyboardInterrupt
         return [self.service(name)] if name else list(self.services)
+
+    def health(self) -> Health:
+        return Health(ok=True, version="0", pid=1, home="/h", processes=self.processes)
 
     def service(self, name: str) -> ServiceInfo:
         for s in self.services:
@@ -226,6 +230,25 @@ def test_status_of_no_services_is_an_empty_list(fake: type[FakeClient]) -> None:
         assert "No services" in run("status").stdout
     finally:
         FakeClient.services = [SVC]
+
+
+def test_status_says_when_the_token_scan_alone_stops_local_processes(
+    fake: type[FakeClient],
+) -> None:
+    assert "token scan" not in run("status").stdout  # cgroups: nothing to say
+    before = FakeClient.processes
+    FakeClient.processes = "token scan only (FLEETSERVE_CGROUPS=off): a process can outlive"
+    try:
+        FakeClient.status_calls = 0
+        with_services = run("status").stdout
+        FakeClient.services = []
+        without = run("status").stdout
+    finally:
+        FakeClient.processes = before
+        FakeClient.services = [SVC]
+    for out in (with_services, without):
+        assert "Local replicas and jobs: stopped by token scan only" in " ".join(out.split())
+    assert "No services" in without
 
 
 def test_pool_status_and_jobs_queue_print_the_api_bodies(fake: type[FakeClient]) -> None:
