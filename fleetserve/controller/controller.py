@@ -45,6 +45,8 @@ from fleetserve.store.db import MAX_JOBS_PER_LAUNCH
 
 log = logging.getLogger("fleetserve.controller")
 LOG_CHECK_SECONDS = 5.0  # how often log sizes are checked against the cap
+LOG_RECHECK_SECONDS = 1.0  # ... while a log grows past the whole cap between two checks
+LOG_EVENTS_KEPT = 100  # disk-full events waiting for the database to take writes again
 MAX_CACHED_SPECS = 4096  # parsed specs kept (each a few KiB); past it the cache starts anew
 
 
@@ -88,6 +90,7 @@ class Controller:
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._housekeeping: asyncio.Task[None] | None = None
+        self._log_events: list[tuple[str, float, str]] = []  # (service, at, message) to record
         self._specs: dict[tuple[str, float, int], ServiceTask] = {}  # parsed, by version
         # With FLEETSERVE_HA: the lease that decides whether this controller acts.
         self.leadership: Leadership | None = None
@@ -202,17 +205,65 @@ class Controller:
 
     async def _rotate_logs(self) -> None:
         """Every log of this home (replicas, load balancers, the controller's own) stays under
-        the cap, keeping its newest lines."""
-        cap = self.settings.log_cap_bytes
+        the cap, keeping its newest lines; checked again sooner while one outgrows it."""
         while True:
+            busy = False
             try:
-                logs = await asyncio.to_thread(lambda: list(self.settings.logs_dir.rglob("*.log")))
-                for path in logs:
-                    if await asyncio.to_thread(rotate_log, path, cap):
-                        log.info("rotated %s (over %s bytes)", path, cap // 2)
-            except Exception:  # never let housekeeping end the controller
-                log.exception("log rotation failed")
-            await asyncio.sleep(LOG_CHECK_SECONDS)
+                busy = await self.rotate_logs_once()
+            except Exception as e:  # never let housekeeping end the controller
+                log.warning("log rotation failed: %s", e)
+            await asyncio.sleep(LOG_RECHECK_SECONDS if busy else LOG_CHECK_SECONDS)
+
+    async def rotate_logs_once(self) -> bool:
+        """One pass over the logs; True if one was past the whole cap (it grows fast).
+
+        A log rotated on a full disk (no room to copy it first) is emptied in place: the
+        service it belongs to gets an event that says so and how much of its end was kept."""
+        cap = self.settings.log_cap_bytes
+        logs_dir = self.settings.logs_dir
+        busy = False
+        logs = await asyncio.to_thread(lambda: sorted(logs_dir.rglob("*.log")))
+        for path in logs:
+            try:
+                done = await asyncio.to_thread(rotate_log, path, cap)
+            except OSError as e:
+                log.warning("cannot rotate %s: %s", path, e.strerror or e)
+                continue
+            if done is None:
+                continue
+            busy = busy or done.size > cap
+            if not done.full_disk:
+                log.info("rotated %s (%s bytes, over %s)", path, done.size, cap // 2)
+                continue
+            kept = (
+                f"its last {done.kept} bytes are in {path.name}.1"
+                if done.kept
+                else "nothing of it could be kept"
+            )
+            message = (
+                f"disk full: log {path.name} ({done.size} bytes) was truncated without a "
+                f"copy; {kept}"
+            )
+            log.warning("%s: %s", path, message)
+            parts = path.relative_to(logs_dir).parts
+            if len(parts) == 2:
+                self._log_events.append((parts[0], self.clock.now(), message))
+        self._record_log_events()
+        return busy
+
+    def _record_log_events(self) -> None:
+        """The disk-full events not recorded yet (the room a truncation freed can go to
+        another writer first): kept, at most LOG_EVENTS_KEPT, and tried again each pass."""
+        del self._log_events[:-LOG_EVENTS_KEPT]
+        while self._log_events:
+            service, at, message = self._log_events[0]
+            try:
+                if self.store.get_service(service) is not None:
+                    self.store.add_event(service, at, "service", message)
+            except Exception as e:
+                log.warning("service %s: an event waits for the database: %s", service, e)
+                return
+            self._log_events.pop(0)
 
     async def stop(self) -> None:
         if self._leading is not None:

@@ -1,0 +1,95 @@
+"""A full disk (issue: log rotation could not get out of one): a log past its cap is emptied
+even when there is no room to copy it first, keeping its end when it can, and the service's
+events say so. On a small tmpfs each test mounts (root only) and a real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetserve.controller.controller import Controller
+from fleetserve.controller.settings import Settings
+from fleetserve.core.clock import FakeClock
+from fleetserve.infra.local import FULL_DISK_TAIL, rotate_log
+
+from .fakes import FakeInfra, create_service, service_yaml
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write to `path` until the disk is full (bounded by the tmpfs's size)."""
+    with open(path, "ab", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+
+
+def log_lines(path: Path, n: int) -> None:
+    with open(path, "ab") as f:
+        for i in range(n):
+            f.write(b"line %08d of the replica's output, padded to some length...........\n" % i)
+
+
+def test_a_log_on_a_full_disk_is_truncated_and_keeps_its_end(small_fs: Path) -> None:
+    log = small_fs / "replica-1.log"
+    log_lines(log, 60_000)  # ~4.3 MB: no room left to copy it
+    fill(small_fs / "filler")
+    size = log.stat().st_size
+    end = log.read_bytes()[-1000:]
+    done = rotate_log(log, 2 * MiB)
+    assert done is not None and done.full_disk and done.size == size
+    assert log.stat().st_size == 0  # emptied: the disk has room again
+    kept = (small_fs / "replica-1.log.1").read_bytes()
+    assert done.kept == len(kept) == min(MiB, FULL_DISK_TAIL)  # half the cap, its end
+    assert kept.endswith(end)
+    with open(log, "ab") as f:  # the replica's next lines go in
+        f.write(b"more\n")
+
+
+def test_a_rotation_copies_only_half_the_cap(tmp_path: Path) -> None:
+    log = tmp_path / "load-balancer.log"
+    log_lines(log, 40_000)
+    data = log.read_bytes()
+    done = rotate_log(log, 1 * MiB)
+    assert done is not None and not done.full_disk
+    assert (tmp_path / "load-balancer.log.1").read_bytes() == data[-(MiB // 2) :]
+    assert log.stat().st_size == 0
+    assert rotate_log(log, 1 * MiB) is None  # under half the cap: left alone
+
+
+def test_the_full_disk_rotation_is_an_event_of_the_service(small_fs: Path) -> None:
+    settings = Settings(home=small_fs / "home", log_cap_bytes=2 * MiB)
+    settings.home.mkdir(mode=0o700)
+    clock = FakeClock()
+    ctl = Controller(settings, clock=clock, infra=FakeInfra())
+    try:
+        create_service(ctl.store, "web", service_yaml(), clock.now())
+        log = settings.logs_dir / "web" / "replica-1.log"
+        log.parent.mkdir(parents=True)
+        log_lines(log, 50_000)
+        fill(small_fs / "filler")
+        asyncio.run(ctl.rotate_logs_once())
+        assert log.stat().st_size == 0
+        events = [e.message for e in ctl.store.list_events("web")]
+        assert any("disk full" in m and "replica-1.log" in m for m in events), events
+    finally:
+        ctl.store.close()
