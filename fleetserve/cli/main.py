@@ -621,10 +621,21 @@ def down(
                 return
         if not names:
             raise InvalidSpec("name the services to take down, or use --all")
+        refused: list[FleetserveError] = []
+        requested = []
         for n in names:
-            client.down(n, purge)
-        failed = False
-        for n in names:
+            try:
+                client.down(n, purge)
+                requested.append(n)
+            except FleetserveError as e:
+                if len(names) == 1:
+                    raise
+                # The others are still taken down (a full disk refuses every write, say,
+                # and each service's processes are stopped all the same).
+                refused.append(e)
+                err.print(f"[red]{n}:[/] {e.message}", highlight=False, soft_wrap=True)
+        failed = bool(refused)
+        for n in requested:
             out.print(f"Taking down {n}...")
             left = client.wait_gone(n)
             if left is None:
@@ -633,7 +644,7 @@ def down(
                 failed = True
                 err.print(f"[red]{n}:[/] {left.failure_reason or left.status}", highlight=False)
         if failed:
-            raise typer.Exit(1)
+            raise typer.Exit(refused[0].exit_code if refused else 1)
     except FleetserveError as e:
         raise _fail(e) from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -28,7 +29,7 @@ from fleetserve.controller.settings import Settings
 from fleetserve.controller.spot import STATE_KEY as SPOT_STATE_KEY
 from fleetserve.controller.spot import zone_marks
 from fleetserve.core.clock import Clock, SystemClock
-from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby
+from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby, StorageFull
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra, WatchesExits
@@ -41,7 +42,7 @@ from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
 from fleetserve.store import Store
-from fleetserve.store.db import MAX_JOBS_PER_LAUNCH
+from fleetserve.store.db import MAX_JOBS_PER_LAUNCH, STORE_FAILURES
 
 log = logging.getLogger("fleetserve.controller")
 LOG_CHECK_SECONDS = 5.0  # how often log sizes are checked against the cap
@@ -437,6 +438,37 @@ class Controller:
                 f"cancel them (`fleetserve jobs cancel -p {name}`), or "
                 f"`fleetserve pool down {name} --cancel-jobs`"
             )
+
+    async def down_service(self, name: str, purge: bool = False) -> ServiceRecord:
+        """`down`: recorded in the store, the reconciler then stops and removes everything.
+        When the store refuses the write (a full disk), the service's processes are stopped
+        anyway, now, and the down is recorded once the store takes writes again; the caller
+        is told so (StorageFull)."""
+        try:
+            return self.delete_service(name, purge)
+        except STORE_FAILURES as e:
+            failure = e
+        svc = self.store.service(name)  # reads work on a full disk
+        rec = self._run(name)
+        rec.down_pending = bool(rec.down_pending) or purge or svc.purge
+        await rec.stop_processes()
+        rec.wake.set()
+        log.warning("service %s: down not recorded (%s): its processes were stopped", name, failure)
+        raise StorageFull(
+            f"{self.storage_problem(failure)}: the processes of {name} were stopped (replicas, "
+            "load balancer); its removal is recorded once the database can be written"
+        ) from None
+
+    def storage_problem(self, e: Exception) -> str:
+        """What a refused write says, in one line."""
+        if isinstance(e, OSError):
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return f"disk is full: {e.filename or self.settings.home}"
+            return f"{e.strerror or e}: {e.filename or self.settings.home}"
+        text = " ".join(str(getattr(e, "orig", e)).split())
+        if "full" in text or "No space left" in text:  # SQLite's words; PostgreSQL's
+            return f"database or disk is full: {self.store.where}"
+        return f"the database failed: {text[:300]}"
 
     def delete_service(self, name: str, purge: bool = False) -> ServiceRecord:
         svc = self.store.service(name)

@@ -10,15 +10,18 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from fleetserve.controller.controller import Controller
+from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock
+from fleetserve.core.errors import StorageFull
 from fleetserve.infra.local import FULL_DISK_TAIL, rotate_log
 
-from .fakes import FakeInfra, create_service, service_yaml
+from .fakes import FakeInfra, FakeLb, create_service, service_yaml
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -91,5 +94,53 @@ def test_the_full_disk_rotation_is_an_event_of_the_service(small_fs: Path) -> No
         assert log.stat().st_size == 0
         events = [e.message for e in ctl.store.list_events("web")]
         assert any("disk full" in m and "replica-1.log" in m for m in events), events
+    finally:
+        ctl.store.close()
+
+
+def test_down_stops_the_processes_when_the_store_is_full_and_records_it_later(
+    small_fs: Path,
+) -> None:
+    settings = Settings(home=small_fs / "home", reconcile_interval=0.05)
+    settings.home.mkdir(mode=0o700)
+    clock = FakeClock()
+    infra = FakeInfra()
+    ctl = Controller(settings, clock=clock, infra=infra)
+    lb = FakeLb()
+    ctl.lb = cast(LbManager, lb)
+
+    async def scenario() -> None:
+        create_service(ctl.store, "web", service_yaml(replicas=2), clock.now())
+        rec = ctl._run("web")
+        for _ in range(200):  # bounded: 10 s of rounds
+            rows = ctl.store.list_replicas("web")
+            svc = ctl.store.service("web")
+            if len([r for r in rows if r.handle]) == 2 and svc.lb_pid is not None:
+                break
+            await asyncio.sleep(0.05)
+        handles = {r.handle for r in ctl.store.list_replicas("web")}
+        lb_pid = ctl.store.service("web").lb_pid
+        assert None not in handles and lb_pid is not None
+        filler = small_fs / "filler"
+        fill(filler)
+        with pytest.raises(StorageFull) as refused:
+            await ctl.down_service("web", purge=True)
+        assert "full" in refused.value.message and "were stopped" in refused.value.message
+        assert handles <= {h for h, _ in infra.terminated}  # the replicas were stopped
+        assert ("web", lb_pid) in lb.stopped  # and the load balancer
+        launched = len(infra.launches)
+        await asyncio.sleep(0.5)  # rounds run while the store stays full
+        assert len(infra.launches) == launched  # nothing relaunched meanwhile
+        assert rec.down_pending is True
+        filler.unlink()
+        for _ in range(200):  # bounded: 10 s
+            if ctl.store.get_service("web") is None:
+                break
+            await asyncio.sleep(0.05)
+        assert ctl.store.get_service("web") is None  # the down was recorded and finished
+        await ctl._stop_reconcilers()
+
+    try:
+        asyncio.run(scenario())
     finally:
         ctl.store.close()
