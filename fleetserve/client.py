@@ -25,7 +25,12 @@ import httpx
 import psutil
 
 from fleetserve.api.models import EventInfo, JobInfo, PoolApplied, Preempted, ServiceInfo
-from fleetserve.controller.home import RunningController, running_controllers, secure_home
+from fleetserve.controller.home import (
+    RunningController,
+    local_url,
+    running_controllers,
+    secure_home,
+)
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import (
     ERROR_KINDS,
@@ -194,8 +199,10 @@ def _local_url(settings: Settings) -> str:
     """The controller of this home on the API port: its scheme from its server file (it
     may serve TLS), whichever FLEETSERVE_HA it was started with."""
     running = controller_of(settings)
+    if running is not None and running.port == settings.api_port:
+        return running.url
     scheme = running.scheme if running is not None else settings.api_scheme
-    return f"{scheme}://127.0.0.1:{settings.api_port}"
+    return local_url(scheme, settings.api_host, settings.api_port)
 
 
 class Client:
@@ -229,7 +236,9 @@ class Client:
         self._verify = verify
         # On this machine (loopback), whoever listens on the port is checked before every
         # request: it must be this user's process.
-        hooks = {"request": [self._check_owner_hook]} if _loopback_url(self.url) else {}
+        # (This home's controller may listen on another address of this machine only.)
+        local = _loopback_url(self.url) or not self.remote
+        hooks = {"request": [self._check_owner_hook]} if local else {}
         self._http = httpx.Client(
             base_url=self.url + "/api/v1",
             timeout=timeout,
@@ -348,7 +357,7 @@ class Client:
         for c in running_controllers(self.settings.home):
             if c.port == urlsplit(configured).port:
                 continue
-            self._use(f"{c.scheme}://127.0.0.1:{c.port}")
+            self._use(c.url)
             if self.healthy():
                 return True
         self._use(configured)

@@ -1037,7 +1037,7 @@ def server_status() -> None:
 def _health_role(settings: Settings, c: RunningController) -> str | None:
     """The controller's role from its health check ("" if it does not say), None if it does
     not answer (as this home's controller)."""
-    url = f"{c.scheme}://127.0.0.1:{c.port}/api/v1/health"
+    url = f"{c.url}/api/v1/health"
     try:
         with httpx.Client(trust_env=False, verify=False, timeout=2) as probe:
             body = probe.get(url).json()

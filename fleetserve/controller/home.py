@@ -114,8 +114,24 @@ class RunningController:
 
     @property
     def where(self) -> str:
+        """Where it listens (what `server status` shows)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Where a client of this machine reaches it."""
+        return local_url(self.scheme, self.host, self.port)
+
+
+def local_url(scheme: str, host: str, port: int) -> str:
+    """The URL a client on this machine uses for a controller listening on `host`: loopback
+    for every interface, else the address itself (127.0.0.2, ::1, or one of this machine's)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def running_controllers(home: Path) -> list[RunningController]:
@@ -147,4 +163,4 @@ def running_controllers(home: Path) -> list[RunningController]:
             )
         except (OSError, ValueError, KeyError, TypeError, psutil.Error):
             continue
-    return found
+    return sorted(found, key=lambda c: (c.ha, c.port))
