@@ -35,7 +35,7 @@ from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePh
 from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.host import elsewhere, host_id
 from fleetserve.infra.jobs import JobRunner
-from fleetserve.infra.local import LocalInfra, rotate_log
+from fleetserve.infra.local import LocalInfra, disk_full, rotate_log
 from fleetserve.infra.zones import Held
 from fleetserve.lb.messages import LoadReport
 from fleetserve.spec.exposure import exposure_warning, override_host
@@ -219,22 +219,26 @@ class Controller:
         """One pass over the logs; True if one was past the whole cap (it grows fast).
 
         A log rotated on a full disk (no room to copy it first) is emptied in place: the
-        service it belongs to gets an event that says so and how much of its end was kept."""
+        service it belongs to gets an event that says so and how much of its end was kept.
+        While the disk is full, whoever filled it, logs under the cap are rotated too."""
         cap = self.settings.log_cap_bytes
         logs_dir = self.settings.logs_dir
         busy = False
         logs = await asyncio.to_thread(lambda: sorted(logs_dir.rglob("*.log")))
+        full = await asyncio.to_thread(disk_full, logs_dir)  # whoever filled it
         for path in logs:
             try:
-                done = await asyncio.to_thread(rotate_log, path, cap)
+                done = await asyncio.to_thread(rotate_log, path, cap, full)
             except OSError as e:
                 log.warning("cannot rotate %s: %s", path, e.strerror or e)
                 continue
             if done is None:
                 continue
-            busy = busy or done.size > cap
+            busy = busy or done.size > cap or full
             if not done.full_disk:
-                log.info("rotated %s (%s bytes, over %s)", path, done.size, cap // 2)
+                log.info(
+                    "rotated %s (%s bytes, %s kept in %s.1)", path, done.size, done.kept, path.name
+                )
                 continue
             kept = (
                 f"its last {done.kept} bytes are in {path.name}.1"

@@ -688,6 +688,17 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
 
 
 FULL_DISK_TAIL = 4 * 1024 * 1024  # the most of a log's end kept when the disk is full
+FULL_DISK_MIN = 64 * 1024  # on a full disk, logs past this size are rotated, under the cap too
+LOW_DISK_BYTES = 1024 * 1024  # a disk with less room than this is full (for rotate_log)
+
+
+def disk_full(path: Path) -> bool:
+    """Whether the file system of `path` has less than LOW_DISK_BYTES left (for this user)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < LOW_DISK_BYTES
 
 
 @dataclass(frozen=True)
@@ -719,7 +730,7 @@ def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> 
         return out.tell()
 
 
-def rotate_log(path: Path, cap_bytes: int) -> Rotated | None:
+def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated | None:
     """Keep a log under `cap_bytes` with its newest lines: past half the cap, its last half
     cap moves to `<name>.1` (replacing the older half) and the file is truncated in place, so
     the process writing it (with O_APPEND) carries on. None if it did not need to.
@@ -727,6 +738,8 @@ def rotate_log(path: Path, cap_bytes: int) -> Rotated | None:
     On a full disk (the copy fails) the log is truncated anyway, since it is what fills the
     disk or holds the room others need: its end (at most FULL_DISK_TAIL bytes) is read first
     and written to `<name>.1` once the truncation made room, or dropped if there is none.
+    With `disk_full` (the caller found no room left on the disk, whoever filled it) a log
+    under the cap is rotated too, past FULL_DISK_MIN bytes, keeping half of it.
     An error that leaves the log as it was (it went away, it cannot be truncated) raises
     OSError."""
     half = cap_bytes // 2
@@ -734,10 +747,10 @@ def rotate_log(path: Path, cap_bytes: int) -> Rotated | None:
         size = path.stat().st_size
     except FileNotFoundError:
         return None
-    if size <= half:
+    if size <= (min(half, FULL_DISK_MIN) if disk_full else half):
         return None
     old = path.with_name(path.name + ".1")
-    keep = min(size, half)
+    keep = min(size // 2 if disk_full else size, half)
     try:
         kept = _write_tail(path, old, size - keep)
         os.truncate(path, 0)

@@ -144,3 +144,26 @@ def test_down_stops_the_processes_when_the_store_is_full_and_records_it_later(
         asyncio.run(scenario())
     finally:
         ctl.store.close()
+
+
+def test_a_disk_another_writer_filled_gets_room_from_logs_under_the_cap(small_fs: Path) -> None:
+    settings = Settings(home=small_fs / "home")  # the default cap: 100 MB, far above the disk
+    settings.home.mkdir(mode=0o700)
+    clock = FakeClock()
+    ctl = Controller(settings, clock=clock, infra=FakeInfra())
+    try:
+        create_service(ctl.store, "web", service_yaml(), clock.now())
+        log = settings.logs_dir / "web" / "load-balancer.log"
+        log.parent.mkdir(parents=True)
+        log_lines(log, 30_000)  # ~2 MB
+        small = settings.logs_dir / "web" / "replica-1.log"
+        log_lines(small, 100)  # a few KB: left alone
+        fill(small_fs / "filler")  # not a log: someone else's
+        end = log.read_bytes()[-500:]
+        asyncio.run(ctl.rotate_logs_once())
+        assert log.stat().st_size == 0 and small.stat().st_size > 0
+        assert (settings.logs_dir / "web" / "load-balancer.log.1").read_bytes().endswith(end)
+        events = [e.message for e in ctl.store.list_events("web")]
+        assert any("disk full: log load-balancer.log" in m for m in events), events
+    finally:
+        ctl.store.close()
