@@ -44,6 +44,7 @@ from fleetserve.cli.render import (
 from fleetserve.client import (
     BUSY_WAIT_SECONDS,
     Client,
+    controller_of,
     server_pid,
     start_server,
     stop_controllers,
@@ -964,6 +965,14 @@ def server_start(
     settings = dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
     try:
         settings.check_exposure()
+        running = controller_of(settings)
+        if running is not None and (running.port == settings.api_port or not settings.ha):
+            # Without high availability one per home, on whichever port it listens.
+            out.print(
+                f"Controller already running (pid {running.pid}) on {running.where}.",
+                highlight=False,
+            )
+            return
         if _already_running(settings):
             out.print(f"Controller already running on port {settings.api_port}.")
             return

@@ -59,6 +59,9 @@ def test_an_ha_controller_is_found_without_fleetserve_ha(tmp_path: Path, fleet: 
 
         # The other way round: one without high availability; HA commands find it.
         fleet.cli("server", "start")
+        again = fleet.cli("server", "start", "--port", str(other)).stdout  # one per home
+        assert "already running" in again and f"127.0.0.1:{port}" in again, again
+        assert not port_in_use(other)
         fleet.env = {**ha, "FLEETSERVE_API_PORT": str(other)}
         mixed = fleet.cli("server", "start", check=False)
         assert mixed.returncode == 1 and "high availability" in mixed.stderr, mixed.stderr
