@@ -966,8 +966,9 @@ def server_start(
     try:
         settings.check_exposure()
         running = controller_of(settings)
-        if running is not None and (running.port == settings.api_port or not settings.ha):
-            # Without high availability one per home, on whichever port it listens.
+        if running is not None and running.port != settings.api_port and not settings.ha:
+            # Without high availability one per home, on whichever port it listens (one on
+            # this port is asked below, and waited for while busy).
             out.print(
                 f"Controller already running (pid {running.pid}) on {running.where}.",
                 highlight=False,
