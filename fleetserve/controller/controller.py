@@ -42,7 +42,7 @@ from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
 from fleetserve.store import Store
-from fleetserve.store.db import MAX_JOBS_PER_LAUNCH, STORE_FAILURES
+from fleetserve.store.db import MAX_JOBS_PER_LAUNCH, STORE_FAILURES, failure_text
 
 log = logging.getLogger("fleetserve.controller")
 LOG_CHECK_SECONDS = 5.0  # how often log sizes are checked against the cap
@@ -212,7 +212,7 @@ class Controller:
             try:
                 busy = await self.rotate_logs_once()
             except Exception as e:  # never let housekeeping end the controller
-                log.warning("log rotation failed: %s", e)
+                log.warning("log rotation failed: %s", failure_text(e))
             await asyncio.sleep(LOG_RECHECK_SECONDS if busy else LOG_CHECK_SECONDS)
 
     async def rotate_logs_once(self) -> bool:
@@ -224,7 +224,9 @@ class Controller:
         cap = self.settings.log_cap_bytes
         logs_dir = self.settings.logs_dir
         busy = False
-        logs = await asyncio.to_thread(lambda: sorted(logs_dir.rglob("*.log")))
+        logs = await asyncio.to_thread(
+            lambda: sorted(p for p in logs_dir.rglob("*.log") if not p.is_symlink())
+        )
         full = await asyncio.to_thread(disk_full, logs_dir)  # whoever filled it
         for path in logs:
             try:
@@ -266,7 +268,9 @@ class Controller:
                 if self.store.get_service(service) is not None:
                     self.store.add_event(service, at, "service", message)
             except Exception as e:
-                log.warning("service %s: an event waits for the database: %s", service, e)
+                log.warning(
+                    "service %s: an event waits for the database: %s", service, failure_text(e)
+                )
                 return
             self._log_events.pop(0)
 
@@ -457,9 +461,10 @@ class Controller:
         rec.down_pending = bool(rec.down_pending) or purge or svc.purge
         await rec.stop_processes()
         rec.wake.set()
-        log.warning("service %s: down not recorded (%s): its processes were stopped", name, failure)
+        problem = self.storage_problem(failure)
+        log.warning("service %s: down not recorded (%s): its processes were stopped", name, problem)
         raise StorageFull(
-            f"{self.storage_problem(failure)}: the processes of {name} were stopped (replicas, "
+            f"{problem}: the processes of {name} were stopped (replicas, "
             "load balancer); its removal is recorded once the database can be written"
         ) from None
 
@@ -469,10 +474,10 @@ class Controller:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 return f"disk is full: {e.filename or self.settings.home}"
             return f"{e.strerror or e}: {e.filename or self.settings.home}"
-        text = " ".join(str(getattr(e, "orig", e)).split())
+        text = failure_text(e)
         if "full" in text or "No space left" in text:  # SQLite's words; PostgreSQL's
             return f"database or disk is full: {self.store.where}"
-        return f"the database failed: {text[:300]}"
+        return f"the database failed: {text}"
 
     def delete_service(self, name: str, purge: bool = False) -> ServiceRecord:
         svc = self.store.service(name)

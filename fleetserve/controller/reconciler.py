@@ -60,7 +60,7 @@ from fleetserve.policies.rollout import BLUE_GREEN, ROLLING, RolloutSettings
 from fleetserve.spec.exposure import lb_host
 from fleetserve.spec.models import ReadinessProbe, ServiceTask
 from fleetserve.store import Store
-from fleetserve.store.db import STORE_FAILURES
+from fleetserve.store.db import STORE_FAILURES, failure_text
 
 log = logging.getLogger("fleetserve.controller")
 
@@ -197,7 +197,7 @@ class ServiceReconciler:
                     done = False
                 except STORE_FAILURES as e:  # a full disk, say: one line, not a traceback
                     failures += 1
-                    text = " ".join(str(getattr(e, "orig", e)).split())[:300]
+                    text = failure_text(e)
                     log.warning("service %s: reconcile failed: the store: %s", self.name, text)
                     done = False
                 except Exception:
@@ -769,7 +769,8 @@ class ServiceReconciler:
                     "were stopped then, the down is recorded now",
                 )
         except STORE_FAILURES as e:
-            log.warning("service %s: the down waits for the database: %s", self.name, e)
+            text = failure_text(e)
+            log.warning("service %s: the down waits for the database: %s", self.name, text)
             return False
         self.down_pending = None
         log.info("service %s: the down that waited for the database is recorded", self.name)

@@ -74,6 +74,12 @@ _PG_INT_MAX = 2**31 - 1
 STORE_FAILURES: tuple[type[Exception], ...] = (DBAPIError, OSError)
 
 
+def failure_text(e: BaseException) -> str:
+    """One line for a store failure: the driver's own words, without SQLAlchemy's statement
+    and link (PostgreSQL's messages span several lines)."""
+    return " ".join(str(getattr(e, "orig", None) or e).split())[:300]
+
+
 class UnusableStore(TerminalError):
     """The database cannot be used as it is (empty, corrupt, foreign, newer schema). The
     controller refuses to start and touches no process."""
