@@ -742,12 +742,16 @@ class ServiceReconciler:
         svc = self.store.get_service(self.name)
         if svc is None:
             return
+        stops = []  # all at once: each may wait its grace period
         for r in self.store.list_replicas(self.name):
             self.prober.forget(self.key(r.replica_id))
             if not self._away(r) and not r.status.is_terminal:
-                await self.infra.terminate(r.handle, r.launch_token)
+                stops.append(self.infra.terminate(r.handle, r.launch_token))
         if not elsewhere(svc.lb_host, self.lb.host):
-            await self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time)
+            stops.append(self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time))
+        for failed in await asyncio.gather(*stops, return_exceptions=True):
+            if isinstance(failed, Exception):
+                log.warning("service %s: a process was not stopped: %s", self.name, failed)
 
     def record_down(self) -> bool:
         """Record a pending `down` (see `stop_processes`); False while the store refuses."""
