@@ -42,8 +42,13 @@ def test_an_ha_controller_is_found_without_fleetserve_ha(tmp_path: Path, fleet: 
         assert fleet.cli("status").returncode == 0
         down = fleet.cli("down", "--all")
         assert "No services to take down" in down.stdout, down.stdout + down.stderr
-        # A controller without high availability is not started beside it, on any port.
+        # Another port here: the client uses the home's controller, and starts none there.
         other = free_port()
+        fleet.env = {**plain, "FLEETSERVE_API_PORT": str(other)}
+        listed = fleet.cli("status")
+        assert "No services" in listed.stdout and not port_in_use(other), listed.stderr
+        fleet.env = plain
+        # A controller without high availability is not started beside it, on any port.
         mixed = fleet.cli("server", "start", "--port", str(other), check=False)
         assert mixed.returncode == 1, mixed.stdout + mixed.stderr
         assert "high availability" in mixed.stderr and "Traceback" not in mixed.stderr
