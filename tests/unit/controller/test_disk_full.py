@@ -17,11 +17,11 @@ import pytest
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.settings import Settings
-from fleetserve.core.clock import FakeClock
+from fleetserve.core.clock import FakeClock, SystemClock
 from fleetserve.core.errors import StorageFull
 from fleetserve.infra.local import FULL_DISK_TAIL, rotate_log
 
-from .fakes import FakeInfra, FakeLb, create_service, service_yaml
+from .fakes import FakeInfra, FakeLb, create_service, handle_of, service_yaml
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -165,5 +165,49 @@ def test_a_disk_another_writer_filled_gets_room_from_logs_under_the_cap(small_fs
         assert (settings.logs_dir / "web" / "load-balancer.log.1").read_bytes().endswith(end)
         events = [e.message for e in ctl.store.list_events("web")]
         assert any("disk full: log load-balancer.log" in m for m in events), events
+    finally:
+        ctl.store.close()
+
+
+def test_a_launch_the_store_cannot_record_is_stopped_and_fails_once_there_is_room(
+    small_fs: Path,
+) -> None:
+    settings = Settings(home=small_fs / "home", reconcile_interval=0.05)
+    settings.home.mkdir(mode=0o700)
+    infra = FakeInfra()
+    infra.gate = asyncio.Event()  # the launch waits for the test
+    ctl = Controller(settings, clock=SystemClock(), infra=infra)
+    ctl.lb = cast(LbManager, FakeLb())
+
+    async def scenario() -> None:
+        create_service(ctl.store, "web", service_yaml(replicas=1), ctl.clock.now())
+        rec = ctl._run("web")
+        for _ in range(200):  # bounded: 10 s
+            if infra.launches:
+                break
+            await asyncio.sleep(0.05)
+        assert infra.launches and rec.executor.busy(1)
+        filler = small_fs / "filler"
+        fill(filler)
+        assert infra.gate is not None
+        infra.gate.set()  # it starts; the store cannot say so
+        for _ in range(100):  # bounded: 5 s
+            if any(h == handle_of("web", 1) for h, _ in infra.terminated):
+                break
+            await asyncio.sleep(0.05)
+        token = ctl.store.replica("web", 1).launch_token
+        assert (handle_of("web", 1), token) in infra.terminated  # no process without a row
+        assert rec.executor.busy(1)  # the launch holds its slot until the row says it failed
+        filler.unlink()
+        for _ in range(200):  # bounded: 10 s (the retry is every 2 s)
+            if not rec.executor.busy(1):
+                break
+            await asyncio.sleep(0.05)
+        events = [e.message for e in ctl.store.list_events("web", limit=100)]
+        assert any("launch failed: the store" in m for m in events), events
+        await ctl._stop_reconcilers()
+
+    try:
+        asyncio.run(scenario())
     finally:
         ctl.store.close()
