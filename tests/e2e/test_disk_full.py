@@ -92,6 +92,7 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+@pytest.mark.slow  # 12 to 20 s on a busy machine
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_log_that_fills_the_disk_is_truncated_and_down_stops_everything_on_a_full_disk(
     tmp_path: Path, fleet: Fleet
