@@ -12,9 +12,7 @@ is signed by a private CA.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +25,12 @@ import httpx
 import psutil
 
 from fleetserve.api.models import EventInfo, Health, JobInfo, PoolApplied, Preempted, ServiceInfo
-from fleetserve.controller.home import secure_home
+from fleetserve.controller.home import (
+    RunningController,
+    local_url,
+    running_controllers,
+    secure_home,
+)
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import (
     ERROR_KINDS,
@@ -41,7 +44,6 @@ from fleetserve.core.errors import (
 )
 from fleetserve.core.sockets import listener_uids
 from fleetserve.infra.local import open_private
-from fleetserve.infra.procs import started_as
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 FAILED_SERVICE_STATUSES = ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")
@@ -84,16 +86,25 @@ def _raise_for(resp: httpx.Response, hint: str = "") -> None:
     raise ERROR_KINDS.get(kind, FleetserveError)(message)
 
 
-def server_pid(settings: Settings) -> int | None:
-    """The running controller's pid for this home, from server.json (checked to be alive)."""
-    try:
-        info = json.loads(settings.server_file.read_text())
-        p = psutil.Process(int(info["pid"]))
-        if started_as(p, float(info["create_time"])):
-            return p.pid
-    except (OSError, ValueError, KeyError, psutil.Error):
-        return None
+def controller_of(settings: Settings) -> RunningController | None:
+    """This home's controller on the settings' API port, whether or not it runs with high
+    availability; without it here, the home's controller without high availability on
+    whichever port (there is one per home)."""
+    found = running_controllers(settings.home)
+    for c in found:
+        if c.port == settings.api_port:
+            return c
+    if not settings.ha:
+        for c in found:
+            if not c.ha:
+                return c
     return None
+
+
+def server_pid(settings: Settings) -> int | None:
+    """The pid of this home's controller on the settings' port (see `controller_of`)."""
+    c = controller_of(settings)
+    return c.pid if c is not None else None
 
 
 def start_server(settings: Settings, wait: float = 30.0) -> int:
@@ -151,19 +162,38 @@ def start_server(settings: Settings, wait: float = 30.0) -> int:
     raise TransientError(f"the controller did not answer within {wait:.0f} s")
 
 
-def stop_server(settings: Settings, wait: float = 60.0) -> bool:
-    """Stop the controller (replicas and load balancers keep running). False if none ran."""
-    pid = server_pid(settings)
-    if pid is None:
-        return False
-    os.kill(pid, signal.SIGTERM)
+def stop_controllers(found: list[RunningController], wait: float = 60.0) -> None:
+    """SIGTERM each (at once: a standby does not take over from one being stopped), then
+    SIGKILL what still runs after `wait` seconds."""
+    procs = []
+    for c in found:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(c.pid)
+            p.terminate()
+            procs.append(p)
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return True
+    while procs and time.monotonic() < deadline:
+        procs = [p for p in procs if not _ended(p)]
         time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-    return True
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def _ended(p: psutil.Process) -> bool:
+    """Gone, or a zombie (its parent may not be there to reap it)."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def stop_server(settings: Settings, wait: float = 60.0) -> bool:
+    """Stop every controller of this home, with high availability or not (replicas and load
+    balancers keep running). False if none ran."""
+    found = running_controllers(settings.home)
+    stop_controllers(found, wait)
+    return bool(found)
 
 
 def _loopback_url(url: str) -> bool:
@@ -172,11 +202,13 @@ def _loopback_url(url: str) -> bool:
 
 
 def _local_url(settings: Settings) -> str:
-    """The controller of this home: its scheme from server.json (it may serve TLS)."""
-    scheme = settings.api_scheme
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        scheme = str(json.loads(settings.server_file.read_text()).get("scheme") or scheme)
-    return f"{scheme}://127.0.0.1:{settings.api_port}"
+    """The controller of this home on the API port: its scheme from its server file (it
+    may serve TLS), whichever FLEETSERVE_HA it was started with."""
+    running = controller_of(settings)
+    if running is not None and running.port == settings.api_port:
+        return running.url
+    scheme = running.scheme if running is not None else settings.api_scheme
+    return local_url(scheme, settings.api_host, settings.api_port)
 
 
 class Client:
@@ -210,7 +242,9 @@ class Client:
         self._verify = verify
         # On this machine (loopback), whoever listens on the port is checked before every
         # request: it must be this user's process.
-        hooks = {"request": [self._check_owner_hook]} if _loopback_url(self.url) else {}
+        # (This home's controller may listen on another address of this machine only.)
+        local = _loopback_url(self.url) or not self.remote
+        hooks = {"request": [self._check_owner_hook]} if local else {}
         self._http = httpx.Client(
             base_url=self.url + "/api/v1",
             timeout=timeout,
@@ -300,6 +334,9 @@ class Client:
                     self._checked = True
                     return
                 time.sleep(0.2)
+            if self._another_of_home():
+                self._checked = True
+                return
             if not self.auto_start:
                 raise TransientError(
                     f"no fleetserve controller answers at {self.url} "
@@ -315,6 +352,26 @@ class Client:
                 )
             start_server(self.settings)
         self._checked = True
+
+    def _another_of_home(self) -> bool:
+        """None answers on the configured port, but this home has a controller on another
+        one (started with another FLEETSERVE_API_PORT or FLEETSERVE_HA): use it, rather than
+        fail or start a second controller on the same home."""
+        if self.remote:
+            return False
+        configured = self.url
+        for c in running_controllers(self.settings.home):
+            if c.port == urlsplit(configured).port:
+                continue
+            self._use(c.url)
+            if self.healthy():
+                return True
+        self._use(configured)
+        return False
+
+    def _use(self, url: str) -> None:
+        self.url = url
+        self._http.base_url = httpx.URL(url + "/api/v1")
 
     def _check_owner(self) -> None:
         """The token goes only to a controller of this user: another local user who got the
@@ -353,8 +410,7 @@ class Client:
         there (the same home, so the same token); a remote client is told instead."""
         if self.remote or not _loopback_url(active) or active.rstrip("/") == self.url:
             return False
-        self.url = active.rstrip("/")
-        self._http.base_url = httpx.URL(self.url + "/api/v1")
+        self._use(active.rstrip("/"))
         return True
 
     # -- services --------------------------------------------------------------------------

@@ -377,7 +377,7 @@ def create_app(
         responses=_ERRORS,
     )
     async def delete_service(name: ServiceName, purge: bool = False) -> ServiceInfo:
-        return service_info(ctl, ctl.delete_service(name, purge))
+        return service_info(ctl, await ctl.down_service(name, purge))
 
     @app.post(
         f"{PREFIX}/services/{{name}}/replicas/{{replica_id}}/terminate",

@@ -25,7 +25,7 @@ import uvicorn
 
 from fleetserve.api.app import create_app
 from fleetserve.controller.controller import Controller
-from fleetserve.controller.home import ensure_token, secure_home
+from fleetserve.controller.home import ensure_token, running_controllers, secure_home
 from fleetserve.controller.settings import DEFAULT_API_PORT, Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 from fleetserve.infra.base import Infra
@@ -76,6 +76,19 @@ def _another_controller(settings: Settings) -> str:
     )
 
 
+def _mixed(settings: Settings, kind: str) -> str:
+    others = (
+        ", ".join(f"pid {c.pid} on {c.where}" for c in running_controllers(settings.home))
+        or "starting"
+    )
+    wanted = "with" if kind == "without" else "without"
+    return (
+        f"a controller {kind} high availability (FLEETSERVE_HA) runs for {settings.home} "
+        f"({others}): this one, {wanted} it, cannot share its home; stop it first "
+        "(`fleetserve server stop`) or start this one the same way"
+    )
+
+
 def bind(settings: Settings) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.api_host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -111,7 +124,20 @@ def main(infra: Infra | None = None) -> None:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        if not settings.ha and any(c.ha for c in running_controllers(settings.home)):
+            _refuse(_mixed(settings, "with"), 1)
         _refuse(_another_controller(settings), EXIT_OTHER_CONTROLLER)
+    # With high availability, every controller of the home also holds server.lock shared:
+    # one without it (which holds it alone) and these never run on one home together.
+    locks = [lock]  # held for the process's life
+    if settings.ha:
+        locks.append(open(settings.home / "server.lock", "a"))  # noqa: SIM115
+        try:
+            fcntl.flock(locks[-1], fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _refuse(_mixed(settings, "without"), 1)
+    elif any(c.ha for c in running_controllers(settings.home)):  # one that holds no lock
+        _refuse(_mixed(settings, "with"), 1)
     try:
         sock = bind(settings)
         controller = Controller(settings, replica_umask=user_umask, infra=infra)

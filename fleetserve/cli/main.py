@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
+import httpx
 import typer
 from pydantic import ValidationError
 from rich.console import Console, Group, RenderableType
@@ -42,8 +43,16 @@ from fleetserve.cli.render import (
     services_table,
     styled,
 )
-from fleetserve.client import BUSY_WAIT_SECONDS, Client, server_pid, start_server, stop_server
+from fleetserve.client import (
+    BUSY_WAIT_SECONDS,
+    Client,
+    controller_of,
+    server_pid,
+    start_server,
+    stop_controllers,
+)
 from fleetserve.controller.admission import deploy_problems
+from fleetserve.controller.home import RunningController, running_controllers
 from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import (
     FleetserveError,
@@ -878,10 +887,21 @@ def down(
                 return
         if not names:
             raise InvalidSpec("name the services to take down, or use --all")
+        refused: list[FleetserveError] = []
+        requested = []
         for n in names:
-            client.down(n, purge)
-        failed = False
-        for n in names:
+            try:
+                client.down(n, purge)
+                requested.append(n)
+            except FleetserveError as e:
+                if len(names) == 1:
+                    raise
+                # The others are still taken down (a full disk refuses every write, say,
+                # and each service's processes are stopped all the same).
+                refused.append(e)
+                err.print(f"[red]{n}:[/] {e.message}", highlight=False, soft_wrap=True)
+        failed = bool(refused)
+        for n in requested:
             out.print(f"Taking down {n}...")
             left = client.wait_gone(n)
             if left is None:
@@ -890,7 +910,7 @@ def down(
                 failed = True
                 err.print(f"[red]{n}:[/] {left.failure_reason or left.status}", highlight=False)
         if failed:
-            raise typer.Exit(1)
+            raise typer.Exit(refused[0].exit_code if refused else 1)
     except FleetserveError as e:
         raise _fail(e) from None
 
@@ -1202,6 +1222,15 @@ def server_start(
     settings = dataclasses.replace(settings, **changes)  # type: ignore[arg-type]
     try:
         settings.check_exposure()
+        running = controller_of(settings)
+        if running is not None and running.port != settings.api_port and not settings.ha:
+            # Without high availability one per home, on whichever port it listens (one on
+            # this port is asked below, and waited for while busy).
+            out.print(
+                f"Controller already running (pid {running.pid}) on {running.where}.",
+                highlight=False,
+            )
+            return
         if _already_running(settings):
             out.print(f"Controller already running on port {settings.api_port}.")
             return
@@ -1220,35 +1249,74 @@ def server_start(
 
 
 @server_app.command("stop")
-def server_stop() -> None:
-    """Stop the controller. Replicas and load balancers keep serving; a restart adopts them."""
-    if stop_server(Settings.from_env()):
-        out.print("Controller stopped.")
-    else:
-        out.print("No controller is running.")
+def server_stop(
+    port: Annotated[
+        int | None,
+        typer.Option(help="Stop only the controller on this API port (one of several, HA)"),
+    ] = None,
+) -> None:
+    """Stop this home's controllers (every one, with high availability or not; --port: one).
+    Replicas and load balancers keep serving; a restart adopts them."""
+    settings = Settings.from_env()
+    found = running_controllers(settings.home)
+    if port is not None:
+        found = [c for c in found if c.port == port]
+    if not found:
+        on = f" on port {port}" if port is not None else ""
+        out.print(f"No controller is running for {settings.home}{on}.", highlight=False)
+        return
+    stop_controllers(found)
+    for c in found:
+        out.print(f"Controller stopped (pid {c.pid}, {c.where}).", highlight=False)
 
 
 @server_app.command("status")
 def server_status() -> None:
-    """Whether the controller runs, and where."""
+    """Whether this home's controllers run, and where they listen (every one, whatever
+    FLEETSERVE_HA and FLEETSERVE_API_PORT say here)."""
     settings = Settings.from_env()
-    pid = server_pid(settings)
+    found = running_controllers(settings.home)
+    if not found:
+        try:  # one that answers on the port without a server file (an older version's)
+            healthy = Client(settings=settings, auto_start=False).healthy()
+        except FleetserveError as e:
+            raise _fail(e) from None
+        if not healthy:
+            out.print(f"Controller: not running (home {settings.home}).", highlight=False)
+            raise typer.Exit(1)
+        out.print(
+            f"Controller: running on 127.0.0.1:{settings.api_port}, home {settings.home}",
+            highlight=False,
+        )
+        return
+    for c in found:
+        role = _health_role(settings, c)
+        state = "not answering" if role is None else "running"
+        if c.ha and role:
+            state += f", {role}"
+        out.print(
+            f"Controller: {state} (pid {c.pid}) on {c.where}"
+            f"{' (high availability)' if c.ha else ''}, home {settings.home}",
+            highlight=False,
+        )
+    with contextlib.suppress(FleetserveError):  # the cgroups or the token scan
+        processes = Client(settings=settings, auto_start=False).health().processes
+        if processes:
+            out.print(f"Local replicas and jobs: {processes}", highlight=False)
+
+
+def _health_role(settings: Settings, c: RunningController) -> str | None:
+    """The controller's role from its health check ("" if it does not say), None if it does
+    not answer (as this home's controller)."""
+    url = f"{c.url}/api/v1/health"
     try:
-        healthy = Client(settings=settings, auto_start=False).healthy()
-    except FleetserveError as e:
-        raise _fail(e) from None
-    if pid is None and not healthy:
-        out.print("Controller: not running.")
-        raise typer.Exit(1)
-    out.print(
-        f"Controller: {'running' if healthy else 'not answering'} (pid {pid}) on "
-        f"127.0.0.1:{settings.api_port}, home {settings.home}"
-    )
-    if healthy:
-        with contextlib.suppress(FleetserveError):
-            processes = Client(settings=settings, auto_start=False).health().processes
-            if processes:
-                out.print(f"Local replicas and jobs: {processes}", highlight=False)
+        with httpx.Client(trust_env=False, verify=False, timeout=2) as probe:
+            body = probe.get(url).json()
+        if not isinstance(body, dict) or body.get("home") != str(settings.home):
+            return None
+        return str(body.get("role") or "")
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def main() -> None:

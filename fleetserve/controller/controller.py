@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -28,23 +29,25 @@ from fleetserve.controller.settings import Settings
 from fleetserve.controller.spot import STATE_KEY as SPOT_STATE_KEY
 from fleetserve.controller.spot import zone_marks
 from fleetserve.core.clock import Clock, SystemClock
-from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby
+from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby, StorageFull
 from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.host import elsewhere, host_id
 from fleetserve.infra.jobs import JobRunner
-from fleetserve.infra.local import LocalInfra, rotate_log
+from fleetserve.infra.local import LocalInfra, disk_full, rotate_log
 from fleetserve.infra.zones import Held
 from fleetserve.lb.messages import LoadReport
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask
 from fleetserve.store import Store
-from fleetserve.store.db import MAX_JOBS_PER_LAUNCH
+from fleetserve.store.db import MAX_JOBS_PER_LAUNCH, STORE_FAILURES, failure_text
 
 log = logging.getLogger("fleetserve.controller")
 LOG_CHECK_SECONDS = 5.0  # how often log sizes are checked against the cap
+LOG_RECHECK_SECONDS = 1.0  # ... while a log grows past the whole cap between two checks
+LOG_EVENTS_KEPT = 100  # disk-full events waiting for the database to take writes again
 MAX_CACHED_SPECS = 4096  # parsed specs kept (each a few KiB); past it the cache starts anew
 
 
@@ -89,6 +92,7 @@ class Controller:
         self.reconcilers: dict[str, ServiceReconciler] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._housekeeping: asyncio.Task[None] | None = None
+        self._log_events: list[tuple[str, float, str]] = []  # (service, at, message) to record
         self._specs: dict[tuple[str, float, int], ServiceTask] = {}  # parsed, by version
         # With FLEETSERVE_HA: the lease that decides whether this controller acts.
         self.leadership: Leadership | None = None
@@ -203,17 +207,73 @@ class Controller:
 
     async def _rotate_logs(self) -> None:
         """Every log of this home (replicas, load balancers, the controller's own) stays under
-        the cap, keeping its newest lines."""
-        cap = self.settings.log_cap_bytes
+        the cap, keeping its newest lines; checked again sooner while one outgrows it."""
         while True:
+            busy = False
             try:
-                logs = await asyncio.to_thread(lambda: list(self.settings.logs_dir.rglob("*.log")))
-                for path in logs:
-                    if await asyncio.to_thread(rotate_log, path, cap):
-                        log.info("rotated %s (over %s bytes)", path, cap // 2)
-            except Exception:  # never let housekeeping end the controller
-                log.exception("log rotation failed")
-            await asyncio.sleep(LOG_CHECK_SECONDS)
+                busy = await self.rotate_logs_once()
+            except Exception as e:  # never let housekeeping end the controller
+                log.warning("log rotation failed: %s", failure_text(e))
+            await asyncio.sleep(LOG_RECHECK_SECONDS if busy else LOG_CHECK_SECONDS)
+
+    async def rotate_logs_once(self) -> bool:
+        """One pass over the logs; True if one was past the whole cap (it grows fast).
+
+        A log rotated on a full disk (no room to copy it first) is emptied in place: the
+        service it belongs to gets an event that says so and how much of its end was kept.
+        While the disk is full, whoever filled it, logs under the cap are rotated too."""
+        cap = self.settings.log_cap_bytes
+        logs_dir = self.settings.logs_dir
+        busy = False
+        logs = await asyncio.to_thread(
+            lambda: sorted(p for p in logs_dir.rglob("*.log") if not p.is_symlink())
+        )
+        full = await asyncio.to_thread(disk_full, logs_dir)  # whoever filled it
+        for path in logs:
+            try:
+                done = await asyncio.to_thread(rotate_log, path, cap, full)
+            except OSError as e:
+                log.warning("cannot rotate %s: %s", path, e.strerror or e)
+                continue
+            if done is None:
+                continue
+            busy = busy or done.size > cap or full
+            if not done.full_disk:
+                log.info(
+                    "rotated %s (%s bytes, %s kept in %s.1)", path, done.size, done.kept, path.name
+                )
+                continue
+            kept = (
+                f"its last {done.kept} bytes are in {path.name}.1"
+                if done.kept
+                else "nothing of it could be kept"
+            )
+            message = (
+                f"disk full: log {path.name} ({done.size} bytes) was truncated without a "
+                f"copy; {kept}"
+            )
+            log.warning("%s: %s", path, message)
+            parts = path.relative_to(logs_dir).parts
+            if len(parts) == 2:
+                self._log_events.append((parts[0], self.clock.now(), message))
+        self._record_log_events()
+        return busy
+
+    def _record_log_events(self) -> None:
+        """The disk-full events not recorded yet (the room a truncation freed can go to
+        another writer first): kept, at most LOG_EVENTS_KEPT, and tried again each pass."""
+        del self._log_events[:-LOG_EVENTS_KEPT]
+        while self._log_events:
+            service, at, message = self._log_events[0]
+            try:
+                if self.store.get_service(service) is not None:
+                    self.store.add_event(service, at, "service", message)
+            except Exception as e:
+                log.warning(
+                    "service %s: an event waits for the database: %s", service, failure_text(e)
+                )
+                return
+            self._log_events.pop(0)
 
     async def stop(self) -> None:
         if self._leading is not None:
@@ -390,6 +450,38 @@ class Controller:
                 f"cancel them (`fleetserve jobs cancel -p {name}`), or "
                 f"`fleetserve pool down {name} --cancel-jobs`"
             )
+
+    async def down_service(self, name: str, purge: bool = False) -> ServiceRecord:
+        """`down`: recorded in the store, the reconciler then stops and removes everything.
+        When the store refuses the write (a full disk), the service's processes are stopped
+        anyway, now, and the down is recorded once the store takes writes again; the caller
+        is told so (StorageFull)."""
+        try:
+            return self.delete_service(name, purge)
+        except STORE_FAILURES as e:
+            failure = e
+        svc = self.store.service(name)  # reads work on a full disk
+        rec = self._run(name)
+        rec.down_pending = bool(rec.down_pending) or purge or svc.purge
+        await rec.stop_processes()
+        rec.wake.set()
+        problem = self.storage_problem(failure)
+        log.warning("service %s: down not recorded (%s): its processes were stopped", name, problem)
+        raise StorageFull(
+            f"{problem}: the processes of {name} were stopped (replicas, "
+            "load balancer); its removal is recorded once the database can be written"
+        ) from None
+
+    def storage_problem(self, e: Exception) -> str:
+        """What a refused write says, in one line."""
+        if isinstance(e, OSError):
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return f"disk is full: {e.filename or self.settings.home}"
+            return f"{e.strerror or e}: {e.filename or self.settings.home}"
+        text = failure_text(e)
+        if "full" in text or "No space left" in text:  # SQLite's words; PostgreSQL's
+            return f"database or disk is full: {self.store.where}"
+        return f"the database failed: {text}"
 
     def delete_service(self, name: str, purge: bool = False) -> ServiceRecord:
         svc = self.store.service(name)

@@ -26,6 +26,7 @@ from fleetserve.infra.zones import NoCapacity
 from fleetserve.spec.models import ServiceTask, WorkdirGit
 from fleetserve.spec.task_env import spec_gpus
 from fleetserve.store import Store
+from fleetserve.store.db import STORE_FAILURES, failure_text
 
 log = logging.getLogger("fleetserve.controller")
 
@@ -33,6 +34,7 @@ log = logging.getLogger("fleetserve.controller")
 # Transient infra errors (a cluster that does not answer yet) retry the launch after these
 # delays, in seconds, before the replica counts as FAILED_PROVISION.
 TRANSIENT_RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STORE_RETRY_SECONDS = 2.0  # a failed launch whose row the store refused (a full disk)
 
 
 def new_launch_token(home_id: str = "") -> str:
@@ -160,35 +162,68 @@ class Executor:
             return
         except FleetserveError as e:
             tail = await log_tail(self.infra, rec.service, rec.replica_id, None)
-            self.store.update_replica(
-                rec,
-                self.clock.now(),
-                status=ReplicaStatus.FAILED_PROVISION,
-                reason=with_tail(e.message, tail),
+            await self._record_failed(rec, with_tail(e.message, tail))
+            return
+        except STORE_FAILURES as e:  # a full disk (the workdir's copy, say): one line
+            log.warning(
+                "launch of replica %s/%s failed: %s", rec.service, rec.replica_id, failure_text(e)
             )
+            with contextlib.suppress(Exception):
+                await self.infra.terminate(None, rec.launch_token)
+            await self._record_failed(rec, f"launch failed: {failure_text(e)}")
             return
         except Exception as e:
             log.exception("launch of replica %s/%s failed", rec.service, rec.replica_id)
             with contextlib.suppress(Exception):
                 await self.infra.terminate(None, rec.launch_token)
+            await self._record_failed(rec, f"launch failed: {type(e).__name__}: {e}")
+            return
+        try:
             self.store.update_replica(
                 rec,
                 self.clock.now(),
-                status=ReplicaStatus.FAILED_PROVISION,
-                reason=f"launch failed: {type(e).__name__}: {e}",
+                f"run started at {launched.endpoint}; waiting for the readiness probe",
+                status=ReplicaStatus.STARTING,
+                handle=launched.handle,
+                endpoint=launched.endpoint,
+                port=launched.port,
+                started_at=self.clock.now(),
+                zone=launched.zone or rec.zone,
             )
-            return
-        self.store.update_replica(
-            rec,
-            self.clock.now(),
-            f"run started at {launched.endpoint}; waiting for the readiness probe",
-            status=ReplicaStatus.STARTING,
-            handle=launched.handle,
-            endpoint=launched.endpoint,
-            port=launched.port,
-            started_at=self.clock.now(),
-            zone=launched.zone or rec.zone,
-        )
+        except STORE_FAILURES as e:
+            # Started, but the store cannot say so (a full disk): a process no row names
+            # must not run, so it is stopped, and the launch fails once that can be written.
+            log.warning(
+                "replica %s/%s started but not recorded, stopped: %s",
+                rec.service,
+                rec.replica_id,
+                failure_text(e),
+            )
+            with contextlib.suppress(Exception):
+                await self.infra.terminate(launched.handle, rec.launch_token)
+            await self._record_failed(rec, f"launch failed: the store: {failure_text(e)}")
+
+    async def _record_failed(self, rec: ReplicaRecord, reason: str) -> None:
+        """FAILED_PROVISION, once the store takes the write: retried while it refuses (a full
+        disk), the launch keeping its slot meanwhile, so the row never stays PROVISIONING
+        with nothing behind it."""
+        said = False
+        while True:
+            try:
+                self.store.update_replica(
+                    rec, self.clock.now(), status=ReplicaStatus.FAILED_PROVISION, reason=reason
+                )
+                return
+            except STORE_FAILURES as e:
+                if not said:
+                    log.warning(
+                        "replica %s/%s: its failed launch waits for the store: %s",
+                        rec.service,
+                        rec.replica_id,
+                        failure_text(e),
+                    )
+                    said = True
+                await self.clock.sleep(STORE_RETRY_SECONDS)
 
     def terminate(
         self,

@@ -9,12 +9,18 @@ otherwise the controller refuses to start, saying which path and why. See docs/s
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import secrets
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from fleetserve.core.errors import FleetserveError
+from fleetserve.infra.procs import started_as
 
 TOKEN_BYTES = 32
 # Entries whose contents are trusted or written: checked one level down (and logs two).
@@ -90,3 +96,71 @@ def ensure_token(path: Path) -> str:
     if len(token) < 32:
         raise UnsafeHome(f"{path} holds no usable token: delete it to make a new one")
     return token
+
+
+_SERVER_FILE = re.compile(r"server(-[0-9]{1,5})?\.json")
+
+
+@dataclass(frozen=True)
+class RunningController:
+    """A controller of a home that runs, as its server file says (checked to be alive)."""
+
+    pid: int
+    port: int
+    host: str  # the address it listens on (0.0.0.0 for every interface, say)
+    scheme: str  # http, or https with TLS
+    ha: bool  # started with FLEETSERVE_HA (one of several on one database)
+    file: Path
+
+    @property
+    def where(self) -> str:
+        """Where it listens (what `server status` shows)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Where a client of this machine reaches it."""
+        return local_url(self.scheme, self.host, self.port)
+
+
+def local_url(scheme: str, host: str, port: int) -> str:
+    """The URL a client on this machine uses for a controller listening on `host`: loopback
+    for every interface, else the address itself (127.0.0.2, ::1, or one of this machine's)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def running_controllers(home: Path) -> list[RunningController]:
+    """Every controller of this home that runs, whatever FLEETSERVE_HA and FLEETSERVE_API_PORT
+    say here: server.json (a controller without high availability) and server-<port>.json
+    (one per API port with it), each checked to name a live process started when it says.
+    The one way `server stop`, `server status` and the client find them."""
+    found = []
+    try:
+        names = sorted(p.name for p in home.iterdir() if _SERVER_FILE.fullmatch(p.name))
+    except OSError:
+        return []
+    for name in names:
+        path = home / name
+        try:
+            info = json.loads(path.read_text())
+            p = psutil.Process(int(info["pid"]))
+            if not started_as(p, float(info["create_time"])):
+                continue
+            found.append(
+                RunningController(
+                    pid=p.pid,
+                    port=int(info["port"]),
+                    host=str(info.get("host") or "127.0.0.1"),
+                    scheme="https" if info.get("scheme") == "https" else "http",
+                    ha=name != "server.json",
+                    file=path,
+                )
+            )
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            continue
+    return sorted(found, key=lambda c: (c.ha, c.port))

@@ -62,6 +62,7 @@ from fleetserve.policies.rollout import BLUE_GREEN, ROLLING, RolloutSettings
 from fleetserve.spec.exposure import lb_host
 from fleetserve.spec.models import ReadinessProbe, ServiceTask
 from fleetserve.store import Store
+from fleetserve.store.db import STORE_FAILURES, failure_text
 
 log = logging.getLogger("fleetserve.controller")
 
@@ -182,6 +183,9 @@ class ServiceReconciler:
         self._full_streak: dict[bool, int] = {}
         self._full_at: dict[bool, float] = {}
         self.pool: PoolRunner | None = None  # a worker pool's jobs (docs/pools.md)
+        # A `down` whose write the store refused (a full disk): its purge flag. Its processes
+        # were stopped at once; until the store records it, rounds only try to.
+        self.down_pending: bool | None = None
 
     def spec(self, version: int) -> ServiceTask:
         if version not in self._specs:
@@ -203,6 +207,11 @@ class ServiceReconciler:
                 except FleetserveError as e:
                     failures += 1
                     log.warning("service %s: reconcile failed: %s", self.name, e.message)
+                    done = False
+                except STORE_FAILURES as e:  # a full disk, say: one line, not a traceback
+                    failures += 1
+                    text = failure_text(e)
+                    log.warning("service %s: reconcile failed: the store: %s", self.name, text)
                     done = False
                 except Exception:
                     failures += 1
@@ -305,6 +314,8 @@ class ServiceReconciler:
 
     async def reconcile_once(self) -> bool:
         """One observe-plan-act round; True when the service is gone and the loop should end."""
+        if self.down_pending is not None and not self.record_down():
+            return False  # nothing is launched or changed until the store takes the down
         svc = self.store.get_service(self.name)
         if svc is None:
             return True
@@ -767,6 +778,53 @@ class ServiceReconciler:
         await self.lb.push(svc, endpoints, self.clock.now(), canary=self._canary(svc))
 
     # -- down ------------------------------------------------------------------------------
+
+    async def stop_processes(self) -> None:
+        """Stop the service's processes (launches under way, replicas, the load balancer)
+        writing nothing to the store: a `down` it could not record (a full disk) still stops
+        them. The rows stay as they were until `record_down` succeeds; the shutdown that
+        follows then finds the processes gone."""
+        await self.executor.cancel_all()
+        svc = self.store.get_service(self.name)
+        if svc is None:
+            return
+        stops = []  # all at once: each may wait its grace period
+        for r in self.store.list_replicas(self.name):
+            self.prober.forget(self.key(r.replica_id))
+            if not self._away(r) and not r.status.is_terminal:
+                stops.append(self.infra.terminate(r.handle, r.launch_token))
+        if not elsewhere(svc.lb_host, self.lb.host):
+            stops.append(self.lb.stop(self.name, svc.lb_pid, svc.lb_create_time))
+        for failed in await asyncio.gather(*stops, return_exceptions=True):
+            if isinstance(failed, Exception):
+                log.warning("service %s: a process was not stopped: %s", self.name, failed)
+
+    def record_down(self) -> bool:
+        """Record a pending `down` (see `stop_processes`); False while the store refuses."""
+        purge = bool(self.down_pending)
+        try:
+            svc = self.store.get_service(self.name)
+            if svc is not None:
+                self.store.update_service(
+                    self.name,
+                    self.clock.now(),
+                    phase=ServicePhase.SHUTTING_DOWN,
+                    purge=purge or svc.purge,
+                )
+                self.store.add_event(
+                    self.name,
+                    self.clock.now(),
+                    "service",
+                    "down requested while the database could not be written: its processes "
+                    "were stopped then, the down is recorded now",
+                )
+        except STORE_FAILURES as e:
+            text = failure_text(e)
+            log.warning("service %s: the down waits for the database: %s", self.name, text)
+            return False
+        self.down_pending = None
+        log.info("service %s: the down that waited for the database is recorded", self.name)
+        return True
 
     async def _shutdown(self, svc: ServiceRecord) -> bool:
         replicas = self.store.list_replicas(self.name)

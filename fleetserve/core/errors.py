@@ -73,6 +73,14 @@ class Fenced(Standby):
     kind = "fenced"
 
 
+class StorageFull(FleetserveError):
+    """A write the database or the disk had no room for (or that the database refused)."""
+
+    http_status = 507
+    exit_code = 1
+    kind = "storage"
+
+
 class TerminalError(FleetserveError):
     """Retrying will not help (a launch whose setup failed, say)."""
 

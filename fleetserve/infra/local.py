@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import json
 import os
 import re
@@ -798,15 +799,93 @@ async def lines_naming(
                 yield line
 
 
-def rotate_log(path: Path, cap_bytes: int) -> bool:
-    """Keep a log under `cap_bytes` with its newest lines: past half the cap, its content
-    moves to `<name>.1` (replacing the older half) and the file is truncated in place, so the
-    process writing it (with O_APPEND) carries on. True if it rotated."""
+FULL_DISK_TAIL = 4 * 1024 * 1024  # the most of a log's end kept when the disk is full
+FULL_DISK_MIN = 64 * 1024  # on a full disk, logs past this size are rotated, under the cap too
+LOW_DISK_BYTES = 1024 * 1024  # a disk with less room than this is full (for rotate_log)
+
+
+def disk_full(path: Path) -> bool:
+    """Whether the file system of `path` has less than LOW_DISK_BYTES left (for this user)."""
     try:
-        if path.stat().st_size <= cap_bytes // 2:
-            return False
-        shutil.copyfile(path, path.with_name(path.name + ".1"))
-        os.truncate(path, 0)
+        st = os.statvfs(path)
     except OSError:
         return False
-    return True
+    return st.f_bavail * st.f_frsize < LOW_DISK_BYTES
+
+
+@dataclass(frozen=True)
+class Rotated:
+    """A log that was rotated: its size then, how many bytes of its end `<name>.1` kept, and
+    whether there was no room to copy them first (the log was emptied before they were
+    written back, and only a bounded tail, or nothing, could be kept)."""
+
+    size: int
+    kept: int
+    full_disk: bool
+
+
+def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> int:
+    """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (what it
+    had then: a writer that goes on does not make this longer), or `data`; returns how many
+    bytes it holds."""
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as out:
+        if data is not None:
+            out.write(data)
+        else:
+            with open(src, "rb") as f:
+                left = os.fstat(f.fileno()).st_size - f.seek(start)
+                while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
+                    out.write(chunk)
+                    left -= len(chunk)
+        out.flush()
+        return out.tell()
+
+
+def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated | None:
+    """Keep a log under `cap_bytes` with its newest lines: past half the cap, its last half
+    cap moves to `<name>.1` (replacing the older half) and the file is truncated in place, so
+    the process writing it (with O_APPEND) carries on. None if it did not need to.
+
+    On a full disk (the copy fails) the log is truncated anyway, since it is what fills the
+    disk or holds the room others need: its end (at most FULL_DISK_TAIL bytes) is read first
+    and written to `<name>.1` once the truncation made room, or dropped if there is none.
+    With `disk_full` (the caller found no room left on the disk, whoever filled it) a log
+    under the cap is rotated too, past FULL_DISK_MIN bytes, keeping half of it.
+    An error that leaves the log as it was (it went away, it cannot be truncated) raises
+    OSError."""
+    half = cap_bytes // 2
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    if size <= (min(half, FULL_DISK_MIN) if disk_full else half):
+        return None
+    old = path.with_name(path.name + ".1")
+    keep = min(size // 2 if disk_full else size, half)
+    try:
+        kept = _write_tail(path, old, size - keep)
+        os.truncate(path, 0)
+        return Rotated(size, kept, full_disk=False)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+    # No room for the copy: what it wrote goes (that frees room too), the end of the log is
+    # held in memory, the log is emptied, and the end written back if there is room now.
+    with contextlib.suppress(OSError):
+        old.unlink()
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+        f.seek(max(0, end - min(keep, FULL_DISK_TAIL)))
+        tail = f.read()
+    os.truncate(path, 0)
+    try:
+        kept = _write_tail(path, old, 0, tail)
+    except OSError:
+        kept = 0
+        with contextlib.suppress(OSError):
+            old.unlink()
+    return Rotated(max(size, end), kept, full_disk=True)

@@ -35,7 +35,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Connection, Row
-from sqlalchemy.exc import DatabaseError, IntegrityError
+from sqlalchemy.exc import DatabaseError, DBAPIError, IntegrityError
 
 from fleetserve.core.errors import Conflict, NotFound, TerminalError
 from fleetserve.core.status import ReplicaStatus
@@ -68,6 +68,16 @@ _PG_WRITE_ORDER_LOCK = 0x666C_7332
 # PostgreSQL's INTEGER is 32 bits (SQLite's 64): a larger value compared with an id column is
 # an error there ("integer out of range"), not a row that is not found.
 _PG_INT_MAX = 2**31 - 1
+
+
+# What a write raises when the database or the disk refuses it (full, gone, read-only).
+STORE_FAILURES: tuple[type[Exception], ...] = (DBAPIError, OSError)
+
+
+def failure_text(e: BaseException) -> str:
+    """One line for a store failure: the driver's own words, without SQLAlchemy's statement
+    and link (PostgreSQL's messages span several lines)."""
+    return " ".join(str(getattr(e, "orig", None) or e).split())[:300]
 
 
 class UnusableStore(TerminalError):

@@ -60,3 +60,97 @@ def test_a_full_disk_is_one_clear_line_and_the_fleet_keeps_serving(
         fleet.cli("down", "--all", "--purge", check=False)
         fleet.cli("server", "stop", check=False)
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+WRITER = """\
+import os, sys, time
+go = sys.argv[1]
+deadline = time.monotonic() + 120  # bounded: 2 minutes at most
+chunk = b"x" * 1023 + b"\\n"
+while time.monotonic() < deadline:
+    if not os.path.exists(go):
+        time.sleep(0.05)
+        continue
+    try:
+        for _ in range(64):
+            os.write(1, chunk)
+    except OSError:
+        time.sleep(0.01)
+"""
+
+NOISY = """\
+    service:
+      readiness_probe: /health
+      replicas: 1
+    workdir: {workdir}
+    run: python3 writer.py {go} & exec python3 server.py
+"""
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.slow  # 12 to 20 s on a busy machine
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_log_that_fills_the_disk_is_truncated_and_down_stops_everything_on_a_full_disk(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """The issue's case: a 2 MB log cap, a replica writing fast fills the disk; the log is
+    truncated anyway (an event says so), and `down --all --purge` on a full disk stops every
+    process at once, then removes the services once there is room."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], check=True)
+    try:
+        home = mnt / "home"
+        fleet.env.update({"FLEETSERVE_HOME": str(home), "FLEETSERVE_LOG_CAP_BYTES": "2000000"})
+        fleet.home = home
+        (fleet.workdir / "writer.py").write_text(WRITER)
+        go = tmp_path / "go"  # off the small disk: the writer writes while it exists
+        spec = fleet.write_service("noisy", NOISY.format(workdir=fleet.workdir, go=go))
+        endpoint = endpoint_of(fleet.cli("up", str(spec), "-n", "noisy").stdout)
+        quiet = fleet.write_service("quiet", SPEC.format(workdir=fleet.workdir))
+        fleet.cli("up", str(quiet), "-n", "quiet")
+        log = home / "logs" / "noisy" / "replica-1.log"
+        go.touch()
+        fleet.wait_for("the disk full", lambda: free_bytes(mnt) < 256 * 1024, timeout=30)
+        go.unlink()  # the writer pauses; the disk stays full until the log is truncated
+        fleet.wait_for(
+            "the disk-full truncation event",
+            lambda: (
+                "disk full: log replica-1.log" in fleet.cli("events", "noisy", check=False).stdout
+            ),
+            timeout=30,
+        )
+        assert log.stat().st_size <= 2_000_000
+        assert free_bytes(mnt) > 4 * 1024 * 1024  # the room is back
+
+        # Another writer fills the disk: `down` cannot be recorded, the processes stop anyway.
+        controller = fleet.controller_pid()
+        served = {p.pid for p in fleet.processes()} - {controller}
+        assert served  # replicas and load balancers
+        filler = mnt / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # bounded by the tmpfs's size
+                f.write(b"\0" * 65536)
+        proc = fleet.cli("down", "--all", "--purge", check=False, timeout=60)
+        assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 2 and all("were stopped" in line for line in lines), proc.stderr
+        fleet.wait_for(
+            "every replica and load balancer stopped",
+            lambda: not ({p.pid for p in fleet.processes()} & served),
+            timeout=30,
+        )
+        with pytest.raises(OSError):
+            urllib.request.urlopen(endpoint + "/x", timeout=5)
+        filler.unlink()  # room again: the downs are recorded and finish
+        fleet.wait_for("both services gone", lambda: fleet.client().status() == [], timeout=30)
+        assert "Traceback" not in (home / "logs" / "controller.log").read_text()
+    finally:
+        fleet.cli("down", "--all", "--purge", check=False)
+        fleet.cli("server", "stop", check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -72,3 +72,50 @@ def test_a_token_file_that_is_not_private_is_refused(tmp_path: Path) -> None:
         ensure_token(path)
     path.chmod(0o600)
     assert ensure_token(path).startswith("a-token-somebody")
+
+
+def test_every_running_controller_of_a_home_is_found_whatever_its_kind(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    import psutil
+
+    from fleetserve.controller.home import running_controllers
+    from fleetserve.infra.procs import started
+
+    home = tmp_path / "home"
+    home.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in "ab"]
+    try:
+        a, b = (psutil.Process(p.pid) for p in procs)
+
+        def record(name: str, p: psutil.Process, **info: object) -> None:
+            body = {"pid": p.pid, "create_time": started(p), "port": 1, **info}
+            (home / name).write_text(json.dumps(body))
+
+        record("server.json", a, port=5000, host="127.0.0.1", scheme="http")
+        record("server-6000.json", b, port=6000, host="0.0.0.0", scheme="https")
+        record("server-7000.json", b, port=7000, create_time=1.0)  # not that process
+        (home / "server-8000.json").write_text("{not json")
+        record("server-x.json", b, port=9000)  # not a server file's name
+        found = running_controllers(home)
+        assert [(c.pid, c.port, c.ha) for c in found] == [(a.pid, 5000, False), (b.pid, 6000, True)]
+        assert found[1].where == "https://0.0.0.0:6000"
+        assert found[1].url == "https://127.0.0.1:6000"  # every interface: reached on loopback
+        procs[0].kill()
+        procs[0].wait()
+        assert [c.port for c in running_controllers(home)] == [6000]  # a dead one is not
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_controller_is_reached_where_it_listens() -> None:
+    from fleetserve.controller.home import local_url
+
+    assert local_url("https", "0.0.0.0", 1) == "https://127.0.0.1:1"
+    assert local_url("http", "127.0.0.2", 2) == "http://127.0.0.2:2"
+    assert local_url("http", "::", 3) == "http://[::1]:3"
+    assert local_url("http", "::1", 4) == "http://[::1]:4"
