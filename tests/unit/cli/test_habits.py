@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from fleetserve import client as sdk
 from fleetserve._version import __version__
-from fleetserve.api.models import JobInfo, PoolApplied, ReplicaInfo, ServiceInfo
+from fleetserve.api.models import Health, JobInfo, PoolApplied, ReplicaInfo, ServiceInfo
 from fleetserve.cli import main, pools
 from fleetserve.cli.main import app
 from fleetserve.client import Client
@@ -57,6 +57,9 @@ class Fake:
         pass
 
     wait_ready = Client.wait_ready
+
+    def health(self) -> Health:
+        return Health(ok=True, version="0", pid=1, home="/h", processes="cgroups")
 
     def service(self, name: str) -> ServiceInfo:
         return Fake.views.pop(0) if len(Fake.views) > 1 else Fake.views[0]

@@ -20,11 +20,13 @@ from fleetserve.spec.models import DEFAULT_MAX_REPLICAS, ServiceTask
 
 
 def fast(examples: int) -> settings:
-    """Small inputs parse in milliseconds: the deadline leaves room for a slow, busy CI core;
-    `examples` keeps the whole file within seconds. No example database in the checkout."""
+    """Small inputs parse in milliseconds: the deadline (5 s) catches a parse that blows up
+    (a recursion, an exponential path), not a slow one, so a busy core or a parallel suite
+    never fails it; `examples` keeps the whole file within seconds. No example database in
+    the checkout."""
     return settings(
         max_examples=examples,
-        deadline=timedelta(milliseconds=1000),
+        deadline=timedelta(seconds=5),
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
