@@ -4,8 +4,8 @@ The kernel spreads connections over the processes, so a rotation of each process
 sequences like `2 1 1 2` where docs/load-balancer.md promises each replica in turn. The
 primary makes one 8-byte counter in shared memory (a memfd) and hands its descriptor to each
 worker it starts; every choice takes the next number under a POSIX record lock (per process,
-so the processes exclude each other), about two system calls per request. Only round_robin
-with several processes uses it.
+so the processes exclude each other), about two system calls per request. Only round_robin,
+and least_load (plain or instance-aware) when replicas tie, with several processes use it.
 """
 
 from __future__ import annotations

@@ -83,6 +83,8 @@ class LeastLoad:
     def __init__(self, weights: Mapping[int, float] | None = None) -> None:
         self.tie_break = 0
         self.weights: Mapping[int, float] = weights or {}
+        # As RoundRobin's: the LB's processes break ties in one turn (taken on a tie only).
+        self.shared: Callable[[], int] | None = None
 
     def select(
         self,
@@ -103,6 +105,8 @@ class LeastLoad:
                 best.append(rid)
         if not best:
             return None
+        if len(best) > 1 and self.shared is not None:
+            return best[self.shared() % len(best)]
         choice = best[self.tie_break % len(best)]
         self.tie_break += 1
         return choice

@@ -434,3 +434,42 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# -- measured figures ---------------------------------------------------------------------------
+
+MEASURED = re.compile(r"\d[\d,.]*\s?(ms|µs|req/s|replica-h(ours)?|worker-h)\b")
+COMMAND_NAMED = re.compile(r"bench/|\bbench\b|`fleetserve |fleetserve simulate|pytest|scripts/")
+
+
+def unsourced_tables() -> list[str]:
+    """Tables of measured figures (4 or more values in ms, µs, req/s, replica-hours) with no
+    command named in them, in the 30 lines above or in the 3 below."""
+    found = []
+    for path in doc_files():
+        name = str(path.relative_to(ROOT))
+        found += [f"{name}:{line}" for line in unsourced_in(path.read_text())]
+    return found
+
+
+def unsourced_in(text: str) -> list[str]:
+    """`unsourced_tables` of one document: "LINE: the table's header"."""
+    lines = text.splitlines()
+    found = []
+    i, fenced = 0, False
+    while i < len(lines):
+        if lines[i].strip().startswith("```"):
+            fenced = not fenced
+        head = not fenced and lines[i].startswith("|") and i + 1 < len(lines)
+        if head and re.match(r"^\|[-| :]+\|$", lines[i + 1].strip()):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            if len(MEASURED.findall("\n".join(lines[i:j]))) >= 4:
+                near = "\n".join(lines[max(0, i - 30) : j + 3])
+                if not COMMAND_NAMED.search(near):
+                    found.append(f"{i + 1}: {lines[i][:70]}")
+            i = j
+        else:
+            i += 1
+    return found

@@ -151,10 +151,19 @@ def test_quick_commands_and_yaml_blocks_run_as_documented(
             return
         args = _yaml_args(step.block, work)
         expect_code = 0
+        name = harness.file_name(step.block)
+        if name is not None and f"fleetserve up {name}" in step.block.path.read_text():
+            # a file the doc runs (`fleetserve up spot.yaml`): what `run` starts is there
+            script = re.search(r"python3? ([\w./-]+\.py)", str(doc.get("run", "")))
+            folder = ROOT / str(doc.get("workdir", "."))
+            assert script is None or (folder / script.group(1)).is_file(), (
+                f"{step.where}: `{doc['run']}` needs {script.group(1) if script else ''} in "
+                f"workdir {doc.get('workdir', '.')!r}, which has none"
+            )
     else:
         args = shlex.split(harness._fleetserve_line(step.text) or "")[1:]
         expect_code = 2 if "bad" in step.text else 0
-    (work / "server.py").write_text("")  # the file `run:` names
+    (work / "server.py").write_text("")  # the file a fragment's `run:` names
     for png in [a for a in args if a.endswith(".png")]:
         args[args.index(png)] = str(work / png)
     res = CliRunner().invoke(app, args, env={"FLEETSERVE_HOME": str(tmp_path / "home")})
@@ -270,3 +279,10 @@ def test_environment_names_in_prose_are_read_by_the_code() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     os.execv(sys.executable, [sys.executable, "-m", "tests.docs.harness"])
+
+
+def test_tables_of_measured_figures_name_the_command_that_produced_them() -> None:
+    assert not harness.unsourced_tables()
+    table = "| policy | p50 | p99 |\n|---|---|---|\n| a | 1 ms | 2 ms |\n| b | 3 ms | 4 ms |\n"
+    assert harness.unsourced_in("Measured today:\n\n" + table) == ["3: | policy | p50 | p99 |"]
+    assert harness.unsourced_in("`bench/lb/policies.py`:\n\n" + table) == []

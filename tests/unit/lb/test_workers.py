@@ -94,13 +94,15 @@ async def test_a_dead_worker_is_restarted_and_gets_the_set(
             assert r.status == 200
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "least_load"])
 async def test_round_robin_takes_turns_across_workers_and_metrics_keep_real_dates(
-    start: Start, tmp_path: Path
+    start: Start, tmp_path: Path, policy: str
 ) -> None:
     """round_robin with two workers: each replica in turn for the load balancer as a whole
     (a rotation per worker gave `2 1 1 2`), whichever worker the kernel hands a connection;
-    and the merged /metrics of the two workers date each series when it began (summed
-    `_created` timestamps gave the year 2083)."""
+    and so do least_load's ties (an idle fleet: every choice is a tie); and the merged
+    /metrics of the two workers date each series when it began (summed `_created`
+    timestamps gave the year 2083)."""
     import time
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -110,7 +112,7 @@ async def test_round_robin_takes_turns_across_workers_and_metrics_keep_real_date
         service="rr",
         port=closed_port(),
         admin_port=closed_port(),
-        policy="round_robin",
+        policy=policy,
         options=LoadBalancerOptions(workers=2),
     )
     proc = await start_lb_process(config, tmp_path)
