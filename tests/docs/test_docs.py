@@ -185,6 +185,7 @@ def docs_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 FLEET_STEPS = [s for s in PLAN if s.action == FLEET]
 
 
+@pytest.mark.slow  # 12 s on an idle 2-core machine, 26 s on a busy one
 def test_the_quick_start_runs_on_one_fleet(docs_fleet: Fleet, tmp_path: Path) -> None:
     """The README's quick start, in its order, as a user types it: `up` prints what the
     README shows, `curl` gets an answer from each replica in turn, `status -o json | jq`
