@@ -281,6 +281,7 @@ def alternatives(cmd: str) -> list[list[str]]:
     is A and the command's path + B, `--opt ...` is the option with a value, a word `a|b|c`
     in a subcommand's place is each of them; other `...` go."""
     cmd = cmd.split(" | jq")[0].split(" | yq")[0]
+    cmd = re.sub(r"\s\d?>>?\s*\S+", "", cmd)  # redirections: `2>/dev/null`, `> out.json`
     cmd = re.sub(r"(?<=\S)\[[^\]\s]*\]", "", cmd)  # K[=V] -> K
     cmd = cmd.replace("[", " ").replace("]", " ")
     parts = re.split(r"\s\|\s", cmd)

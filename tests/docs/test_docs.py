@@ -81,6 +81,7 @@ def test_the_parser_check_catches_drift() -> None:
     assert harness.check_parse(Step("x", "fleetserve rollback A B", PARSE)) is not None
     assert harness.check_parse(Step("x", "fleetserve down NAME... [--all]", PARSE)) is None
     assert harness.check_parse(Step("x", "fleetserve jobs cancel 7 | --all -p p", PARSE)) is None
+    assert harness.check_parse(Step("x", "fleetserve status -o json 2>/dev/null | jq .", PARSE)) is None
 
 
 def test_scripts_extras_and_environment_variables_the_docs_name_exist() -> None:
