@@ -20,7 +20,8 @@ Each fenced block is cut into steps, and each step gets one action:
   benchmark, a block of output).
 
 `python -m tests.docs.harness` prints the whole list: what runs, what is only parsed, what
-is skipped and why.
+is skipped and why (`--json`: the same as data). The examples' service YAMLs
+(examples/*/service.yaml) are validated too.
 """
 
 from __future__ import annotations
@@ -255,12 +256,24 @@ def inline_steps(path: Path) -> Iterator[Step]:
             yield Step(where, m.group(1), PARSE, "inline: the command and its options")
 
 
+def example_files() -> list[Path]:
+    """The examples' service YAMLs: each is validated as `fleetserve validate` does."""
+    return sorted(
+        p
+        for p in (ROOT / "examples").rglob("*.yaml")
+        if re.search(r"^(service|pool|run):", p.read_text(), re.M)
+    )
+
+
 def plan() -> list[Step]:
     steps: list[Step] = []
     for path in doc_files():
         for block in blocks(path):
             steps.extend(steps_of(block))
         steps.extend(inline_steps(path))
+    for path in example_files():
+        rel = path.relative_to(ROOT)
+        steps.append(Step(f"{rel}:1", f"fleetserve validate {rel}", RUN))
     return steps
 
 
@@ -422,8 +435,17 @@ def check_other(step: Step) -> str | None:
 
 
 def main() -> None:
-    """Print what the harness runs, parses, checks and skips, and why."""
+    """Print what the harness runs, parses, checks and skips, and why (`--json`: as data)."""
     steps = plan()
+    if "--json" in sys.argv[1:]:
+        import json
+
+        rows = [
+            {"where": s.where, "text": s.text, "action": s.action, "reason": s.reason}
+            for s in steps
+        ]
+        print(json.dumps(rows, indent=1))
+        return
     for action in (RUN, FLEET, PARSE, CHECK, SKIP):
         chosen = [s for s in steps if s.action == action]
         print(f"== {action}: {len(chosen)}")

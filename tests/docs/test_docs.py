@@ -59,6 +59,16 @@ def test_the_plan_covers_every_block_and_runs_what_it_can() -> None:
     assert listing.returncode == 0, listing.stderr
     for action, n in counts.items():
         assert f"== {action}: {n}" in listing.stdout
+    as_data = subprocess.run(
+        [sys.executable, "-m", "tests.docs.harness", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = json.loads(as_data.stdout)
+    assert len(rows) == len(PLAN) and {r["action"] for r in rows} == set(counts)
+    assert all(r["reason"] for r in rows if r["action"] == SKIP)
 
 
 def test_every_documented_fleetserve_command_parses() -> None:
@@ -81,7 +91,8 @@ def test_the_parser_check_catches_drift() -> None:
     assert harness.check_parse(Step("x", "fleetserve rollback A B", PARSE)) is not None
     assert harness.check_parse(Step("x", "fleetserve down NAME... [--all]", PARSE)) is None
     assert harness.check_parse(Step("x", "fleetserve jobs cancel 7 | --all -p p", PARSE)) is None
-    assert harness.check_parse(Step("x", "fleetserve status -o json 2>/dev/null | jq .", PARSE)) is None
+    redirected = Step("x", "fleetserve status -o json 2>/dev/null | jq .", PARSE)
+    assert harness.check_parse(redirected) is None
 
 
 def test_scripts_extras_and_environment_variables_the_docs_name_exist() -> None:
@@ -136,9 +147,15 @@ def test_quick_commands_and_yaml_blocks_run_as_documented(
     step: Step, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Run for real (the CLI in process): exit 0, or the shown output, line for line."""
-    assert step.block is not None
     work = _workspace(tmp_path)
     monkeypatch.chdir(work)
+    if step.block is None:  # an example's YAML, as its README runs it (from the root)
+        rel = step.text.split()[-1]
+        doc = yaml.safe_load((ROOT / rel).read_text())
+        fill = [f"--env={k}=x" for k, v in (doc.get("envs") or {}).items() if v is None]
+        res = CliRunner().invoke(app, ["validate", rel, *fill])
+        assert res.exit_code == 0, f"{step.where}: {res.stdout}{res.stderr}"
+        return
     if step.text.startswith("yaml: bad"):
         return  # a file for the command after it (below)
     for name, text in _files_before(step).items():
