@@ -75,7 +75,17 @@ SKIP_LINES = (
     (re.compile(r"^(createuser|createdb|git archive|tar |python3 -m venv|\. )"), "not fleetserve"),
     (re.compile(r"^pip install"), "installs packages (the extra is checked)"),
     (re.compile(r"^python3? -c "), "reads a live load balancer's file"),
-    (re.compile(r"^curl "), "needs a live controller's token or a vLLM replica"),
+    (
+        re.compile(r"^curl .*/v1/embeddings"),
+        "needs the embeddings example up (torch and its model: "
+        "tests/e2e/test_embeddings_example.py runs it)",
+    ),
+    (re.compile(r"^curl .*/v1/chat/"), "needs vLLM (minutes to build: tests/e2e/test_vllm.py)"),
+    (
+        re.compile(r"^curl .*/metrics"),
+        "needs a live controller's or LB's secret (tests/e2e/test_metrics.py scrapes both)",
+    ),
+    (re.compile(r"^curl "), "needs a live service"),
     (re.compile(r"^MODEL=\$\(\./scripts/llm/setup\.sh\)"), "builds vLLM (minutes)"),
 )
 
@@ -192,11 +202,29 @@ def steps_of(block: Block) -> list[Step]:
             elif raw.strip() and out:
                 out[-1].expect.append(strip_comment(raw))
             continue
-        text = strip_comment(raw)
-        for part in re.split(r";|&&", text):
-            if part.strip():
-                out.append(_command_step(where, part.strip(), block))
+        for part in split_commands(strip_comment(raw)):
+            out.append(_command_step(where, part, block))
     return out
+
+
+def split_commands(text: str) -> list[str]:
+    """A shell line cut at `;` and `&&` outside quotes."""
+    parts, buf, quote, i = [], "", None, 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == ";" or text.startswith("&&", i):
+            parts.append(buf)
+            buf = ""
+            i += 2 if ch == "&" else 1
+            continue
+        buf += ch
+        i += 1
+    parts.append(buf)
+    return [p.strip() for p in parts if p.strip()]
 
 
 def _command_step(where: str, text: str, block: Block) -> Step:
