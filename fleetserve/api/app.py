@@ -229,6 +229,11 @@ def create_app(
         version=__version__,
         lifespan=lifespan,
         dependencies=[Depends(writes_when_active)],
+        # No /docs, no /redoc: FastAPI's pages load Swagger UI / ReDoc from a CDN (unpinned,
+        # no integrity check) into this origin, where the dashboard's session cookie is
+        # valid. The schema stays at /openapi.json (behind the token) for any local viewer.
+        docs_url=None,
+        redoc_url=None,
     )
     ctl = controller
 

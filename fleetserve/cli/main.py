@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -992,10 +993,12 @@ def simulate(
         )
         return
     cold_start = 60.0 if cold_start is None else cold_start
-    from fleetserve.sim.results import autoscale_simulation
+    from fleetserve.sim.results import SAMPLES, autoscale_simulation
     from fleetserve.sim.simulator import (
         burst_trace,
+        intervals,
         load_trace,
+        need_matplotlib,
         policy_for,
     )
     from fleetserve.sim.simulator import (
@@ -1005,6 +1008,9 @@ def simulate(
     try:
         if (trace is None) == (burst is None):
             raise InvalidSpec("give --trace FILE (or maf1) or --burst BASE:PEAK:PERIOD:LENGTH")
+        if plot_file is not None:  # before the run, not after it
+            check_plot_path(plot_file)
+            need_matplotlib()
         if burst is not None:
             try:
                 base, peak, period, length = (float(x) for x in burst.split(":"))
@@ -1054,20 +1060,36 @@ def simulate(
             str(max(r.ready)),
         )
     out.print(table)
-    samples = Table(title="Ready replicas over time", title_justify="left")
-    samples.add_column("TIME")
+    rows = intervals(len(runs[0].times), SAMPLES)
+    span = (rows[0][1] - rows[0][0]) * step if rows else 0.0
+    samples = Table(
+        title=f"Ready replicas over time, means over {_span(span)}",
+        title_justify="left",
+    )
+    samples.add_column("FROM")
     samples.add_column("REQ/S")
     for r in runs:
         samples.add_column(r.policy.upper())
-    n = len(runs[0].times)
-    for i in range(0, n, max(1, n // 12)):
+    for a, b in rows:
         samples.add_row(
-            f"{runs[0].times[i] / 3600:.2f} h",
-            f"{runs[0].qps[i]:.1f}",
-            *(str(r.ready[i]) for r in runs),
+            f"{runs[0].times[a] / 3600:.2f} h",
+            f"{_mean(runs[0].qps[a:b]):.1f}",
+            *(f"{_mean(r.ready[a:b]):.1f}" for r in runs),
         )
     out.print(samples)
     _plot_autoscaling(runs, tr, target_qps, plot_file, out)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _span(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
 
 
 def _plot_autoscaling(
@@ -1124,7 +1146,7 @@ def _simulate_spot(
 ) -> None:
     from fleetserve.cli.spot import plot_spot, run_spot, show
     from fleetserve.sim.results import spot_simulation
-    from fleetserve.sim.simulator import load_trace
+    from fleetserve.sim.simulator import load_trace, need_matplotlib
     from fleetserve.sim.spot import ALL_POLICIES, load_spot_trace
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -1140,8 +1162,9 @@ def _simulate_spot(
             raise ValueError(f"--cold-start {cold_start}: seconds, >= 0")
         if trace is not None and not (target_qps > 0 and 1 <= min_replicas <= max_replicas <= 100):
             raise ValueError("with --trace: --target-qps > 0 and 1 <= --min <= --max <= 100")
-        if plot_file is not None:
+        if plot_file is not None:  # before the run (tens of seconds), not after it
             check_plot_path(plot_file)
+            need_matplotlib()
         st = load_spot_trace(spot_trace, duration, start)
         requests = None
         if trace is not None:
@@ -1157,6 +1180,7 @@ def _simulate_spot(
             300.0 if cold_start is None else cold_start,
             overprovision,
             seeds,
+            _spot_progress(st.name, st.seconds) if err.is_terminal else None,
         )
         if plot_file is not None:
             try:
@@ -1171,6 +1195,24 @@ def _simulate_spot(
         show(out, st, results, False)
     if plot_file is not None:
         (out if output is OutputFormat.table else err).print(f"Plot written to {plot_file}")
+
+
+def _spot_progress(trace: str, seconds: float) -> Callable[[str, int, int], None]:
+    """Progress on a terminal's stderr: a long trace takes tens of seconds (AWS3: ~25 s)."""
+    began = time.monotonic()
+
+    def progress(what: str, done: int, total: int) -> None:
+        if done == 0:
+            err.print(
+                f"Simulating {total} runs on {trace} ({seconds / 86400:.1f} days)...",
+                highlight=False,
+            )
+        err.print(
+            f"  [{done + 1}/{total}] {what} ({time.monotonic() - began:.0f} s so far)",
+            highlight=False,
+        )
+
+    return progress
 
 
 def _already_running(settings: Settings) -> bool:

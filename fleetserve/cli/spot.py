@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fleetserve.sim.simulator import Trace
+from fleetserve.sim.simulator import Trace, need_matplotlib
 from fleetserve.sim.spot import ALL_POLICIES, SpotRun, SpotTrace, simulate_spot
 from fleetserve.spec.models import ReplicaPolicy
 
@@ -26,9 +26,11 @@ def run_spot(
     cold_start: float,
     overprovision: int,
     seeds: int,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> list[tuple[SpotRun, int]]:
     """Each policy over the trace; a placer with random ties runs `seeds` times and the runs
-    are averaged (returned as the mean run and the number of seeds)."""
+    are averaged (returned as the mean run and the number of seeds). `progress(what, done,
+    total)` is told before each run."""
     unknown = [p for p in policies if p not in ALL_POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}: use {', '.join(ALL_POLICIES)}")
@@ -46,21 +48,26 @@ def run_spot(
     else:
         goal = target
     results = []
-    for name in policies:
-        n = seeds if name == "dynamic_fallback" else 1  # the only placer with random ties
-        runs = [
-            simulate_spot(
-                trace,
-                name,
-                target=goal,
-                replica_policy=rp,
-                cold_start=cold_start,
-                requests=requests,
-                capacity_qps=target_qps,
-                seed=seed,
+    counts = [seeds if name == "dynamic_fallback" else 1 for name in policies]
+    done, total = 0, sum(counts)
+    for name, n in zip(policies, counts, strict=True):  # dynamic_fallback: random ties
+        runs = []
+        for seed in range(n):
+            if progress is not None:
+                progress(name if n == 1 else f"{name} (seed {seed + 1} of {n})", done, total)
+            runs.append(
+                simulate_spot(
+                    trace,
+                    name,
+                    target=goal,
+                    replica_policy=rp,
+                    cold_start=cold_start,
+                    requests=requests,
+                    capacity_qps=target_qps,
+                    seed=seed,
+                )
             )
-            for seed in range(n)
-        ]
+            done += 1
         results.append((_mean(runs), n))
     return results
 
@@ -130,13 +137,9 @@ def show(
 
 def plot_spot(trace: SpotTrace, results: list[tuple[SpotRun, int]], out: Path) -> None:
     """Cost against availability, one point per policy."""
-    try:
-        import matplotlib
+    need_matplotlib()
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'fleetserve[sim]'") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r, _n in results:
         ax.scatter(r.relative_cost, 100 * r.availability)

@@ -22,8 +22,11 @@ from fleetserve.lb.config import LbConfig
 from fleetserve.lb.index_share import CHANNEL_LIMIT, KEY_ENV, IndexShare, channel_full, is_share
 from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.metrics import load_report
+from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
+from fleetserve.lb.rotation import SharedCounter
 from fleetserve.lb.workers import Supervisor
 from fleetserve.policies.cache_aware import CacheAware
+from fleetserve.policies.lb import LeastLoad, RoundRobin
 
 log = logging.getLogger("fleetserve.lb")
 LINGER_SECONDS = 5.0  # a worker whose primary was killed serves this long more
@@ -47,7 +50,13 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     if count > 1:
         # cache_aware: one index for all the processes, its keys under one secret.
         key = os.urandom(32) if isinstance(selector, CacheAware) else None
-        supervisor = Supervisor(config_path, count, key)
+        # round_robin (and least_load's ties): one turn for all the processes, not one each.
+        rotation = SharedCounter.create() if isinstance(selector, RoundRobin | LeastLoad) else None
+        if rotation is not None and isinstance(selector, RoundRobin | LeastLoad):
+            selector.shared = rotation.take
+        supervisor = Supervisor(
+            config_path, count, key, rotation.fd if rotation is not None else None
+        )
         if isinstance(selector, CacheAware) and key is not None:
             selector.share_keys(key)
             share = IndexShare(selector, proxy.replicas, 0, supervisor.broadcast)
@@ -91,6 +100,9 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
     selector = proxy.replicas.selector
     key = os.environ.get(KEY_ENV)  # set by the primary: cache_aware shares its index
     cache_aware = selector if isinstance(selector, CacheAware) and key else None
+    rotation_fd = os.environ.get(ROTATION_FD_ENV)  # set by the primary: round_robin's turn
+    if rotation_fd is not None and isinstance(selector, RoundRobin | LeastLoad):
+        selector.shared = SharedCounter(int(rotation_fd)).take
     if cache_aware is not None and key:
         cache_aware.share_keys(bytes.fromhex(key))
     reader, writer = await asyncio.open_connection(

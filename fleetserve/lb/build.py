@@ -95,8 +95,9 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
             opts.cache_block_chars,
             opts.cache_blocks,
         )
-    # Workers take connections independently: each starts its rotation at another replica,
-    # so that a few requests on new connections still spread.
+    # Workers take connections independently: each starts its tie-break (and round_robin,
+    # until the primary hands it the shared rotation, fleetserve.lb.rotation) at another
+    # replica, so that a few requests on new connections still spread.
     if isinstance(replicas.selector, RoundRobin):
         replicas.selector.next_index = worker
     elif isinstance(replicas.selector, LeastLoad):

@@ -90,6 +90,7 @@ http {{
   map $http_upgrade $connection_upgrade {{ default upgrade; '' ''; }}
   {auth_map}
   upstream replicas {{
+    zone fleetserve_replicas 1m;  # one round-robin turn, one least_conn count: all workers
     {_balance(config.policy, opts.session_header, opts.session_cookie)}
     {" ".join(servers)}
     {fallback}

@@ -7,6 +7,7 @@ control channel (a socket pair) to the primary: replica-set pushes are relayed d
 and the primary asks each worker for its load report and metrics when it is asked for them,
 adding them up. With cache_aware the processes share one prefix index over the same
 channels (fleetserve.lb.index_share): the primary relays each worker's batches to the others.
+With round_robin they take turns from one counter in shared memory (fleetserve.lb.rotation).
 A worker exits when its channel closes (the primary is gone); the primary restarts a worker
 that died.
 """
@@ -39,6 +40,7 @@ from fleetserve.lb.index_share import (
     is_share,
 )
 from fleetserve.lb.messages import LoadReport, ReplicaLoad, ReplicaPush, ReplicaTotals
+from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
 
 log = logging.getLogger("fleetserve.lb")
 PARENT_ENV = "FLEETSERVE_LB_PARENT"
@@ -63,7 +65,13 @@ def _replicas_message(push: ReplicaPush) -> dict[str, Any]:
 
 
 class Supervisor:
-    def __init__(self, config_path: Path, count: int, index_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        count: int,
+        index_key: bytes | None = None,
+        rotation_fd: int | None = None,
+    ) -> None:
         self.config_path = config_path
         self.count = count
         self.links: dict[int, _Link] = {}
@@ -71,6 +79,7 @@ class Supervisor:
         self._watch: asyncio.Task[None] | None = None
         self.index_key = index_key  # cache_aware's shared secret, handed to each worker
         self.share: IndexShare | None = None  # the primary's side of the shared index
+        self.rotation_fd = rotation_fd  # round_robin's shared counter (fleetserve.lb.rotation)
 
     def share_index(self, share: IndexShare) -> None:
         """Relay the workers' index batches to each other and apply them here (this
@@ -88,6 +97,10 @@ class Supervisor:
         env[PARENT_ENV] = str(os.getpid())
         if self.index_key is not None:
             env[KEY_ENV] = self.index_key.hex()
+        fds = [child_end.fileno()]
+        if self.rotation_fd is not None:
+            env[ROTATION_FD_ENV] = str(self.rotation_fd)
+            fds.append(self.rotation_fd)
         cmd = [
             sys.executable,
             "-m",
@@ -99,7 +112,7 @@ class Supervisor:
             "--control-fd",
             str(child_end.fileno()),
         ]
-        proc = subprocess.Popen(cmd, pass_fds=[child_end.fileno()], env=env)
+        proc = subprocess.Popen(cmd, pass_fds=fds, env=env)
         child_end.close()
         reader, writer = await asyncio.open_connection(sock=parent_end, limit=CHANNEL_LIMIT)
         link = _Link(index, proc, reader, writer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, get_args
 
@@ -46,10 +46,15 @@ class Selector(Protocol):
 
 
 class RoundRobin:
-    """Each replica in turn; a change of the set keeps the rotation going, no reshuffle."""
+    """Each replica in turn; a change of the set keeps the rotation going, no reshuffle.
 
-    def __init__(self) -> None:
+    `shared`, when set, gives the position instead of this object's own: a counter that all
+    the processes of one load balancer take from (fleetserve.lb.rotation), so that the turn
+    is the load balancer's, not each process's."""
+
+    def __init__(self, shared: Callable[[], int] | None = None) -> None:
         self.next_index = 0
+        self.shared = shared
 
     def select(
         self,
@@ -59,10 +64,13 @@ class RoundRobin:
         key: RequestKey = NO_KEY,
     ) -> int | None:
         n = len(candidates)
+        if n == 0:
+            return None
+        start = self.shared() if self.shared is not None else self.next_index
         for step in range(n):
-            rid = candidates[(self.next_index + step) % n]
+            rid = candidates[(start + step) % n]
             if rid not in exclude:
-                self.next_index = (self.next_index + step + 1) % n
+                self.next_index = (start + step + 1) % n
                 return rid
         return None
 
@@ -75,6 +83,8 @@ class LeastLoad:
     def __init__(self, weights: Mapping[int, float] | None = None) -> None:
         self.tie_break = 0
         self.weights: Mapping[int, float] = weights or {}
+        # As RoundRobin's: the LB's processes break ties in one turn (taken on a tie only).
+        self.shared: Callable[[], int] | None = None
 
     def select(
         self,
@@ -95,6 +105,8 @@ class LeastLoad:
                 best.append(rid)
         if not best:
             return None
+        if len(best) > 1 and self.shared is not None:
+            return best[self.shared() % len(best)]
         choice = best[self.tie_break % len(best)]
         self.tie_break += 1
         return choice

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, TypeAdapter
 
 from fleetserve.sim.pools import PoolRun
-from fleetserve.sim.simulator import Run, Trace
+from fleetserve.sim.simulator import Run, Trace, intervals
 from fleetserve.sim.spot import SpotRun, SpotTrace
 
 SAMPLES = 12  # rows of "ready replicas over time", as the table shows
@@ -29,9 +29,14 @@ class AutoscalePolicyResult(BaseModel):
 
 
 class ReadySample(BaseModel):
-    time_s: float = Field(description="Seconds from the trace's start.")
-    qps: float = Field(description="The trace's request rate then.")
-    ready: dict[str, int] = Field(description="READY replicas then, per policy.")
+    time_s: float = Field(description="Seconds from the trace's start (of this interval).")
+    qps: float = Field(description="The trace's request rate at that instant.")
+    ready: dict[str, int] = Field(description="READY replicas at that instant, per policy.")
+    interval_s: float = Field(description="Seconds this sample covers (from time_s).")
+    mean_qps: float = Field(description="The trace's mean request rate over the interval.")
+    mean_ready: dict[str, float] = Field(
+        description="Mean READY replicas over the interval, per policy (what the table shows)."
+    )
 
 
 class AutoscaleSimulation(BaseModel):
@@ -45,7 +50,9 @@ class AutoscaleSimulation(BaseModel):
     upscale_delay_s: float
     downscale_delay_s: float
     policies: list[AutoscalePolicyResult]
-    samples: list[ReadySample] = Field(description=f"About {SAMPLES} points, evenly spaced.")
+    samples: list[ReadySample] = Field(
+        description=f"At most {SAMPLES} consecutive intervals covering the run."
+    )
 
 
 class SpotPolicyResult(BaseModel):
@@ -100,6 +107,8 @@ def autoscale_simulation(
     downscale_delay: float,
 ) -> AutoscaleSimulation:
     n = len(runs[0].times) if runs else 0
+    times = runs[0].times if runs else []
+    step = times[1] - times[0] if len(times) > 1 else 0.0
     return AutoscaleSimulation(
         trace=trace.name,
         seconds=trace.seconds,
@@ -122,11 +131,14 @@ def autoscale_simulation(
         ],
         samples=[
             ReadySample(
-                time_s=runs[0].times[i],
-                qps=round(runs[0].qps[i], 4),
-                ready={r.policy: r.ready[i] for r in runs},
+                time_s=runs[0].times[a],
+                qps=round(runs[0].qps[a], 4),
+                ready={r.policy: r.ready[a] for r in runs},
+                interval_s=round((b - a) * step, 4),
+                mean_qps=round(sum(runs[0].qps[a:b]) / (b - a), 4),
+                mean_ready={r.policy: round(sum(r.ready[a:b]) / (b - a), 4) for r in runs},
             )
-            for i in range(0, n, max(1, n // SAMPLES))
+            for a, b in intervals(n, SAMPLES)
         ],
     )
 

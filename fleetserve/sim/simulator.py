@@ -228,14 +228,37 @@ def policy_for(
     raise ValueError(f"unknown policy {name!r}: use request_rate, in_flight or skyserve")
 
 
-def plot(runs: list[Run], trace: Trace, capacity_qps: float, out: Path) -> None:
+PLOT_NEEDS = (
+    "--plot needs matplotlib, in the extra `sim`: pip install 'fleetserve[sim]' "
+    "(in a checkout: pip install -e '.[sim]')"
+)
+
+
+def need_matplotlib() -> None:
+    """Raise ValueError(PLOT_NEEDS) unless matplotlib imports: checked before a run, not after
+    it (a spot trace takes tens of seconds)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ValueError(PLOT_NEEDS) from None
+
+
+def intervals(n: int, rows: int) -> list[tuple[int, int]]:
+    """`rows` (or fewer) consecutive [start, end) slices of n steps, covering all of them:
+    the rows of "ready replicas over time", each the mean over its slice, not one instant."""
+    if n <= 0:
+        return []
+    size = max(1, -(-n // rows))
+    return [(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def plot(runs: list[Run], trace: Trace, capacity_qps: float, out: Path) -> None:
+    need_matplotlib()
+    import matplotlib.pyplot as plt
+
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
     hours = [t / 3600 for t in runs[0].times]
     ax1.plot(hours, runs[0].qps, color="black", linewidth=0.8, label="requests/s")

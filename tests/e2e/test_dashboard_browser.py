@@ -6,13 +6,16 @@ Screenshots go to $FLEETSERVE_TEST_ARTIFACTS (default: test-artifacts/ in the ch
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import shutil
 import signal
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
 
+from fleetserve.api.models import ServiceInfo
 from tests.e2e.conftest import Fleet, endpoint_of
 
 pytestmark = pytest.mark.e2e
@@ -102,12 +106,97 @@ def load(url: str, stop: threading.Event, seconds: float = 60, limit: int = 3000
         time.sleep(0.02)
 
 
+def _ticks(page: Page, chart: str) -> list[float]:
+    return [
+        float(t)
+        for t in page.locator(f"[data-chart={chart}] text[data-tick]").evaluate_all(
+            "ts => ts.map(t => t.dataset.tick)"
+        )
+    ]
+
+
+def round_step(ticks: list[float]) -> bool:
+    """Ticks from 0 in equal steps of 1, 2 or 5 times a power of ten."""
+    steps = {round(b - a, 9) for a, b in itertools.pairwise(ticks)}
+    if ticks[:1] != [0] or len(steps) != 1:
+        return False
+    (step,) = steps
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    return any(abs(mantissa - m) < 1e-6 for m in (1, 2, 5))
+
+
+def check_service_page(page: Page, svc: ServiceInfo, ended: int) -> None:
+    """A service page after one of its replicas ended: legends name the live replicas only
+    (the ended ones grey under one entry), in distinct colours; round axis ticks (whole for
+    counts), latency on a log axis, the dashed target drawn over READY; 24-hour event times;
+    each replica's log one click away; an events filter that holds across polls."""
+    live = sorted(r.replica_id for r in svc.replicas if r.terminated_at is None)
+    until("a replica's own points", lambda: page.locator("[data-chart=rps] polyline").count() >= 2)
+    legend = page.locator("[data-chart=rps] .legend span")
+    names = legend.evaluate_all("xs => xs.map(x => x.dataset.series)")
+    colors = legend.evaluate_all("xs => xs.map(x => x.dataset.color)")
+    replicas = sorted(int(n.split()[1]) for n in names if n.startswith("replica "))
+    assert set(replicas) <= set(live) and f"replica {ended}" not in names, names
+    assert len(set(colors)) == len(colors), (names, colors)
+    for chart in ("rps", "errors", "scale", "inflight"):
+        ticks = _ticks(page, chart)
+        if ticks:
+            assert round_step(ticks), (chart, ticks)
+    for chart in ("scale", "inflight"):
+        assert all(t == int(t) for t in _ticks(page, chart)), chart
+    assert page.locator("[data-chart=latency]").get_attribute("data-scale") == "log"
+    latency = _ticks(page, "latency")
+    assert latency and all(math.log10(t) == round(math.log10(t)) for t in latency), latency
+    scale_lines = page.locator("[data-chart=scale] polyline")
+    last = scale_lines.nth(scale_lines.count() - 1)
+    assert last.get_attribute("data-series") == "target" and last.get_attribute("stroke-dasharray")
+    times = page.locator("table.events tbody tr td:first-child").all_inner_texts()
+    assert times and all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in times), times[:3]
+    # the log link of a live replica: its own output, read with the page's session
+    link = page.locator(f"a[data-log='{live[0]}']")
+    assert link.get_attribute("target") == "_blank"
+    href = link.get_attribute("href") or ""
+    log = page.request.get(urllib.parse.urljoin(page.url, href))
+    assert log.status == 200 and f"log-of-replica-{live[0]}" in log.text(), log.text()[-300:]
+    # the events filter: rows holding what is typed, still so after the next polls
+    rows = page.locator("table.events tbody tr")
+    total = rows.count()
+    page.fill("#event-filter", "ready")
+    until("the filter applied", lambda: 0 < rows.count() < total)
+    time.sleep(2.5)  # a poll re-renders the page
+    assert page.input_value("#event-filter") == "ready"
+    texts = rows.all_inner_texts()
+    assert texts and all("ready" in t.lower() for t in texts) and len(texts) < total
+    page.fill("#event-filter", "")
+    until("every event back", lambda: rows.count() >= total)
+
+
+def check_narrow(page: Page) -> None:
+    """At 420 px the page scrolls its tables, never itself (it was 689 px wide)."""
+    page.set_viewport_size({"width": 420, "height": 900})
+    try:
+        width = page.evaluate("() => document.documentElement.scrollWidth")
+        assert width <= 420, width
+        shot(page, "narrow")
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 900})
+
+
 def test_dashboard_in_a_real_browser(fleet: Fleet, browser: Browser) -> None:
     fleet.env["FLEETSERVE_HISTORY_STEP"] = "1"  # a chart point a second
     endpoints = {}
     for name in ("alpha", "beta"):
-        path = fleet.write_service(name, SERVICE.format(name=name, workdir=fleet.workdir))
+        text = SERVICE.format(name=name, workdir=fleet.workdir)
+        if name == "alpha":  # a line in each replica's log, for the page's log links
+            text = text.replace("run: ", "run: echo log-of-replica-$FLEETSERVE_REPLICA_ID; ")
+        path = fleet.write_service(name, text)
         endpoints[name] = endpoint_of(fleet.cli("up", str(path), timeout=120).stdout)
+    # gamma scales to zero and has no replica: its page shows no empty version table
+    zero = SERVICE.format(name="gamma", workdir=fleet.workdir).replace(
+        "replicas: 2",
+        "replica_policy: {min_replicas: 0, max_replicas: 1, target_qps_per_replica: 1}",
+    )
+    fleet.cli("up", "--detach", str(fleet.write_service("gamma", zero)), timeout=120)
     client = fleet.client()
     fleet.wait_for(
         "both services READY with 2 replicas",
@@ -119,7 +208,7 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, browser: Browser) -> None:
     stop = threading.Event()
     traffic = threading.Thread(target=load, args=(endpoints["alpha"], stop), daemon=True)
     traffic.start()
-    context = browser.new_context()
+    context = browser.new_context(locale="en-US")  # 12-hour by default: the page must not
     page = context.new_page()
     problems = watch_console(page)
     try:
@@ -208,6 +297,15 @@ def test_dashboard_in_a_real_browser(fleet: Fleet, browser: Browser) -> None:
         events = page.locator("table.events").inner_text()
         assert "PREEMPTED" in events or "FAILED" in events
         shot(page, "replaced")
+        check_service_page(page, client.service("alpha"), victim.replica_id)
+        check_narrow(page)
+
+        # A service at zero replicas: no "Version 1 serves" table with nothing in it.
+        page.click("a[href='#/']")
+        page.click("a[href='#/service/gamma']")
+        until("gamma's page", lambda: "No replica right now." in page.inner_text("main"))
+        assert page.locator("#rollout").count() == 0
+        shot(page, "zero")
 
         # Scaled and rolled out: beta to 3 replicas in a new version that starts slowly
         # enough for the page to show both versions side by side.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -30,7 +31,9 @@ def embed(endpoint: str, inputs: list[str]) -> dict[str, object]:
 
 def test_embeddings_served_through_the_fleet(fleet: Fleet) -> None:
     # The README runs it from the repository's root, which its `workdir` starts from.
+    began = time.monotonic()
     out = fleet.cli("up", str(EXAMPLE), timeout=300, cwd=EXAMPLE.parents[2])
+    first_ready = time.monotonic() - began
     endpoint = endpoint_of(out.stdout)
     body = embed(endpoint, ["a cat sat on the mat", "a kitten rested on the rug", "car insurance"])
     vectors = [d["embedding"] for d in body["data"]]  # type: ignore[attr-defined]
@@ -48,6 +51,11 @@ def test_embeddings_served_through_the_fleet(fleet: Fleet) -> None:
             sum(r.status == "READY" for r in fleet.client().service("embeddings").replicas) == 2
         ),
         timeout=120,
+    )
+    # examples/embeddings/README.md quotes these (run with -s to see them)
+    print(
+        f"embeddings: `up` returned (a replica READY) after {first_ready:.1f} s, "
+        f"both replicas READY after {time.monotonic() - began:.1f} s"
     )
     served = Counter(str(embed(endpoint, ["hello"])["replica"]) for _ in range(6))
     assert set(served) == {"1", "2"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,105 @@ def test_cli_compares_policies_and_plots(tmp_path: Path) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "BASE:PEAK:PERIOD:LENGTH" in bad.stderr
+
+
+def _fleetserve(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_ready_replicas_over_time_shows_means_not_instants(tmp_path: Path) -> None:
+    """A trace that alternates 0 and 6 req/s each minute averages 3 req/s: each row of the
+    table (and each JSON sample's mean_qps) is 3.0, where instants showed 0.0 throughout."""
+    csv = tmp_path / "alt.csv"
+    csv.write_text("time_s,qps\n" + "".join(f"{60 * i},{6 * (i % 2)}\n" for i in range(120)))
+    proc = _fleetserve("simulate", "--trace", str(csv), "--policy", "request_rate")
+    assert proc.returncode == 0, proc.stderr
+    assert "mean 3.00 req/s" in proc.stdout
+    table = proc.stdout[proc.stdout.index("Ready replicas over time") :]
+    rows = [line.split("│")[1:-1] for line in table.splitlines() if " h " in line]
+    assert len(rows) == 12, table
+    assert [cell.strip() for _, cell, _ in rows] == ["3.0"] * 12, table
+    assert "means over 10 min" in " ".join(table.split())
+    doc = _fleetserve("simulate", "--trace", str(csv), "--policy", "request_rate", "-o", "json")
+    samples = json.loads(doc.stdout)["samples"]
+    assert [s["mean_qps"] for s in samples] == [3.0] * 12
+    assert [s["interval_s"] for s in samples] == [600.0] * 12
+
+
+def test_plot_without_matplotlib_fails_before_the_run_and_names_the_extra(
+    tmp_path: Path,
+) -> None:
+    """No matplotlib: `--plot` is refused at once (not after a spot trace's tens of
+    seconds), naming the extra `.[sim]`, without a traceback and without a result table."""
+    import os
+    import time
+
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{shadow.parent}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    png = str(tmp_path / "p.png")
+    for args in (
+        ["--burst", "2:30:900:300", "--duration", "3600"],
+        ["--spot-trace", "GCP1", "--duration", "21600", "--seeds", "2"],
+    ):
+        began = time.monotonic()
+        proc = _fleetserve("simulate", *args, "--plot", png, env=env)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "fleetserve[sim]" in proc.stderr and ".[sim]" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stdout == "", proc.stdout  # refused before anything ran
+        assert time.monotonic() - began < 30
+    assert not Path(png).exists()
+
+
+def test_a_spot_trace_shows_progress_on_a_terminal() -> None:
+    """On a terminal, each run of a spot comparison is announced on stderr as it starts (a
+    long trace takes tens of seconds); stdout keeps only the result."""
+    import os
+    import pty
+    import select
+    import time
+
+    main, sub = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "fleetserve", "simulate", "--spot-trace", "GCP1"),
+            *("--duration", "21600", "--seeds", "2", "--policy", "even_spread,dynamic_fallback"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=sub,
+        text=True,
+    )
+    os.close(sub)
+    seen = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([main], [], [], 1)
+        if ready:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # the other end closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(main)
+    out, _ = proc.communicate(timeout=30)
+    text = seen.decode()
+    assert proc.returncode == 0, text
+    assert "Simulating 3 runs on GCP1" in text, text
+    for line in ("[1/3] even_spread", "[2/3] dynamic_fallback (seed 1 of 2)", "[3/3]"):
+        assert line in text, text
+    assert "[1/3]" not in out and "dynamic_fallback" in out

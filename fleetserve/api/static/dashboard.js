@@ -15,6 +15,24 @@
 
   class Gone extends Error {}
 
+  // The events filter outlives each re-render (every two seconds): one input, kept, its
+  // text and focus carried over; it keeps the rows whose text holds what is typed.
+  const filter = (() => {
+    const input = document.createElement("input");
+    input.type = "search";
+    input.id = "event-filter";
+    input.placeholder = "filter events: kind, replica, status, text";
+    input.setAttribute("aria-label", "filter events");
+    const count = document.createElement("span");
+    count.className = "muted";
+    const box = document.createElement("div");
+    box.className = "filter";
+    box.append(input, count);
+    input.addEventListener("input", () => { if (lastService) renderService(...lastService); });
+    return { input, count, box };
+  })();
+  let lastService = null; // [svc, events] last rendered, for the filter to re-render at once
+
   async function getJSON(path) {
     const held = cache.get(path);
     const headers = held ? { "If-None-Match": held.etag } : {};
@@ -64,7 +82,7 @@
     const body = el("tbody");
     for (const r of rows) body.appendChild(r);
     t.appendChild(body);
-    return t;
+    return el("div", { class: "scroll" }, t); // a narrow screen scrolls the table, not the page
   }
 
   function duration(seconds) {
@@ -76,7 +94,8 @@
     return Math.floor(s / 86400) + "d " + Math.floor((s % 86400) / 3600) + "h";
   }
 
-  function clock(t) { return new Date(t * 1000).toLocaleTimeString(); }
+  // 24-hour time, as the charts and the CLI show it (not the browser's 12-hour locale)
+  function clock(t) { return new Date(t * 1000).toTimeString().slice(0, 8); }
   function now() { return Date.now() / 1000; }
   function ready(svc) { return svc.replicas.filter((r) => r.status === "READY").length; }
   function live(svc) { return svc.replicas.filter((r) => r.terminated_at === null); }
@@ -133,32 +152,40 @@
     return chartData && chartData.points.length ? chartData.points[chartData.points.length - 1].at : null;
   }
 
-  function perReplica(field, scale) {
-    return Object.keys(chartData.replicas).sort((a, b) => a - b).map((rid) => ({
-      name: "replica " + rid,
-      color: FleetCharts.colorOf(Number(rid)), // a replica has one colour in every chart
-      points: chartData.replicas[rid].map((p) => [p.at, p[field] === null ? null : p[field] * (scale || 1)]),
-    }));
+  // One series per replica of the last hour: the live ones each in its own colour (its rank
+  // among them: the same in every chart), the ended ones grey under one legend entry.
+  function perReplica(field, liveIds) {
+    const ids = Object.keys(chartData.replicas).map(Number).sort((a, b) => a - b);
+    const live = ids.filter((rid) => liveIds.has(rid));
+    const ended = ids.filter((rid) => !liveIds.has(rid));
+    const points = (rid) => chartData.replicas[String(rid)].map((p) => [p.at, p[field]]);
+    return [
+      ...ended.map((rid) => ({ name: "replica " + rid, legend: "ended replicas",
+        color: FleetCharts.ENDED, width: 1, points: points(rid) })),
+      ...live.map((rid, rank) => ({ name: "replica " + rid, color: FleetCharts.colorOf(rank),
+        points: points(rid) })),
+    ];
   }
 
-  function renderCharts() {
+  function renderCharts(svc) {
     const pts = chartData ? chartData.points : [];
-    const ms = (v) => (v >= 100 ? Math.round(v) : Math.round(v * 10) / 10).toString();
-    const svc = (field, scale) => pts.map((p) => [p.at, p[field] === null ? null : p[field] * (scale || 1)]);
-    const has = chartData !== null;
+    const series = (field, scale) => pts.map((p) => [p.at, p[field] === null ? null : p[field] * (scale || 1)]);
+    const liveIds = new Set(live(svc).map((r) => r.replica_id));
+    const each = (field) => (chartData !== null ? perReplica(field, liveIds) : []);
     return el("div", { class: "charts" },
       FleetCharts.lineChart({ id: "rps", title: "Requests per second", unit: "req/s" },
-        [{ name: "service", points: svc("rps"), color: "#1d2330" }, ...(has ? perReplica("rps") : [])]),
-      FleetCharts.lineChart({ id: "latency", title: "Latency", unit: "ms", format: ms },
-        [{ name: "p50", points: svc("p50", 1000), color: "#1d2330" },
-          { name: "p99", points: svc("p99", 1000), color: "#c2255c" }]),
-      FleetCharts.lineChart({ id: "inflight", title: "In flight", unit: "req" },
-        has ? perReplica("inflight") : []),
+        [...each("rps"), { name: "service", points: series("rps"), color: "#1d2330" }]),
+      FleetCharts.lineChart({ id: "latency", title: "Latency (log scale)", unit: "ms", log: true },
+        [{ name: "p50", points: series("p50", 1000), color: "#1d2330" },
+          { name: "p99", points: series("p99", 1000), color: "#d62728" }]),
+      FleetCharts.lineChart({ id: "inflight", title: "In flight", unit: "req", integer: true },
+        each("inflight")),
       FleetCharts.lineChart({ id: "errors", title: "Errors per second", unit: "/s" },
-        [{ name: "service", points: svc("errors"), color: "#1d2330" }, ...(has ? perReplica("errors") : [])]),
-      FleetCharts.lineChart({ id: "scale", title: "Autoscaler target and READY replicas" },
-        [{ name: "target", points: svc("target"), color: "#868e96" },
-          { name: "ready", points: svc("ready"), color: "#2f9e44" }]),
+        [...each("errors"), { name: "service", points: series("errors"), color: "#1d2330" }]),
+      // READY under a dashed target drawn last: equal, both still show
+      FleetCharts.lineChart({ id: "scale", title: "Autoscaler target and READY replicas", integer: true },
+        [{ name: "ready", points: series("ready"), color: "#2ca02c", width: 3 },
+          { name: "target", points: series("target"), color: "#1d2330", dash: "5 4" }]),
     );
   }
 
@@ -174,6 +201,7 @@
     }
     const total = [...versions.values()].reduce((a, v) => a + v.rps, 0);
     const rolling = svc.serving_version !== null && svc.serving_version !== svc.active_version;
+    if (!versions.size && !rolling) return null; // no replica: no version serves anything
     const title = rolling
       ? `Rolling out version ${svc.active_version} (${svc.update_mode || "rolling"}) over version ${svc.serving_version}`
       : `Version ${svc.active_version} serves`;
@@ -196,6 +224,7 @@
   }
 
   function renderService(svc, events) {
+    lastService = [svc, events];
     const t = now();
     const facts = el("div", { class: "facts" },
       el("div", {}, el("span", {}, "status"), badge(svc.status)),
@@ -215,14 +244,21 @@
       el("td", { class: "num" }, r.launched_at ? duration(t - r.launched_at) : "-"),
       el("td", {}, r.endpoint || "-"),
       el("td", {}, r.reason || ""),
+      el("td", {}, el("a", { href: `${API}/services/${encodeURIComponent(svc.name)}/replicas/${r.replica_id}/logs?tail=500`,
+        target: "_blank", rel: "noopener", "data-log": String(r.replica_id) }, "log")),
     ));
-    const eventRows = events.slice().reverse().map((e) => el("tr", {},
+    const eventRows = events.slice().reverse().map((e) => el("tr", { "data-kind": e.kind },
       el("td", {}, clock(e.at)),
       el("td", {}, e.kind),
       el("td", { class: "num" }, e.replica_id === null ? "" : String(e.replica_id)),
       el("td", {}, e.status_to ? `${e.status_from || ""} → ${e.status_to}` : ""),
       el("td", {}, e.message),
     ));
+    const wanted = filter.input.value.trim().toLowerCase();
+    const shownRows = wanted ? eventRows.filter((row) => row.textContent.toLowerCase().includes(wanted)) : eventRows;
+    filter.count.textContent = wanted ? `${shownRows.length} of ${eventRows.length}` : "";
+    const focused = document.activeElement === filter.input;
+    const caret = filter.input.selectionStart || 0;
     main.replaceChildren(...[
       el("p", {}, el("a", { href: "#/" }, "← services")),
       el("h1", {}, svc.name),
@@ -230,15 +266,20 @@
       svc.failure_reason ? el("p", { class: "error" }, svc.failure_reason) : null,
       el("h2", {}, "Replicas"),
       replicaRows.length
-        ? table(["ID", "Status", "Version", "Zone", "Spot", "Uptime", "Endpoint", "Reason"], replicaRows, "replicas")
+        ? table(["ID", "Status", "Version", "Zone", "Spot", "Uptime", "Endpoint", "Reason", "Log"], replicaRows, "replicas")
         : el("p", { class: "muted" }, "No replica right now."),
       rollout(svc),
       el("h2", {}, "The last hour"),
-      renderCharts(),
+      renderCharts(svc),
       el("h2", {}, "Events"),
-      events.length ? table(["Time", "Kind", "Replica", "Status", "Message"], eventRows, "events")
-        : el("p", { class: "muted" }, "No events."),
+      filter.box,
+      shownRows.length ? table(["Time", "Kind", "Replica", "Status", "Message"], shownRows, "events")
+        : el("p", { class: "muted" }, events.length ? "No event matches the filter." : "No events."),
     ].filter((x) => x !== null));
+    if (focused) {
+      filter.input.focus();
+      filter.input.setSelectionRange(caret, caret);
+    }
   }
 
   // -- polling -------------------------------------------------------------------------------
@@ -277,7 +318,7 @@
         renderService(svc, events);
       }
       banner.hidden = true;
-      updated.textContent = "updated " + new Date().toLocaleTimeString();
+      updated.textContent = "updated " + clock(now());
     } catch (e) {
       if (mine !== generation) return;
       if (e instanceof Gone) {
@@ -299,6 +340,8 @@
   window.addEventListener("hashchange", () => {
     generation++;
     chartData = null;
+    lastService = null;
+    filter.input.value = "";
     clearTimeout(timer);
     main.replaceChildren(el("p", { class: "muted" }, "Loading…"));
     loop(generation);

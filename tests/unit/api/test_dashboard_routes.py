@@ -96,3 +96,22 @@ def test_history_route(ctl: Controller) -> None:
     assert [p["at"] for p in later["points"]] == [101.0, 102.0]
     assert c.get("/api/v1/services/web/history", params={"after": -1}).status_code == 422
     assert c.get("/api/v1/services/nope/history").status_code == 404
+
+
+def test_no_page_of_the_controller_loads_code_from_another_origin(ctl: Controller) -> None:
+    """FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN (unpinned, no
+    integrity check) into the origin where the dashboard's session cookie is valid: they are
+    not served, neither with the session cookie nor with the token; the schema is."""
+    app = create_app(ctl, token=TOKEN)
+    c = TestClient(app, base_url="http://127.0.0.1")
+    assert c.post("/ui/login", json={"token": TOKEN}).status_code == 200
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        for headers in ({}, bearer):
+            r = c.get(path, headers=headers)
+            assert r.status_code == 404, (path, r.status_code)
+            assert "cdn" not in r.text.lower()
+    assert "paths" in c.get("/openapi.json", headers=bearer).json()
+    for page in ("/", "/login"):
+        text = c.get(page).text
+        assert "https://" not in text and "http://" not in text, page

@@ -4,6 +4,7 @@ the fallback answers or holds when nothing is ready, API keys, access-log load r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import signal
 from collections import Counter
@@ -43,6 +44,7 @@ def test_render_maps_policies_keys_and_replicas(tmp_path: Path) -> None:
     empty = render(LbConfig(service="s", port=1, admin_port=2), [], 7000, tmp_path)
     assert "server 127.0.0.1:7000;" in empty and "backup" not in empty
     assert "least_conn;" in empty  # least_load, the default
+    assert "zone fleetserve_replicas 1m;" in empty  # one state for all the workers
 
 
 @pytest.fixture
@@ -96,3 +98,42 @@ async def test_nginx_data_plane_end_to_end(start: Start, nginx_lb: LbConfig) -> 
         async with s.get(f"{admin}/-/load") as r:
             load = await r.json()
         assert load["replicas"]["1"]["requests_per_second"] == pytest.approx(5 / 60)
+
+
+async def test_nginx_round_robin_takes_turns_across_its_workers(
+    start: Start, tmp_path: Path
+) -> None:
+    """Two nginx workers: each replica in turn for the endpoint as a whole (the upstream's
+    state in a shared zone), whichever worker takes a new connection."""
+    config = LbConfig(
+        service="nrr",
+        port=closed_port(),
+        admin_port=closed_port(),
+        policy="round_robin",
+        options=LoadBalancerOptions(data_plane="nginx", workers=2),
+    )
+    proc = await start_lb_process(config, tmp_path, "fleetserve.lb.nginx")
+    try:
+        a = await start(upstream_app("a"))
+        b = await start(upstream_app("b"))
+        push = {
+            "replicas": [
+                {"replica_id": 1, "url": f"http://127.0.0.1:{a}"},
+                {"replica_id": 2, "url": f"http://127.0.0.1:{b}"},
+            ]
+        }
+        admin = f"http://127.0.0.1:{config.admin_port}"
+        async with aiohttp.ClientSession() as s, s.put(f"{admin}/-/replicas", json=push) as r:
+            assert r.status == 200
+        await asyncio.sleep(1.0)  # the graceful reload: both new workers up
+        names = []
+        for _ in range(30):  # a new connection each time: the kernel spreads them
+            async with (
+                aiohttp.ClientSession() as fresh,
+                fresh.get(f"http://127.0.0.1:{config.port}/x") as r,
+            ):
+                names.append((await r.json())["replica"])
+        assert all(n != m for n, m in itertools.pairwise(names)), names
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)

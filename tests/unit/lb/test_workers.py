@@ -4,6 +4,7 @@ load reports and metrics added up, a dead worker restarted."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -91,6 +92,77 @@ async def test_a_dead_worker_is_restarted_and_gets_the_set(
             fresh.get(f"http://127.0.0.1:{config.port}/") as r,
         ):
             assert r.status == 200
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_load"])
+async def test_round_robin_takes_turns_across_workers_and_metrics_keep_real_dates(
+    start: Start, tmp_path: Path, policy: str
+) -> None:
+    """round_robin with two workers: each replica in turn for the load balancer as a whole
+    (a rotation per worker gave `2 1 1 2`), whichever worker the kernel hands a connection;
+    and so do least_load's ties (an idle fleet: every choice is a tie); and the merged
+    /metrics of the two workers date each series when it began (summed `_created`
+    timestamps gave the year 2083)."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    began = time.time()
+    config = LbConfig(
+        service="rr",
+        port=closed_port(),
+        admin_port=closed_port(),
+        policy=policy,
+        options=LoadBalancerOptions(workers=2),
+    )
+    proc = await start_lb_process(config, tmp_path)
+    try:
+        (worker,) = await wait_workers(proc)
+        for _ in range(100):  # until the worker listens too (a Python start on a busy box)
+            if any(c.laddr.port == config.port for c in worker.net_connections("tcp")):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the worker never listened")
+        a = await start(upstream_app("a"))
+        b = await start(upstream_app("b"))
+        admin = f"http://127.0.0.1:{config.admin_port}"
+        push = {
+            "replicas": [
+                {"replica_id": 1, "url": f"http://127.0.0.1:{a}"},
+                {"replica_id": 2, "url": f"http://127.0.0.1:{b}"},
+            ]
+        }
+        names = []
+        async with aiohttp.ClientSession() as s:
+            async with s.put(f"{admin}/-/replicas", json=push) as r:
+                assert r.status == 200
+            await asyncio.sleep(0.3)  # relayed to the worker
+            for _ in range(40):  # a new connection each time: the kernel spreads them
+                async with (
+                    aiohttp.ClientSession() as fresh,
+                    fresh.get(f"http://127.0.0.1:{config.port}/x") as r,
+                ):
+                    names.append((await r.json())["replica"])
+            async with s.get(f"{admin}/metrics") as r:
+                text = await r.text()
+        assert all(n != m for n, m in itertools.pairwise(names)), names
+        assert sorted(set(names)) == ["a", "b"]
+        created = [
+            (sample.name, sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.endswith("_created")
+        ]
+        assert created, "no _created sample to check"
+        now = time.time()
+        late = [(n, v) for n, v in created if not began - 60 <= v <= now + 1]
+        assert not late, late
+    finally:
+        workers = workers_of(proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        psutil.wait_procs(workers, timeout=5)
 
 
 def test_merge_load_adds_up() -> None:

@@ -119,3 +119,30 @@ def test_prefix_affinity_prefers_the_owner_unless_it_is_overloaded() -> None:
     assert selector.select([1, 2], {owner: 4, other: 0}, frozenset(), key) == other
     assert selector.select([1, 2], {}, frozenset({owner}), key) == other
     assert selector.select([1, 2], {1: 1}, frozenset(), RequestKey()) == 2  # no prompt: least load
+
+
+def test_round_robin_on_a_shared_counter_takes_turns_across_processes() -> None:
+    """Two processes' selectors (a forked child takes from the same memfd counter) alternate
+    between them as one rotation; a retry skips the replica already tried."""
+    import os
+
+    from fleetserve.lb.rotation import SharedCounter
+
+    counter = SharedCounter.create()
+    here = RoundRobin(counter.take)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other process: 50 choices, reported as bytes
+        os.close(read)
+        there = RoundRobin(SharedCounter(counter.fd).take)
+        os.write(write, bytes(there.select((1, 2, 3), {}, frozenset()) or 0 for _ in range(50)))
+        os._exit(0)
+    os.close(write)
+    mine = [here.select((1, 2, 3), {}, frozenset()) for _ in range(50)]
+    os.waitpid(pid, 0)
+    theirs = list(os.read(read, 100))
+    os.close(read)
+    assert sorted(mine + theirs) == [1] * 34 + [2] * 33 + [3] * 33  # 100 numbers, each once
+    # the next number is 100: replica (1, 2)[100 % 2] == 1 has its turn; tried already, 2 goes
+    assert here.select((1, 2), {}, frozenset({1})) == 2
+    assert here.select((1, 2), {}, frozenset()) == 2  # 101
