@@ -49,10 +49,13 @@ _STARTED = time.monotonic()
 def _seeds() -> list[int]:
     if os.environ.get("FLEETSERVE_CHAOS_SEED"):
         return [int(os.environ["FLEETSERVE_CHAOS_SEED"])]
+    # Parallel workers (pytest-xdist) must collect the same seeds: the random ones are drawn
+    # from the run's id, which every worker of one run shares; a run alone draws afresh.
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    draw = random.Random(run_id) if run_id else random.Random()
     if SOAK > 0:
-        draw = random.Random()
         return [draw.randrange(1, 10**6) for _ in range(SOAK)]
-    return [*FIXED_SEEDS, random.randrange(1, 10**6)]
+    return [*FIXED_SEEDS, draw.randrange(1, 10**6)]
 
 
 SPEC = """\
