@@ -317,8 +317,13 @@ class Client:
         except (ValueError, TypeError):
             return False
         if not self.remote and home != str(self.settings.home):
+            owner = (
+                f"a fleetserve controller for {home}"
+                if isinstance(home, str)
+                else "another server (not a fleetserve controller: no home in its health answer)"
+            )
             raise FleetserveError(
-                f"port {self.settings.api_port} is taken by a fleetserve controller for {home}; "
+                f"port {self.settings.api_port} is taken by {owner}; "
                 "set FLEETSERVE_API_PORT to use another port for this FLEETSERVE_HOME"
             )
         return True

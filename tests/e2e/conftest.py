@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -44,10 +45,28 @@ SERVER = textwrap.dedent(
 )
 
 
+# Ports the tests choose (controllers' API ports, servers of their own) come from a range
+# below the kernel's ephemeral ports (32768 and up here), a slice per parallel worker
+# (pytest-xdist's gw0, gw1, ...): a port a test picks, frees and binds again a moment later
+# (a controller restarted after kill -9) is then never taken meanwhile by another worker's
+# process, whose ports the kernel picks from the ephemeral range.
+PORT_SLICE = 1500
+PORT_BASE = 20000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = PORT_BASE + PORT_SLICE * (index % 8)
+    for _ in range(200):
+        port = random.randrange(low, low + PORT_SLICE)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}..{low + PORT_SLICE - 1}")
 
 
 def port_in_use(port: int) -> bool:
