@@ -20,8 +20,8 @@ h11 protocol with an admission step) closes that:
   client that sends its request at once always gets through; with none to push out it is
   answered `503` (a TLS one: closed) at once.
 
-TLS is done here (`loop.start_tls`) rather than by the server, so that a handshake counts
-as a connection from its first byte and has the same deadline.
+TLS is set up here (the event loop's own TLS protocol) rather than by the server, so that a
+handshake counts as a connection from its first byte and has the same deadline.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import json
 import logging
 import ssl
 import time
+from asyncio import sslproto
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -178,11 +179,14 @@ class GuardedH11Protocol(H11Protocol):
         self._raw: asyncio.Transport | None = None
         self._made = False  # uvicorn's connection_made ran (after the TLS handshake)
         self._deadline: asyncio.TimerHandle | None = None
-        self._handshake: asyncio.Task[None] | None = None
 
     # -- admission -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self._raw is not None:  # the TLS layer's transport, its handshake done
+            self._made = True
+            super().connection_made(transport)
+            return
         guard = self.admission
         self._raw = transport
         self.key = guard.client_of(transport)
@@ -199,28 +203,32 @@ class GuardedH11Protocol(H11Protocol):
             self._made = True
             super().connection_made(transport)
             return
-        transport.pause_reading()  # the handshake's bytes are start_tls's to read
-        self._handshake = self.loop.create_task(self._start_tls(transport, guard.tls))
+        # TLS between the socket and this protocol, set up now (before the loop reads a byte
+        # of the socket), as the server itself would: its handshake is timed from the accept
+        # and this protocol's connection_made is called again once it is done.
+        waiter: asyncio.Future[None] = self.loop.create_future()
+        waiter.add_done_callback(self._handshake_done)
+        tls = _tls_protocol(self.loop)(
+            self.loop,
+            self,
+            guard.tls,
+            waiter,
+            server_side=True,
+            ssl_handshake_timeout=guard.header_seconds + 1,  # our own deadline comes first
+        )
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
 
-    async def _start_tls(self, transport: asyncio.Transport, context: ssl.SSLContext) -> None:
-        try:
-            tls = await self.loop.start_tls(
-                transport,
-                self,
-                context,
-                server_side=True,
-                ssl_handshake_timeout=self.admission.header_seconds + 1,
-            )
-        except Exception as e:  # whatever a client sent: closed quietly, no traceback
-            self.admission.count("handshake_failed", f"{_who(self.key)}: {type(e).__name__}")
-            self._closed()
-            transport.abort()
-            return
-        if tls is None or transport.is_closing():
+    def _handshake_done(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.cancelled():
             self._closed()
             return
-        self._made = True
-        super().connection_made(tls)
+        failed = waiter.exception()  # retrieved: a failed handshake is no error of ours
+        if failed is not None:
+            self.admission.count("handshake_failed", f"{_who(self.key)}: {type(failed).__name__}")
+            self._closed()
+            if self._raw is not None:
+                self._raw.abort()
 
     def busy(self) -> bool:
         """In the middle of a request (its answer not sent yet)."""
@@ -249,6 +257,7 @@ class GuardedH11Protocol(H11Protocol):
         guard = self.admission
         if not self._made:
             guard.count("timed_out", f"a TLS handshake from {_who(self.key)}")
+            self._closed()
             if self._raw is not None:
                 self._raw.abort()
             return
@@ -278,10 +287,20 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed()
-        if self._handshake is not None and not self._handshake.done():
-            self._handshake.cancel()
         if self._made:
             super().connection_lost(exc)
+
+
+def _tls_protocol(loop: asyncio.AbstractEventLoop) -> Any:
+    """The TLS protocol class of this event loop (uvloop has its own)."""
+    try:
+        import uvloop
+
+        if isinstance(loop, uvloop.Loop):
+            return uvloop.loop.SSLProtocol  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        pass
+    return sslproto.SSLProtocol
 
 
 def protocol_class(admission: Admission) -> type[GuardedH11Protocol]:
