@@ -193,7 +193,7 @@ class GuardedH11Protocol(H11Protocol):
         if not guard.admit(self, self.key):
             if guard.tls is None:
                 message = "the controller has too many connections open: retry in a second"
-                transport.write(_answer(503, "Service Unavailable", "busy", message))
+                transport.write(_answer(503, "Service Unavailable", "transient", message))
                 transport.close()
             else:
                 transport.abort()

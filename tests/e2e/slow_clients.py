@@ -1,7 +1,7 @@
 """Slow clients for tests (slowloris and its kin), as a script: `python3 slow_clients.py
-HOST PORT MODE COUNT SECONDS [SOURCE]` holds COUNT connections to HOST:PORT for SECONDS, each
-doing MODE, and opens a new one whenever one is closed; then prints one JSON line: how many
-it opened, how many the server closed, and the most it held open at once.
+HOST PORT MODE COUNT SECONDS [SOURCE]` holds COUNT connections to HOST:PORT for SECONDS (or
+until SIGTERM), each doing MODE, and opens a new one whenever one is closed; then prints one
+JSON line: how many it opened, how many the server closed, and the most it held at once.
 
 Modes: `head` sends a request line, then one header line every 0.3 s (never the blank line);
 `silent` sends nothing (over TLS: a handshake that never starts); `hello` sends the first
@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import selectors
+import signal
 import socket
 import sys
 import time
@@ -40,6 +41,12 @@ def main() -> None:
     socks: dict[socket.socket, float] = {}  # -> when it last sent
     opened = closed = most = 0
     end = time.monotonic() + seconds
+
+    def stop(*_: object) -> None:
+        nonlocal end
+        end = 0.0
+
+    signal.signal(signal.SIGTERM, stop)
 
     def first_bytes() -> bytes:
         if mode == "head":
