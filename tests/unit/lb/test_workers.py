@@ -7,7 +7,9 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -91,6 +93,107 @@ async def test_a_dead_worker_is_restarted_and_gets_the_set(
             fresh.get(f"http://127.0.0.1:{config.port}/") as r,
         ):
             assert r.status == 200
+
+
+async def _ready(config: LbConfig) -> None:
+    """Until every worker accepts on its own socket (the primary covers it until then)."""
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            async with s.get(f"http://127.0.0.1:{config.admin_port}/-/replicas") as r:
+                if (await r.json())["covered_workers"] == []:
+                    return
+            await asyncio.sleep(0.1)
+    raise AssertionError("a worker never became ready")
+
+
+def _queue_requests(port: int, count: int) -> list[socket.socket]:
+    """`count` requests, each on a new connection (the kernel spreads them over the
+    processes' sockets), sent whole, none answered yet."""
+    socks = []
+    for i in range(count):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(f"GET /q{i} HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n".encode())
+        socks.append(s)
+    return socks
+
+
+def _answers(socks: list[socket.socket], seconds: float = 20) -> list[bytes]:
+    """Each connection's whole answer (until the LB closes it), or what came before an error."""
+    deadline = time.monotonic() + seconds
+    out = []
+    for s in socks:
+        data = b""
+        try:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            while chunk := s.recv(65536):
+                data += chunk
+        except OSError as e:
+            data += f" <{type(e).__name__}>".encode()
+        s.close()
+        out.append(data)
+    return out
+
+
+async def test_a_killed_worker_loses_no_connection_queued_on_its_socket(
+    start: Start, lb_process: tuple[LbConfig, subprocess.Popen[bytes]]
+) -> None:
+    """A worker that dies (kill -9) while connections wait in its socket's queue: the
+    primary serves them (the socket is the primary's too), and new ones, until the new
+    worker is ready. Before, the kernel reset them with the socket (RemoteDisconnected)."""
+    config, proc = lb_process
+    worker = (await wait_workers(proc))[0]
+    await _ready(config)
+    a = await start(upstream_app("a"))
+    async with aiohttp.ClientSession() as s:
+        push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+        async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
+            pass
+    os.kill(worker.pid, signal.SIGSTOP)  # it accepts nothing: its share waits in its queue
+    try:
+        socks = await asyncio.to_thread(_queue_requests, config.port, 24)
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+    answers = await asyncio.to_thread(_answers, socks)
+    assert [x[:15] for x in answers] == [b"HTTP/1.1 200 OK"] * 24, answers
+    assert await wait_workers(proc, exclude=worker.pid), "the worker was not restarted"
+    await _ready(config)  # the new worker took its socket back from the primary
+
+
+async def test_a_killed_primary_loses_no_connection_queued_on_its_socket(
+    start: Start, tmp_path: Path
+) -> None:
+    """The primary killed (kill -9) with connections in its socket's queue: its workers,
+    which hold that socket too, serve them while they linger."""
+    config = LbConfig(
+        service="w",
+        port=closed_port(),
+        admin_port=closed_port(),
+        options=LoadBalancerOptions(workers=2),
+    )
+    proc = await start_lb_process(config, tmp_path)
+    workers = await wait_workers(proc)
+    try:
+        await _ready(config)
+        a = await start(upstream_app("a"))
+        async with aiohttp.ClientSession() as s:
+            push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+            async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
+                pass
+        await asyncio.sleep(0.3)  # relayed to the worker
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            socks = await asyncio.to_thread(_queue_requests, config.port, 24)
+        finally:
+            proc.kill()
+        answers = await asyncio.to_thread(_answers, socks)
+        assert [x[:15] for x in answers] == [b"HTTP/1.1 200 OK"] * 24, answers
+    finally:
+        proc.kill()
+        proc.wait(10)
+        _, alive = psutil.wait_procs(workers, timeout=15)  # they linger 5 s, then exit
+        for w in alive:
+            w.kill()
+    assert not alive, "a worker outlived its killed primary's linger"
 
 
 def test_merge_load_adds_up() -> None:
