@@ -906,11 +906,15 @@ def _already_running(settings: Settings) -> bool:
         if client.healthy():
             return True
         deadline = time.monotonic() + BUSY_WAIT_SECONDS
+        state = "missing"
         while server_pid(settings) is not None and time.monotonic() < deadline:
-            if client.healthy():
+            state = client.health()[0]
+            if state == "ok":
                 return True
             time.sleep(0.2)
-        return False
+        # Its process lives and takes connections without answering them in time (too many
+        # held open): it runs; another would only fail on its lock.
+        return state == "busy" and server_pid(settings) is not None
     finally:
         client.close()
 
@@ -977,15 +981,16 @@ def server_status() -> None:
     settings = Settings.from_env()
     pid = server_pid(settings)
     try:
-        healthy = Client(settings=settings, auto_start=False).healthy()
+        state, why = Client(settings=settings, auto_start=False).health()
     except FleetserveError as e:
         raise _fail(e) from None
+    healthy = state == "ok"
     if pid is None and not healthy:
-        out.print("Controller: not running.")
+        out.print("Controller: not running." if state == "missing" else f"Controller: {why}.")
         raise typer.Exit(1)
+    shown = "running" if healthy else f"busy ({why})" if state == "busy" else "not answering"
     out.print(
-        f"Controller: {'running' if healthy else 'not answering'} (pid {pid}) on "
-        f"127.0.0.1:{settings.api_port}, home {settings.home}"
+        f"Controller: {shown} (pid {pid}) on 127.0.0.1:{settings.api_port}, home {settings.home}"
     )
 
 
