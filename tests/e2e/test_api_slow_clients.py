@@ -158,7 +158,10 @@ def test_a_head_trickled_past_the_deadline_gets_a_408_and_a_silent_connection_is
     with socket.create_connection(("127.0.0.1", port)) as kept:
         kept.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         kept.settimeout(5)
-        assert kept.recv(65536).startswith(b"HTTP/1.1 200")
+        first = b""
+        while not first.endswith(b"}"):  # the whole answer (head and JSON body)
+            first += kept.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
         time.sleep(HEAD_SECONDS + 0.3)  # idle: uvicorn's keep-alive time, not the head's
         kept.sendall(b"GET /api/v1/health HTTP/1.1\r\n")
         data, took = _read_all(kept, HEAD_SECONDS + 5)
@@ -166,14 +169,17 @@ def test_a_head_trickled_past_the_deadline_gets_a_408_and_a_silent_connection_is
 
 
 def test_hundreds_of_slow_connections_leave_the_owners_cli_served(plain: Fleet) -> None:
-    """600 connections without the token, of three shapes, held (reopened as soon as they are
-    closed): the controller holds at most the per-client bound of them, answers
-    /health and serves the owner's CLI."""
+    """900 connections without the token, held (reopened as soon as they are closed): 600 of
+    three shapes by another user, and 300 trickled heads by the owner's own uid and address,
+    which are not told apart from the CLI's before its token, but the CLI sends its request at
+    once and pushes out the oldest slow one. The controller holds at most the per-client
+    bound of each, answers /health and serves the owner's CLI."""
     port = _port(plain)
     procs = [
         _slow(port, "head", 300, OTHER_USER),
         _slow(port, "idle", 200, OTHER_USER),
         _slow(port, "body", 100, OTHER_USER),
+        _slow(port, "head", 300, None),
     ]
     try:
         time.sleep(1.5)
@@ -186,26 +192,10 @@ def test_hundreds_of_slow_connections_leave_the_owners_cli_served(plain: Fleet) 
         held = _held_by_controller(plain)
     finally:
         results = _finish(procs)
-    if OTHER_USER:  # another user: at most the per-client bound at once (+ the CLI's own)
-        assert held <= PER_CLIENT + 4, held
-    assert sum(r["most"] for r in results) >= 550  # the clients did hold their connections
+    # At most the per-client bound of each client at once (+ the CLI's own).
+    assert held <= (2 if OTHER_USER else 1) * PER_CLIENT + 4, held
+    assert sum(r["most"] for r in results) >= 850  # the clients did hold their connections
     assert all(r["closed"] > 0 for r in results)  # and the controller closed theirs
-
-
-def test_slow_connections_of_the_owners_own_uid_leave_a_prompt_client_served(
-    plain: Fleet,
-) -> None:
-    """Same uid, same address as the CLI: not told apart before the token, but a client that
-    sends its request at once pushes out the oldest slow one."""
-    procs = [_slow(_port(plain), "head", 600, None)]
-    try:
-        time.sleep(1.5)
-        start = time.monotonic()
-        status = plain.cli("status", timeout=30)
-        assert "No services" in status.stdout
-        assert time.monotonic() - start < 15
-    finally:
-        _finish(procs)
 
 
 def test_stalled_tls_handshakes_are_closed_and_leave_a_remote_cli_served(
