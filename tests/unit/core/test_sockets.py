@@ -31,9 +31,8 @@ def test_the_uid_of_another_users_socket() -> None:
     """As root, a socket of `nobody` (65534); otherwise this user's own, over IPv6."""
     with socket.create_server(("::1", 0), family=socket.AF_INET6) as server:
         port = server.getsockname()[1]
-        script = (
-            "import socket, time; s = socket.create_connection(('::1', %d)); time.sleep(5)" % port
-        )
+        connect = f"socket.create_connection(('::1', {port}))"
+        script = f"import socket, time; s = {connect}; time.sleep(5)"
         as_root = os.geteuid() == 0
         proc = subprocess.Popen(
             ["/usr/bin/python3", "-c", script], user="nobody" if as_root else None, cwd="/"
