@@ -267,6 +267,13 @@ class Supervisor:
             self._watch.cancel()
         for index in list(self.covering):
             self.uncover(index)
+        # The workers' sockets leave with the workers, as they always did: kept open here, the
+        # kernel would go on queueing connections on them (a load balancer replacing this one
+        # beside it would not get them) until this process exits and they are reset.
+        for index, socks in self.listeners.items():
+            if index != 0:
+                for sock in socks:
+                    sock.close()
         for link in self.links.values():
             if link.reading is not None:
                 link.reading.cancel()
