@@ -71,6 +71,17 @@ def _standby_points_to(resp: httpx.Response) -> str | None:
         return None
 
 
+def _refused(e: BaseException) -> bool:
+    """Whether a connect error is a refusal (nothing listens), not a closed connection."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(e).lower()
+    return "refused" in text or "name or service not known" in text or "errno -2" in text
+
+
 def _raise_for(resp: httpx.Response, hint: str = "") -> None:
     if resp.is_success:
         return
@@ -80,6 +91,10 @@ def _raise_for(resp: httpx.Response, hint: str = "") -> None:
         err = resp.json()["error"]
         kind, message = str(err["kind"]), str(err["message"])
     except (ValueError, KeyError, TypeError):
+        if resp.status_code == 503:
+            raise TransientError(
+                "the controller is busy (HTTP 503: too many connections): retry in a moment"
+            ) from None
         raise FleetserveError(
             f"controller answered HTTP {resp.status_code}: {resp.text[:200]}"
         ) from None
@@ -296,6 +311,13 @@ class Client:
         return f" (the token in {self.settings.token_file} is not this controller's)"
 
     def healthy(self) -> bool:
+        return self.reachability()[0] == "ok"
+
+    def reachability(self) -> tuple[str, str]:
+        """("ok", ""), ("missing", why): nothing accepts a connection there, or what answers
+        is no fleetserve controller; or ("busy", why): something took the connection but did
+        not answer in time (a controller with too many connections held open answers 503,
+        or closes a new TLS connection at once)."""
         try:
             # A connection of its own, closed after: the token never rides on a connection
             # opened before the controller's owner was checked.
@@ -307,15 +329,23 @@ class Client:
                     f"the controller at {self.url} has a certificate this client does not "
                     f"trust ({e}): set FLEETSERVE_API_CA to its CA file"
                 ) from None
-            return False
-        except httpx.HTTPError:
-            return False
+            if _refused(e):
+                return "missing", "connection refused"
+            return "busy", f"it closed the connection before answering ({e or 'no reason'})"
+        except httpx.ConnectTimeout:
+            return "busy", "no connection within 2 s"
+        except httpx.TimeoutException:
+            return "busy", "no answer within 2 s"
+        except httpx.HTTPError as e:
+            return "busy", f"it closed the connection before answering ({e or 'no reason'})"
+        if r.status_code == 503:
+            return "busy", "it answered 503 (too many connections)"
         if r.status_code != 200:
-            return False
+            return "missing", f"HTTP {r.status_code} from /api/v1/health"
         try:
             home = dict(r.json()).get("home")
         except (ValueError, TypeError):
-            return False
+            return "missing", "its /api/v1/health is not a fleetserve controller's"
         if not self.remote and home != str(self.settings.home):
             owner = (
                 f"a fleetserve controller for {home}"
@@ -326,34 +356,43 @@ class Client:
                 f"port {self.settings.api_port} is taken by {owner}; "
                 "set FLEETSERVE_API_PORT to use another port for this FLEETSERVE_HOME"
             )
-        return True
+        return "ok", ""
 
     def _ensure(self) -> None:
         if self._checked:
             return
-        if not self.healthy():
+        state, why = self.reachability()
+        if state != "ok":
             port = urlsplit(self.url).port or self.settings.api_port
             deadline = time.monotonic() + BUSY_WAIT_SECONDS
-            while listener_uids(port) and time.monotonic() < deadline:
-                if self.healthy():  # a controller that was just starting, or busy
+            while (state == "busy" or listener_uids(port)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                state, why = self.reachability()  # a controller that was just starting, or busy
+                if state == "ok":
                     self._checked = True
                     return
-                time.sleep(0.2)
             if self._another_of_home():
                 self._checked = True
                 return
+            if state == "busy":
+                raise TransientError(
+                    f"the fleetserve controller at {self.url} is busy: {why}, for "
+                    f"{BUSY_WAIT_SECONDS:.0f} s. It is running (do not start another); "
+                    "retry in a moment. If it stays busy, clients are holding its connections "
+                    "open (docs/security.md)"
+                    + ("" if self.remote else f"; see {self.settings.controller_log}")
+                )
             if not self.auto_start:
                 raise TransientError(
-                    f"no fleetserve controller answers at {self.url} "
-                    "(start one with `fleetserve server start`)"
+                    f"no fleetserve controller answers at {self.url} ({why}; "
+                    "start one with `fleetserve server start`)"
                 )
             if listener_uids(port):
                 # Something holds the port but does not answer: starting another controller
                 # would only fail to bind it.
                 raise TransientError(
-                    f"the controller on port {port} does not answer its health check (busy "
-                    f"with too many connections, or not a fleetserve controller): retry, or "
-                    f"see {self.settings.controller_log}"
+                    f"the controller on port {port} does not answer its health check ({why}: "
+                    f"not a fleetserve controller?): retry, or see {self.settings.controller_log}"
                 )
             start_server(self.settings)
         self._checked = True

@@ -244,6 +244,7 @@ def create_app(
 
     api_token = token if token is not None else ensure_token(ctl.settings.token_file)
     sessions = Sessions(api_token)  # the dashboard's cookies, checked by the guard too
+    app.state.sessions = sessions  # and by the connection guard (fleetserve.api.connections)
     add_dashboard(app, api_token, sessions, secure_cookie=ctl.settings.tls_certfile is not None)
     app.add_middleware(ETags)  # inside the guard: only answers it let through are tagged
     app.add_middleware(

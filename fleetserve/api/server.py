@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import sys
 from typing import NoReturn
 
@@ -24,6 +25,7 @@ import psutil
 import uvicorn
 
 from fleetserve.api.app import create_app
+from fleetserve.api.connections import Admission, protocol_class, token_check
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.home import ensure_token, running_controllers, secure_home
 from fleetserve.controller.settings import DEFAULT_API_PORT, Settings
@@ -34,7 +36,22 @@ from fleetserve.infra.procs import started
 EXIT_REFUSED = 2
 EXIT_OTHER_CONTROLLER = 5  # the home's controller runs: reach that one (like "unreachable")
 MAX_HEADER_BYTES = 64 * 1024  # request line and headers of one request
-MAX_CONNECTIONS = 512  # past it new requests get 503 at once
+KEEP_ALIVE_SECONDS = 30  # an idle keep-alive connection is closed after this
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server's TLS context from --tls-cert / --tls-key, None without them."""
+    if not settings.tls_certfile:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.tls_certfile, settings.tls_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise InvalidSpec(
+            f"cannot use the TLS certificate {settings.tls_certfile} and key "
+            f"{settings.tls_keyfile}: {getattr(e, 'strerror', None) or e}"
+        ) from None
+    return context
 
 
 def _refuse(message: str, code: int = EXIT_REFUSED) -> NoReturn:
@@ -111,8 +128,8 @@ def main(infra: Infra | None = None) -> None:
     (the one injection point for a fake infra: bench/controller runs the real controller, API
     and store over fake replicas with it); the CLI always starts it with none."""
     user_umask = os.umask(0o077)
-    settings = Settings.from_env()
     try:
+        settings = Settings.from_env()
         settings.check_exposure()
     except FleetserveError as e:
         _refuse(e.message)
@@ -183,19 +200,31 @@ def main(infra: Infra | None = None) -> None:
     except FleetserveError as e:
         _refuse(e.message, e.exit_code)
     app = create_app(controller, on_stopped=forget_server_file, token=token, on_started=publish)
+    try:
+        tls = tls_context(settings)
+    except FleetserveError as e:
+        _refuse(e.message)
+    # Each connection is admitted, and its head timed, by fleetserve.api.connections: a
+    # client without the token can hold only so many, for so long (TLS is done there too).
+    admission = Admission(
+        token_check(token, app.state.sessions.valid),
+        tls=tls,
+        header_seconds=settings.api_header_timeout,
+        max_connections=settings.api_max_connections,
+        max_per_client=settings.api_max_client_connections,
+    )
     config = uvicorn.Config(
         app,
         # h11, not httptools: it bounds what a client may send before a request is complete
         # (headers included), so no one fills the controller's memory before the token check.
-        http="h11",
+        http=protocol_class(admission),
+        ws="none",
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-        limit_concurrency=MAX_CONNECTIONS,
-        timeout_keep_alive=30,
+        limit_concurrency=settings.api_max_connections,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         log_level="warning",
         access_log=False,
         lifespan="on",
-        ssl_certfile=settings.tls_certfile,
-        ssl_keyfile=settings.tls_keyfile,
         timeout_graceful_shutdown=10,
     )
     server = uvicorn.Server(config)

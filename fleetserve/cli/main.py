@@ -1225,11 +1225,15 @@ def _already_running(settings: Settings) -> bool:
         if client.healthy():
             return True
         deadline = time.monotonic() + BUSY_WAIT_SECONDS
+        state = "missing"
         while server_pid(settings) is not None and time.monotonic() < deadline:
-            if client.healthy():
+            state = client.reachability()[0]
+            if state == "ok":
                 return True
             time.sleep(0.2)
-        return False
+        # Its process lives and takes connections without answering them in time (too many
+        # held open): it runs; another would only fail on its lock.
+        return state == "busy" and server_pid(settings) is not None
     finally:
         client.close()
 
@@ -1334,6 +1338,10 @@ def server_status() -> None:
     for c in found:
         role = _health_role(settings, c)
         state = "not answering" if role is None else "running"
+        if role is None and c.port == settings.api_port:  # busy (connections held) or gone
+            with contextlib.suppress(FleetserveError):
+                seen, why = Client(settings=settings, auto_start=False).reachability()
+                state = f"busy ({why})" if seen == "busy" else state
         if c.ha and role:
             state += f", {role}"
         out.print(

@@ -107,6 +107,11 @@ class Settings:
     # through a lease of `lease_ttl` seconds, the others standbys that take over.
     ha: bool = False
     lease_ttl: float = 6.0
+    # The API's connections (fleetserve.api.connections): the time a request's head (and a
+    # TLS handshake) may take, all connections, and those of one client before its token.
+    api_header_timeout: float = 10.0
+    api_max_connections: int = 512
+    api_max_client_connections: int = 32
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -150,6 +155,13 @@ class Settings:
             history_step=_bounded(env, "FLEETSERVE_HISTORY_STEP", 5.0, 1.0, 60.0),
             ha=_flag(env, "FLEETSERVE_HA"),
             lease_ttl=_bounded(env, "FLEETSERVE_LEASE_TTL", 6.0, 2.0, 60.0),
+            api_header_timeout=_bounded(env, "FLEETSERVE_API_HEADER_TIMEOUT", 10.0, 0.5, 3600),
+            api_max_connections=int(
+                _bounded(env, "FLEETSERVE_API_MAX_CONNECTIONS", 512, 16, 100_000)
+            ),
+            api_max_client_connections=int(
+                _bounded(env, "FLEETSERVE_API_MAX_CLIENT_CONNECTIONS", 32, 1, 100_000)
+            ),
         )
 
     @property

@@ -22,6 +22,7 @@ from fleetserve.lb.config import LbConfig
 from fleetserve.lb.index_share import CHANNEL_LIMIT, KEY_ENV, IndexShare, channel_full, is_share
 from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.metrics import load_report
+from fleetserve.lb.proxy import listening_sockets
 from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
 from fleetserve.lb.rotation import SharedCounter
 from fleetserve.lb.workers import Supervisor
@@ -44,6 +45,13 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     """The primary: serves traffic, the admin API, and supervises the other workers."""
     count = worker_count(config)
     proxy = make_proxy(config)
+    tls = tls_context(config)
+    # Every process's listening sockets, made here and kept for the LB's life: a worker that
+    # dies leaves its socket, and the connections queued on it, to this process
+    # (fleetserve.lb.workers). SO_REUSEPORT always: the kernel spreads connections over the
+    # workers, and a load balancer with new settings starts beside the old one before the old
+    # one stops (no refused connection).
+    listeners = {i: listening_sockets(config.host, config.port) for i in range(count)}
     selector = proxy.replicas.selector
     supervisor = None
     sharing: asyncio.Task[None] | None = None
@@ -55,7 +63,13 @@ async def serve(config: LbConfig, config_path: Path) -> None:
         if rotation is not None and isinstance(selector, RoundRobin | LeastLoad):
             selector.shared = rotation.take
         supervisor = Supervisor(
-            config_path, count, key, rotation.fd if rotation is not None else None
+            config_path,
+            count,
+            key,
+            rotation.fd if rotation is not None else None,
+            listeners,
+            proxy,
+            tls,
         )
         if isinstance(selector, CacheAware) and key is not None:
             selector.share_keys(key)
@@ -64,9 +78,7 @@ async def serve(config: LbConfig, config_path: Path) -> None:
             sharing = asyncio.get_running_loop().create_task(share.run())
     admin = web.AppRunner(make_admin_app(proxy, supervisor), access_log=None)
     await admin.setup()
-    # SO_REUSEPORT always: workers share the port, and a load balancer with new settings
-    # starts beside the old one before the old one stops (no refused connection).
-    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=True)
+    await proxy.serve(config.host, config.port, tls, sockets=listeners[0])
     await web.TCPSite(admin, "127.0.0.1", config.admin_port, reuse_address=True).start()
     if supervisor is not None:
         await supervisor.start()
@@ -91,9 +103,16 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     await admin.cleanup()
 
 
-async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
-    """An extra worker: serves traffic; takes pushes and answers report requests on its
-    control channel; exits when the channel closes."""
+async def serve_worker(
+    config: LbConfig,
+    control_fd: int,
+    worker: int,
+    listen_fds: list[int] | None = None,
+    primary_fds: list[int] | None = None,
+) -> None:
+    """An extra worker: serves traffic (on the sockets `listen_fds` the primary made for it);
+    takes pushes and answers report requests on its control channel; exits when the channel
+    closes, after serving the primary's sockets (`primary_fds`) a while if it was killed."""
     from prometheus_client import generate_latest
 
     proxy = make_proxy(config, worker)
@@ -121,7 +140,20 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
 
         share = IndexShare(cache_aware, proxy.replicas, worker, send)
         sharing = loop.create_task(share.run())
-    await proxy.serve(config.host, config.port, tls_context(config), reuse_port=True)
+    tls = tls_context(config)
+    own = [socket.socket(fileno=fd) for fd in listen_fds or []]
+    primary = [socket.socket(fileno=fd) for fd in primary_fds or []]
+
+    async def listen() -> None:
+        """Once the primary's replica set and index are applied ("start"): until then the
+        primary serves this worker's sockets itself, so no request meets an empty set."""
+        if own:
+            await proxy.serve(config.host, config.port, tls, sockets=own)
+        else:
+            await proxy.serve(config.host, config.port, tls, reuse_port=True)
+        writer.write(json.dumps({"op": "ready"}).encode() + b"\n")  # the primary stops covering
+
+    serving = False
     stopping = False
 
     def stop() -> None:
@@ -141,6 +173,9 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
         elif is_share(msg):
             if share is not None:
                 share.apply(msg)
+        elif msg.get("op") == "start" and not serving:
+            serving = True
+            await listen()
         elif msg.get("op") == "report":
             proxy.metrics.sync_inflight(proxy.replicas.inflight, set(proxy.replicas.upstreams))
             proxy.metrics.set_queued(proxy.queued)
@@ -158,9 +193,20 @@ async def serve_worker(config: LbConfig, control_fd: int, worker: int) -> None:
     # replica set a few seconds more, while the controller starts a new primary beside us
     # (SO_REUSEPORT), so that no connection is refused meanwhile. Then stop listening and let
     # the requests in progress finish.
-    if not stopping:
+    # The connections queued on the dead primary's socket, and those the kernel still sends
+    # it, are served here too meanwhile (every worker holds that socket).
+    if not stopping and serving:
+        if primary:
+            await proxy.listen_on(primary, tls)
         await asyncio.sleep(LINGER_SECONDS)
+    else:
+        for sock in (*primary, *([] if serving else own)):
+            sock.close()
     await proxy.close()
+
+
+def _fds(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> None:
@@ -168,6 +214,8 @@ def main() -> None:
     parser.add_argument("--config", required=True, type=Path, help="LB config (JSON)")
     parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--control-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--listen-fds", type=_fds, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--primary-fds", type=_fds, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s [w{args.worker}] %(message)s"
@@ -179,7 +227,9 @@ def main() -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
     if args.control_fd is not None:
-        main_coro = serve_worker(config, args.control_fd, args.worker)
+        main_coro = serve_worker(
+            config, args.control_fd, args.worker, args.listen_fds, args.primary_fds
+        )
     else:
         main_coro = serve(config, args.config)
     try:

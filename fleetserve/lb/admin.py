@@ -98,6 +98,9 @@ def make_admin_app(proxy: Proxy, supervisor: Relay | None = None) -> web.Applica
                     for u in replicas.upstreams.values()
                 ],
                 "inflight": {str(k): v for k, v in replicas.inflight.items()},
+                # Workers not accepting connections themselves yet (starting, or restarting
+                # after a crash), whose sockets this process serves meanwhile.
+                "covered_workers": sorted(getattr(supervisor, "covering", {})),
             }
         )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import socket
 import ssl
 import time
 from collections.abc import Callable, Coroutine
@@ -31,6 +32,34 @@ from fleetserve.lb.upstream import Pool
 from fleetserve.policies.cache_aware import CacheAware
 
 DEFAULT_MAX_CONNECTIONS = 10_000
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on host:port (one per address family it resolves to), with
+    SO_REUSEPORT: what `serve` binds, made ahead so that another process can hold them too (a
+    worker's queue outlives the worker: fleetserve.lb.workers)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    made: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            made.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(2048)
+            sock.setblocking(False)
+    except OSError:
+        for sock in made:
+            sock.close()
+        raise
+    return made
 
 
 class Proxy:
@@ -75,6 +104,9 @@ class Proxy:
         self.keys = [k.encode() for k in self.opts.api_keys]
         self.pool = Pool(self.opts.connect_timeout_seconds)
         self._server: asyncio.Server | None = None
+        # More listening sockets served by this process: a worker's second address family,
+        # or another worker's sockets while that worker is down (fleetserve.lb.workers).
+        self._more: list[asyncio.Server] = []
         self.clients: set[ClientConn] = set()  # open client connections (drained on close)
         self._wake_task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
@@ -143,22 +175,29 @@ class Proxy:
         port: int,
         ssl_context: ssl.SSLContext | None = None,
         reuse_port: bool = False,
+        sockets: list[socket.socket] | None = None,
     ) -> asyncio.Server:
         """Listen; with `reuse_port` several worker processes share the port (SO_REUSEPORT)
-        and the kernel spreads connections over them."""
+        and the kernel spreads connections over them. `sockets`: listen on these (made by
+        `listening_sockets`, owned from now on) instead of binding new ones."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: ClientConn(self),
-            host,
-            port,
-            backlog=2048,
-            reuse_address=True,
-            reuse_port=reuse_port or None,
-            ssl=ssl_context,
-            # A TLS handshake is part of reading the first head (and not yet a counted
-            # connection): it gets the same time.
-            ssl_handshake_timeout=self.limits.header_timeout if ssl_context else None,
-        )
+        if sockets:
+            servers = await self.listen_on(sockets, ssl_context)
+            self._server = servers[0]
+            self._more.remove(servers[0])
+        else:
+            self._server = await loop.create_server(
+                lambda: ClientConn(self),
+                host,
+                port,
+                backlog=2048,
+                reuse_address=True,
+                reuse_port=reuse_port or None,
+                ssl=ssl_context,
+                # A TLS handshake is part of reading the first head (and not yet a counted
+                # connection): it gets the same time.
+                ssl_handshake_timeout=self.limits.header_timeout if ssl_context else None,
+            )
         if self._sweeper is None:
             self._sweeper = loop.call_later(self.sweep_seconds, self._sweep)
         if self.kv_events is not None and not self._kv_events_started:
@@ -178,6 +217,31 @@ class Proxy:
             self.metrics.watch_reported(selector.reported)
         return self._server
 
+    async def listen_on(
+        self, sockets: list[socket.socket], ssl_context: ssl.SSLContext | None, copy: bool = False
+    ) -> list[asyncio.Server]:
+        """Accept connections on `sockets` too; with `copy`, on duplicates of them, so that
+        stopping (`stop_listening`) leaves the sockets, and their queues, open."""
+        loop = asyncio.get_running_loop()
+        servers = []
+        for sock in sockets:
+            server = await loop.create_server(
+                lambda: ClientConn(self),
+                sock=sock.dup() if copy else sock,
+                backlog=2048,
+                ssl=ssl_context,
+                ssl_handshake_timeout=self.limits.header_timeout if ssl_context else None,
+            )
+            servers.append(server)
+        self._more.extend(servers)
+        return servers
+
+    def stop_listening(self, servers: list[asyncio.Server]) -> None:
+        for server in servers:
+            server.close()
+            if server in self._more:
+                self._more.remove(server)
+
     @property
     def port(self) -> int:
         assert self._server is not None
@@ -189,6 +253,7 @@ class Proxy:
         connections, so the proxy tracks them itself.)"""
         if self._server is not None:
             self._server.close()
+        self.stop_listening(list(self._more))
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

@@ -10,6 +10,13 @@ channels (fleetserve.lb.index_share): the primary relays each worker's batches t
 With round_robin they take turns from one counter in shared memory (fleetserve.lb.rotation).
 A worker exits when its channel closes (the primary is gone); the primary restarts a worker
 that died.
+
+The primary makes every process's listening sockets itself and keeps them: a worker gets its
+own (and the primary's) by descriptor. So a worker that dies does not take its socket, and the
+connections queued on it, along: the primary serves that socket itself from the moment the
+worker's channel closes (or, at start, until the worker says it is ready) until the worker
+that replaces it is ready. What a dead worker loses is only the connections it had accepted.
+Likewise a worker whose primary was killed serves the primary's socket while it lingers.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -40,6 +48,7 @@ from fleetserve.lb.index_share import (
     is_share,
 )
 from fleetserve.lb.messages import LoadReport, ReplicaLoad, ReplicaPush, ReplicaTotals
+from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
 
 log = logging.getLogger("fleetserve.lb")
@@ -71,10 +80,20 @@ class Supervisor:
         count: int,
         index_key: bytes | None = None,
         rotation_fd: int | None = None,
+        listeners: dict[int, list[socket.socket]] | None = None,
+        proxy: Proxy | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.config_path = config_path
         self.count = count
         self.links: dict[int, _Link] = {}
+        # Each process's listening sockets, made and kept by the primary (index 0: its own).
+        self.listeners = listeners or {}
+        self.proxy = proxy  # the primary's: it serves a worker's sockets while it is down
+        self.tls = tls
+        self.covering: dict[int, list[asyncio.Server]] = {}
+        self._stopping = False
+        self._restarting: set[int] = set()
         self.pushed: ReplicaPush | None = None  # the last push, for a worker (re)started later
         self._watch: asyncio.Task[None] | None = None
         self.index_key = index_key  # cache_aware's shared secret, handed to each worker
@@ -88,8 +107,22 @@ class Supervisor:
 
     async def start(self) -> None:
         for index in range(1, self.count):
+            await self.cover(index)  # the kernel sends it connections before it is ready
             await self._spawn(index)
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
+
+    async def cover(self, index: int) -> None:
+        """Serve worker `index`'s sockets here (their queue, and what the kernel sends them)
+        until it says it is ready."""
+        socks = self.listeners.get(index)
+        if self.proxy is None or not socks or index in self.covering:
+            return
+        self.covering[index] = await self.proxy.listen_on(socks, self.tls, copy=True)
+
+    def uncover(self, index: int) -> None:
+        servers = self.covering.pop(index, None)
+        if servers and self.proxy is not None:
+            self.proxy.stop_listening(servers)
 
     async def _spawn(self, index: int) -> None:
         parent_end, child_end = socket.socketpair()
@@ -112,7 +145,13 @@ class Supervisor:
             "--control-fd",
             str(child_end.fileno()),
         ]
-        proc = subprocess.Popen(cmd, pass_fds=fds, env=env)
+        own = [s.fileno() for s in self.listeners.get(index, [])]
+        primary = [s.fileno() for s in self.listeners.get(0, [])]
+        if own:
+            cmd += ["--listen-fds", ",".join(map(str, own))]
+        if primary:
+            cmd += ["--primary-fds", ",".join(map(str, primary))]
+        proc = subprocess.Popen(cmd, pass_fds=[*fds, *own, *primary], env=env)
         child_end.close()
         reader, writer = await asyncio.open_connection(sock=parent_end, limit=CHANNEL_LIMIT)
         link = _Link(index, proc, reader, writer)
@@ -123,6 +162,7 @@ class Supervisor:
         if self.share is not None:  # the index so far: the new worker starts where we are
             for line in self.share.snapshot_lines():
                 writer.write(line)
+        writer.write(b'{"op": "start"}\n')  # all it needs is there: it may listen
         log.info("worker %s started (pid %s)", index, proc.pid)
 
     async def _read_loop(self, link: _Link) -> None:
@@ -133,9 +173,9 @@ class Supervisor:
                 line = await link.reader.readline()
             except (ValueError, ConnectionError) as e:  # (ValueError: a line over the limit)
                 log.warning("worker %s: control channel: %s", link.index, e)
-                return
+                break
             if not line:
-                return
+                break
             try:
                 msg = json.loads(line)
             except ValueError:
@@ -146,8 +186,40 @@ class Supervisor:
                 if self.share is not None:
                     self.share.apply(msg)
                     self.broadcast(line, but=link.index)
+            elif msg.get("op") == "ready":  # it accepts on its sockets: no need to cover it
+                self.uncover(link.index)
             else:
                 link.answers.put_nowait(msg)
+        # The channel closed: the worker is gone (or going). Take over its sockets now, not
+        # at the next watch round, and start another one.
+        if not self._stopping:
+            asyncio.get_running_loop().create_task(self._lost(link))
+
+    async def _lost(self, link: _Link) -> None:
+        index = link.index
+        if self._stopping or index in self._restarting or self.links.get(index) is not link:
+            return
+        self._restarting.add(index)
+        try:
+            await self.cover(index)
+            for _ in range(50):  # its channel is closed: it is exiting
+                if link.proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                link.proc.kill()
+                await asyncio.to_thread(link.proc.wait, 5)
+            log.warning("worker %s exited with %s: restarting it", index, link.proc.returncode)
+            link.writer.close()
+            if link.reading is not None and link.reading is not asyncio.current_task():
+                link.reading.cancel()
+            if self.share is not None:  # its requests are no longer in flight
+                self.share.forget_peer(index)
+                self.broadcast(gone_line(index), but=index)
+            if not self._stopping:
+                await self._spawn(index)
+        finally:
+            self._restarting.discard(index)
 
     def broadcast(self, line: bytes, but: int | None = None) -> None:
         """An index batch to every worker (but the one it came from); dropped for a worker
@@ -162,20 +234,13 @@ class Supervisor:
             link.writer.write(line)
 
     async def _watch_loop(self) -> None:
+        """A worker that exited without its channel closing first (or one that fails
+        again and again at start) is restarted here, once a second at most."""
         while True:
             await asyncio.sleep(1.0)
-            for index, link in list(self.links.items()):
+            for link in list(self.links.values()):
                 if link.proc.poll() is not None:
-                    log.warning(
-                        "worker %s exited with %s: restarting it", index, link.proc.returncode
-                    )
-                    link.writer.close()
-                    if link.reading is not None:
-                        link.reading.cancel()
-                    if self.share is not None:  # its requests are no longer in flight
-                        self.share.forget_peer(index)
-                        self.broadcast(gone_line(index), but=index)
-                    await self._spawn(index)
+                    await self._lost(link)
 
     async def _send(self, link: _Link, msg: dict[str, Any]) -> None:
         link.writer.write(json.dumps(msg).encode() + b"\n")
@@ -205,8 +270,18 @@ class Supervisor:
         return [a for a in answers if a is not None]
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        for index in list(self.covering):
+            self.uncover(index)
+        # The workers' sockets leave with the workers, as they always did: kept open here, the
+        # kernel would go on queueing connections on them (a load balancer replacing this one
+        # beside it would not get them) until this process exits and they are reset.
+        for index, socks in self.listeners.items():
+            if index != 0:
+                for sock in socks:
+                    sock.close()
         for link in self.links.values():
             if link.reading is not None:
                 link.reading.cancel()

@@ -197,7 +197,7 @@ async def start_lb(
     )
     proc = await start_lb_process(config, tmp_path)
     started.append(proc)
-    assert await all_listening(proc, config.port, workers)
+    assert await all_listening(proc, config, workers)
     return config, proc
 
 
@@ -209,14 +209,19 @@ def listening(p: psutil.Process, port: int) -> bool:
     return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
 
 
-async def all_listening(proc: subprocess.Popen[bytes], port: int, count: int) -> bool:
+async def all_listening(proc: subprocess.Popen[bytes], config: LbConfig, count: int) -> bool:
     """Wait (30 s at most: a loaded machine starts a worker slowly) until `count` processes
-    of the load balancer take connections on `port`."""
-    for _ in range(300):
-        procs = [psutil.Process(proc.pid), *workers_of(proc)]
-        if sum(listening(p, port) for p in procs) == count:
-            return True
-        await asyncio.sleep(0.1)
+    of the load balancer take connections on its port, each on its own socket (a worker's
+    sockets are open in it from its start, and served by the primary until it is ready)."""
+    admin = f"http://127.0.0.1:{config.admin_port}/-/replicas"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            procs = [psutil.Process(proc.pid), *workers_of(proc)]
+            if sum(listening(p, config.port) for p in procs) == count:
+                async with s.get(admin) as r:
+                    if (await r.json())["covered_workers"] == []:
+                        return True
+            await asyncio.sleep(0.1)
     return False
 
 
@@ -264,7 +269,7 @@ async def test_the_relay_survives_a_dead_worker_and_the_new_one_gets_the_index(
     assert await wait_workers(proc, exclude=dead.pid)
     await asyncio.sleep(1.5)  # the primary restarts it within a second
     # The replacement got the set and the index at its start.
-    assert await all_listening(proc, config.port, 3)
+    assert await all_listening(proc, config, 3)
     served.clear()
     later = [await post_fresh(config.port, conversation(c % 12, 2)) for c in range(36)]
     assert later == ["a"] * 36

@@ -8,7 +8,9 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +20,8 @@ import pytest
 
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.messages import LoadReport
-from fleetserve.lb.workers import MergedMetrics, merge_load
+from fleetserve.lb.proxy import listening_sockets
+from fleetserve.lb.workers import MergedMetrics, Supervisor, merge_load
 from fleetserve.spec.models import LoadBalancerOptions
 from tests.unit.lb.helpers import start_lb_process, wait_workers, workers_of
 from tests.unit.lb.test_proxy import Start, closed_port, start, upstream_app
@@ -163,6 +166,124 @@ async def test_round_robin_takes_turns_across_workers_and_metrics_keep_real_date
         proc.send_signal(signal.SIGTERM)
         proc.wait(10)
         psutil.wait_procs(workers, timeout=5)
+
+
+async def _ready(config: LbConfig) -> None:
+    """Until every worker accepts on its own socket (the primary covers it until then)."""
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            async with s.get(f"http://127.0.0.1:{config.admin_port}/-/replicas") as r:
+                if (await r.json())["covered_workers"] == []:
+                    return
+            await asyncio.sleep(0.1)
+    raise AssertionError("a worker never became ready")
+
+
+def _queue_requests(port: int, count: int) -> list[socket.socket]:
+    """`count` requests, each on a new connection (the kernel spreads them over the
+    processes' sockets), sent whole, none answered yet."""
+    socks = []
+    for i in range(count):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(f"GET /q{i} HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n".encode())
+        socks.append(s)
+    return socks
+
+
+def _answers(socks: list[socket.socket], seconds: float = 20) -> list[bytes]:
+    """Each connection's whole answer (until the LB closes it), or what came before an error."""
+    deadline = time.monotonic() + seconds
+    out = []
+    for s in socks:
+        data = b""
+        try:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            while chunk := s.recv(65536):
+                data += chunk
+        except OSError as e:
+            data += f" <{type(e).__name__}>".encode()
+        s.close()
+        out.append(data)
+    return out
+
+
+async def test_a_killed_worker_loses_no_connection_queued_on_its_socket(
+    start: Start, lb_process: tuple[LbConfig, subprocess.Popen[bytes]]
+) -> None:
+    """A worker that dies (kill -9) while connections wait in its socket's queue: the
+    primary serves them (the socket is the primary's too), and new ones, until the new
+    worker is ready. Before, the kernel reset them with the socket (RemoteDisconnected)."""
+    config, proc = lb_process
+    worker = (await wait_workers(proc))[0]
+    await _ready(config)
+    a = await start(upstream_app("a"))
+    async with aiohttp.ClientSession() as s:
+        push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+        async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
+            pass
+    os.kill(worker.pid, signal.SIGSTOP)  # it accepts nothing: its share waits in its queue
+    try:
+        socks = await asyncio.to_thread(_queue_requests, config.port, 24)
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+    answers = await asyncio.to_thread(_answers, socks)
+    assert [x[:15] for x in answers] == [b"HTTP/1.1 200 OK"] * 24, answers
+    assert await wait_workers(proc, exclude=worker.pid), "the worker was not restarted"
+    await _ready(config)  # the new worker took its socket back from the primary
+
+
+async def test_a_killed_primary_loses_no_connection_queued_on_its_socket(
+    start: Start, tmp_path: Path
+) -> None:
+    """The primary killed (kill -9) with connections in its socket's queue: its workers,
+    which hold that socket too, serve them while they linger."""
+    config = LbConfig(
+        service="w",
+        port=closed_port(),
+        admin_port=closed_port(),
+        options=LoadBalancerOptions(workers=2),
+    )
+    proc = await start_lb_process(config, tmp_path)
+    workers = await wait_workers(proc)
+    try:
+        await _ready(config)
+        a = await start(upstream_app("a"))
+        async with aiohttp.ClientSession() as s:
+            push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+            async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
+                pass
+        await asyncio.sleep(0.3)  # relayed to the worker
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            socks = await asyncio.to_thread(_queue_requests, config.port, 24)
+        finally:
+            proc.kill()
+        answers = await asyncio.to_thread(_answers, socks)
+        assert [x[:15] for x in answers] == [b"HTTP/1.1 200 OK"] * 24, answers
+    finally:
+        proc.kill()
+        proc.wait(10)
+        _, alive = psutil.wait_procs(workers, timeout=15)  # they linger 5 s, then exit
+        for w in alive:
+            w.kill()
+    assert not alive, "a worker outlived its killed primary's linger"
+
+
+async def test_a_stopping_primary_closes_its_copies_of_the_workers_sockets(
+    tmp_path: Path,
+) -> None:
+    """At its stop the primary lets go of the workers' sockets it kept: held open until it
+    exits (it may drain requests for seconds), the kernel would go on queueing connections on
+    them, and reset them at its exit, rather than send them to a load balancer beside it. Its
+    own socket is its server's to close."""
+    own = listening_sockets("127.0.0.1", 0)
+    port = own[0].getsockname()[1]
+    worker = listening_sockets("127.0.0.1", port)
+    supervisor = Supervisor(tmp_path / "lb.json", 2, listeners={0: own, 1: worker})
+    await supervisor.stop()
+    assert [s.fileno() for s in worker] == [-1]
+    assert own[0].fileno() != -1
+    own[0].close()
 
 
 def test_merge_load_adds_up() -> None:
