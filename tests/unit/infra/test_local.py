@@ -18,6 +18,7 @@ import pytest
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, LaunchRequest
 from fleetserve.infra.local import LocalHandle, LocalInfra, processes_with_token
+from tests.unit.infra.ids import HOME_A, HOME_B, HOME_C, HOME_D
 
 SERVER = textwrap.dedent(
     """
@@ -66,7 +67,7 @@ async def get(port: int) -> str:
 
 @pytest.fixture
 def infra(tmp_path: Path) -> LocalInfra:
-    return LocalInfra(tmp_path / "home", grace_seconds=2, home_id="aaaa0000aaaa")
+    return LocalInfra(tmp_path / "home", grace_seconds=2, home_id=HOME_A)
 
 
 async def test_launch_runs_setup_then_run_with_port_env_and_copied_workdir(
@@ -204,26 +205,26 @@ async def test_sweep_stops_only_unknown_tokens_of_this_home(
 ) -> None:
     # A second home id on the same home folder: what a copied or re-created database is. Its
     # replica has a token no row of ours knows, and must still be left alone.
-    other = LocalInfra(infra.home, grace_seconds=2, home_id="bbbb1111bbbb")
+    other = LocalInfra(infra.home, grace_seconds=2, home_id=HOME_B)
     home_env = {"GREETING": "hi", "FLEETSERVE_HOME": str(infra.home)}
-    known = await infra.launch(request(tmp_path, token="aaaa0000aaaa-known", envs=home_env))
+    known = await infra.launch(request(tmp_path, token=f"{HOME_A}-known", envs=home_env))
     orphan = await infra.launch(
-        request(tmp_path, token="aaaa0000aaaa-orphan", envs=home_env, replica_id=2)
+        request(tmp_path, token=f"{HOME_A}-orphan", envs=home_env, replica_id=2)
     )
     foreign = await other.launch(
-        request(tmp_path, token="bbbb1111bbbb-theirs", envs=home_env, replica_id=3)
+        request(tmp_path, token=f"{HOME_B}-theirs", envs=home_env, replica_id=3)
     )
     try:
         started = time.monotonic()
-        assert await infra.sweep({"aaaa0000aaaa-known"}) >= 1
+        assert await infra.sweep({f"{HOME_A}-known"}) >= 1
         assert time.monotonic() - started < 10
-        assert processes_with_token("aaaa0000aaaa-orphan") == []
-        assert processes_with_token("aaaa0000aaaa-known")
-        assert processes_with_token("bbbb1111bbbb-theirs")
+        assert processes_with_token(f"{HOME_A}-orphan") == []
+        assert processes_with_token(f"{HOME_A}-known")
+        assert processes_with_token(f"{HOME_B}-theirs")
     finally:
-        await infra.terminate(known.handle, "aaaa0000aaaa-known")
-        await infra.terminate(orphan.handle, "aaaa0000aaaa-orphan")
-        await other.terminate(foreign.handle, "bbbb1111bbbb-theirs")
+        await infra.terminate(known.handle, f"{HOME_A}-known")
+        await infra.terminate(orphan.handle, f"{HOME_A}-orphan")
+        await other.terminate(foreign.handle, f"{HOME_B}-theirs")
 
 
 async def test_a_process_of_another_home_is_neither_adopted_nor_stopped(
@@ -231,29 +232,29 @@ async def test_a_process_of_another_home_is_neither_adopted_nor_stopped(
 ) -> None:
     """A database copied into a second home holds the first home's handles (pid and start
     time): polling one must not adopt it, and terminating it must not kill it."""
-    owner = LocalInfra(infra.home, grace_seconds=2, home_id="bbbb1111bbbb")
-    theirs = await owner.launch(request(tmp_path, token="bbbb1111bbbb-x"))
+    owner = LocalInfra(infra.home, grace_seconds=2, home_id=HOME_B)
+    theirs = await owner.launch(request(tmp_path, token=f"{HOME_B}-x"))
     try:
         state = await infra.poll(theirs.handle)  # not our child: adoption by pid
         assert state.kind is InstanceKind.LOST
         assert "another fleetserve home" in state.detail
-        await infra.terminate(theirs.handle, "bbbb1111bbbb-x")
+        await infra.terminate(theirs.handle, f"{HOME_B}-x")
         assert (await owner.poll(theirs.handle)).kind is InstanceKind.RUNNING
-        assert processes_with_token("bbbb1111bbbb-x")
+        assert processes_with_token(f"{HOME_B}-x")
     finally:
-        await owner.terminate(theirs.handle, "bbbb1111bbbb-x")
+        await owner.terminate(theirs.handle, f"{HOME_B}-x")
 
 
 async def test_replica_folder_and_log_are_the_owners_only(
     infra: LocalInfra, tmp_path: Path
 ) -> None:
-    launched = await infra.launch(request(tmp_path, token="aaaa0000aaaa-p"))
+    launched = await infra.launch(request(tmp_path, token=f"{HOME_A}-p"))
     try:
         rdir = Path(json.loads(launched.handle)["dir"])
         assert rdir.stat().st_mode & 0o777 == 0o700
         assert infra.log_path("svc", 1).stat().st_mode & 0o777 == 0o600
     finally:
-        await infra.terminate(launched.handle, "aaaa0000aaaa-p")
+        await infra.terminate(launched.handle, f"{HOME_A}-p")
 
 
 async def test_an_upgraded_home_adopts_the_replicas_started_before_home_ids(
@@ -266,8 +267,8 @@ async def test_an_upgraded_home_adopts_the_replicas_started_before_home_ids(
     envs = {"GREETING": "hi", "FLEETSERVE_HOME": str(home)}
     launched = await old.launch(request(tmp_path, token="legacy-1", envs=envs))
     try:
-        upgraded = LocalInfra(home, grace_seconds=2, home_id="cccc", legacy_home=str(home))
-        stranger = LocalInfra(home, grace_seconds=2, home_id="dddd")
+        upgraded = LocalInfra(home, grace_seconds=2, home_id=HOME_C, legacy_home=str(home))
+        stranger = LocalInfra(home, grace_seconds=2, home_id=HOME_D)
         assert (await upgraded.poll(launched.handle)).kind is InstanceKind.RUNNING
         assert (await stranger.poll(launched.handle)).kind is InstanceKind.LOST
         assert await stranger.sweep(set()) == 0

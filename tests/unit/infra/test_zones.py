@@ -12,6 +12,7 @@ from fleetserve.core.errors import InvalidSpec
 from fleetserve.infra.base import InstanceKind
 from fleetserve.infra.local import LocalInfra, processes_with_token
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig, parse_zones
+from tests.unit.infra.ids import HOME_A
 
 from .test_local import get, request
 
@@ -92,7 +93,7 @@ async def test_a_zone_losing_capacity_kills_its_newest_spot_replica_which_polls_
     infra = LocalInfra(
         tmp_path / "home",
         grace_seconds=2,
-        home_id="aaaa0000aaaa",
+        home_id=HOME_A,
         zones=[ZoneConfig("za", spot=2), ZoneConfig("zb")],
     )
     old = await infra.launch(request(tmp_path, "tok-old", replica_id=1, spot=True, zone="za"))
