@@ -331,6 +331,8 @@ class Client:
                 ) from None
             if _refused(e):
                 return "missing", "connection refused"
+            if "WRONG_VERSION_NUMBER" in str(e) or "wrong version number" in str(e):
+                return "missing", "it does not speak TLS there (an http:// controller?)"
             return "busy", f"it closed the connection before answering ({e or 'no reason'})"
         except httpx.ConnectTimeout:
             return "busy", "no connection within 2 s"
@@ -374,6 +376,12 @@ class Client:
             if self._another_of_home():
                 self._checked = True
                 return
+            if state == "busy" and not self.remote and not running_controllers(self.settings.home):
+                raise TransientError(
+                    f"something on port {port} takes connections but does not answer ({why}), "
+                    f"and no fleetserve controller of {self.settings.home} runs: set "
+                    "FLEETSERVE_API_PORT to another port for this FLEETSERVE_HOME"
+                )
             if state == "busy":
                 raise TransientError(
                     f"the fleetserve controller at {self.url} is busy: {why}, for "

@@ -163,7 +163,15 @@ async def serve_worker(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
-    while line := await reader.readline():
+
+    async def next_line() -> bytes:
+        # A primary killed with bytes of ours unread resets the channel: that is its end too.
+        try:
+            return await reader.readline()
+        except ConnectionError:
+            return b""
+
+    while line := await next_line():
         msg = json.loads(line)
         if msg.get("op") == "replicas":
             push = ReplicaPush.model_validate(
@@ -186,7 +194,10 @@ async def serve_worker(
                 "metrics": generate_latest(proxy.metrics.registry).decode(),
             }
             writer.write(json.dumps(answer).encode() + b"\n")
-            await writer.drain()
+            try:
+                await writer.drain()
+            except ConnectionError:
+                break
     if sharing is not None:
         sharing.cancel()
     # The channel closed: the primary is gone, or stops us. If it was killed, serve the last

@@ -352,3 +352,70 @@ def test_merged_metrics_take_the_earliest_created_and_the_max_of_max_gauges() ->
     assert 'x_created{replica="1"} 1.7e+09' in out
     assert 'fleetserve_lb_choice_extra_load_max{service="s"} 6.0' in out
     assert 'fleetserve_lb_replica_reported_load{replica="1",service="s"} 5.0' in out
+
+
+def _chat_posts(port: int, count: int, tag: str, timeout: float = 10) -> list[int]:
+    """`count` cache_aware requests (each its own prompt, so each worker has index batches to
+    send), each on a new connection; their status codes (0: no answer)."""
+    codes = []
+    for i in range(count):
+        body = json.dumps({"prompt": f"{tag} {i} " + "word " * 300}).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: lb\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+                s.sendall(head + body)
+                first = s.recv(64)
+            codes.append(int(first.split()[1]) if first.startswith(b"HTTP/1.1 ") else 0)
+        except OSError:
+            codes.append(0)
+    return codes
+
+
+async def test_a_worker_outlives_a_killed_primary_that_left_its_batches_unread(
+    start: Start, tmp_path: Path
+) -> None:
+    """cache_aware with two processes: the primary stopped (its channel unread: the worker's
+    index batches pile up there), then killed with kill -9. The kernel resets the channel; the
+    worker takes that as the primary's end, as a close, and serves its linger (before, an
+    unhandled ConnectionResetError ended it at once, and the port refused connections)."""
+    config = LbConfig(
+        service="ca",
+        port=closed_port(),
+        admin_port=closed_port(),
+        policy="cache_aware",
+        options=LoadBalancerOptions(workers=2),
+    )
+    proc = await start_lb_process(config, tmp_path)
+    (worker,) = await wait_workers(proc)
+    try:
+        await _ready(config)
+        a = await start(upstream_app("a"))
+        async with aiohttp.ClientSession() as s:
+            push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+            async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
+                pass
+        await asyncio.sleep(0.3)  # relayed to the worker
+        assert set(await asyncio.to_thread(_chat_posts, config.port, 10, "warm")) == {200}
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            # The worker serves these (the stopped primary serves none), and sends its index
+            # batches into the channel nobody reads.
+            # (A connection the kernel hands the stopped primary gets no answer: 0.3 s each.)
+            served = await asyncio.to_thread(_chat_posts, config.port, 30, "unread", 0.3)
+            assert served.count(200) >= 10, served
+        finally:
+            proc.kill()
+        proc.wait(10)
+        await asyncio.sleep(2.5)  # the reset came at once; the linger is 5 s
+        assert worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
+        after = await asyncio.to_thread(_chat_posts, config.port, 10, "after")
+        assert after == [200] * 10, after
+    finally:
+        proc.kill()
+        proc.wait(10)
+        _, alive = psutil.wait_procs([worker], timeout=15)
+        for w in alive:
+            w.kill()
