@@ -197,6 +197,11 @@ def test_update_errors_are_clear_and_change_nothing(fleet: Fleet) -> None:
     with fleet.client() as c:
         svc = c.service("firm")
     assert svc.active_version == 1 and svc.serving_version == 1  # no version row was added
-    fleet.cli("update", "firm", path, "--detach")
+    # A rollout that is surely still under way when the next update comes (its replicas
+    # stay STARTING for their 30 s initial delay), whatever the machine's load.
+    slow = new_version(
+        fleet, "firm", TWO_REPLICAS.replace("python3 server.py", "sleep 600"), greeting="v3"
+    )
+    fleet.cli("update", "firm", slow, "--detach")
     proc = fleet.cli("update", "firm", path, check=False)
     assert proc.returncode == 4 and "still rolling out" in proc.stderr

@@ -207,7 +207,7 @@ def test_a_launch_the_store_cannot_record_is_stopped_and_fails_once_there_is_roo
         assert any("launch failed: the store" in m for m in events), events
         await ctl._stop_reconcilers()
 
-    try:
-        asyncio.run(scenario())
+    try:  # bounded: a stuck wait fails here, with its stack, not at the suite's timeout
+        asyncio.run(asyncio.wait_for(scenario(), 90))
     finally:
         ctl.store.close()
