@@ -1369,7 +1369,26 @@ def _health_role(settings: Settings, c: RunningController) -> str | None:
         return None
 
 
+def _not_text_argument() -> str | None:
+    """The first command-line argument that is no text (bytes that are not UTF-8, which
+    Python keeps as lone surrogates and which no request can carry), shown escaped."""
+    for arg in sys.argv[1:]:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            return arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return None
+
+
 def main() -> None:
+    bad = _not_text_argument()
+    if bad is not None:
+        err.print(
+            f"[red]Error:[/] '{escape(bad)}': an argument that is not UTF-8 text "
+            "(names, values and paths must be)",
+            highlight=False,
+        )
+        sys.exit(2)
     try:
         app()
     except FleetserveError as e:  # raised outside a command's own handling (settings, say)

@@ -245,6 +245,10 @@ def load_spec(
         raise InvalidSpec(f"{source}: the document {problem}")
     context = {MAX_REPLICAS_CONTEXT: max_replicas_limit()}
     data = _with_overrides(data, envs or {}, secrets or {})
+    for field, given in (("--env", envs), ("--secret", secrets)):
+        problem = shape_error(dict(given or {}))
+        if problem:
+            raise InvalidSpec(f"{field}: {problem.removeprefix('holds ')}")
     # envs and secrets are both substituted in the service section (a probe header may carry
     # a secret token); a secret's value is hidden from any error below.
     values: dict[str, str] = {}

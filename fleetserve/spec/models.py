@@ -67,8 +67,18 @@ MAX_NESTING_DEPTH = 64
 MAX_VALUES = 20_000
 
 
+def _not_text(value: str) -> bool:
+    """A string that is no text: a lone surrogate (YAML's "\\ud800" escape) has no UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def shape_error(value: Any) -> str | None:
-    """Why `value` (JSON-like data) is beyond MAX_NESTING_DEPTH or MAX_VALUES, if it is."""
+    """Why `value` (JSON-like data) is beyond MAX_NESTING_DEPTH or MAX_VALUES, or holds a
+    string that is no text (it could be neither stored nor passed to a process), if it is."""
     stack: list[tuple[Any, int]] = [(value, 0)]
     count = 0
     while stack:
@@ -78,7 +88,14 @@ def shape_error(value: Any) -> str | None:
             return f"holds more than {MAX_VALUES} values"
         if depth > MAX_NESTING_DEPTH:
             return f"is nested deeper than {MAX_NESTING_DEPTH} levels"
+        if isinstance(item, str) and _not_text(item):
+            shown = item.encode("utf-8", "backslashreplace").decode()[:60]
+            return f"holds a string that is not valid Unicode text (a lone surrogate): {shown!r}"
         if isinstance(item, dict):
+            for k in item:
+                if isinstance(k, str) and _not_text(k):
+                    shown = k.encode("utf-8", "backslashreplace").decode()[:60]
+                    return f"holds a key that is not valid Unicode text (lone surrogate): {shown!r}"
             stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, list):
             stack.extend((v, depth + 1) for v in item)
