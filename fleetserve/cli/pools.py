@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -318,8 +319,19 @@ def _wait_jobs(client: Client, pool: str, ids: list[int], prog: Progress) -> lis
     """Poll until every job has ended: a line per job that ends (or starts, on a terminal
     the counts on the spinner line)."""
     told: dict[int, str] = {}
+    hinted = False
     while True:
         now = [client.job(i) for i in ids] if len(ids) <= 20 else _batch(client, pool, ids)
+        if not hinted and any(j.status == "PENDING" for j in now):
+            hinted = True
+            with contextlib.suppress(FleetserveError):
+                svc = client.service(pool)
+                if svc.max_replicas == 0:
+                    prog.line(
+                        f"Pool {escape(pool)} has no worker and may have none (0 wanted, at "
+                        f"most 0): the jobs wait until it has one. `fleetserve pool apply -p "
+                        f"{escape(pool)} --workers N` gives it some; Ctrl-C stops waiting."
+                    )
         counts: dict[str, int] = {}
         for j in now:
             counts[j.status] = counts.get(j.status, 0) + 1

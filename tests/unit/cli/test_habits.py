@@ -336,6 +336,7 @@ def test_pool_apply_says_the_size_asked_for() -> None:
 
 
 def test_jobs_launch_wait_shows_each_job_ending_and_the_logs_command() -> None:
+    Fake.views = [view("READY", [])]
     Fake.jobs = [
         job(7, "RUNNING"),
         job(8, "PENDING"),
@@ -451,3 +452,18 @@ def test_jobs_launch_o_json_prints_the_jobs_alone() -> None:
     assert res.exit_code == 0, res.output
     assert [j["job_id"] for j in json.loads(res.stdout)] == [7, 8]
     assert res.stderr == ""
+
+
+def test_jobs_launch_wait_on_a_pool_that_can_have_no_worker_says_so() -> None:
+    """A pool at 0 workers with at most 0: the jobs can only wait. Before, `--wait` sat silent
+    for ever (found by an outside walk-through)."""
+    Fake.views = [view("READY", [], min_replicas=0, max_replicas=0, target_replicas=0)]
+    Fake.jobs = [job(7, "PENDING"), job(8, "PENDING"), job(7, "CANCELLED"), job(8, "CANCELLED")]
+    res = pools_run("jobs", "launch", "-p", "batch", "--wait", "/dev/null")
+    assert "Pool batch has no worker and may have none" in res.stderr, res.output
+    assert "fleetserve pool apply -p batch --workers N" in res.stderr
+    assert res.stderr.count("has no worker") == 1  # said once, not at every poll
+    Fake.views = [view("READY", [], min_replicas=1, max_replicas=2, target_replicas=1)]
+    Fake.jobs = [job(7, "PENDING"), job(8, "PENDING"), job(7, "SUCCEEDED"), job(8, "SUCCEEDED")]
+    res = pools_run("jobs", "launch", "-p", "batch", "--wait", "/dev/null")
+    assert "has no worker" not in res.stderr
