@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 from fastapi.testclient import TestClient
 
 from fleetserve.controller.controller import Controller
+from fleetserve.controller.settings import Settings
+from tests.unit.controller.fakes import FakeInfra
 
 POOL = "pool:\n  workers: 3\nsetup: echo ready\n"
+
+
+@pytest.fixture
+def ctl(tmp_path: Path) -> Iterator[Controller]:
+    """The controller behind the routes, on the fake infra: applying a pool starts its
+    reconciler, whose workers must not be real processes that outlive the test."""
+    settings = Settings.from_env_dict({"FLEETSERVE_HOME": str(tmp_path / "home")})
+    settings.home.mkdir(mode=0o700)
+    controller = Controller(settings, infra=FakeInfra())
+    yield controller
+    controller.store.close()
 
 
 def test_resizing_a_pool_answers_the_new_size(api: tuple[TestClient, Controller]) -> None:
