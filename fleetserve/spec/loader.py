@@ -230,6 +230,11 @@ def load_spec(
     # A top-level key set to null is absent, as in SkyPilot (`secrets:` with nothing under it);
     # not `envs` (SkyPilot refuses that) nor `service` (then not a service).
     data = {k: v for k, v in data.items() if v is not None or k in ("envs", "service")}
+    if "envs" in data and data["envs"] is None:
+        raise InvalidSpec(
+            f"{source}: envs: is empty (null), which SkyPilot refuses too: list the variables "
+            "under it (`envs: {NAME: value}`) or remove the key"
+        )
     top_level_pool = data.get("pool") is not None
     if top_level_pool:  # SkyPilot's pool YAML: its service section's pool
         if data.get("service") is not None:

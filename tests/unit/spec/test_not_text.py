@@ -51,3 +51,8 @@ def test_a_command_line_argument_that_is_not_utf8_is_one_line_and_exit_2() -> No
     assert proc.returncode == 2, proc.stderr
     assert "not UTF-8" in proc.stderr and "Traceback" not in proc.stderr
     assert "a\\xff" in proc.stderr
+
+
+def test_a_null_envs_key_is_refused_with_a_line_that_says_what_to_do() -> None:
+    with pytest.raises(InvalidSpec, match=r"envs: is empty \(null\).*remove the key"):
+        parse_spec("service:\n  readiness_probe: /\nenvs:\nrun: x\n")
