@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,21 +22,36 @@ def fleetserve_home(env: Mapping[str, str] | None = None) -> Path:
     return Path(env.get("FLEETSERVE_HOME") or Path.home() / ".fleetserve").expanduser()
 
 
+# A number as people write one in ASCII (Python's float() also takes '1_0', ' 5', 'inf', 'nan'
+# and other scripts' digits, none of which a setting should mean).
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+
+
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise InvalidSpec(f"{name}={raw!r} is not a number") from None
+    if not _NUMBER.fullmatch(raw):
+        raise InvalidSpec(f"{name}={raw[:40]!r} is not a number")
+    return float(raw)
 
 
 def _bounded(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
     value = _float(env, name, default)
     if not lo <= value <= hi:
-        raise InvalidSpec(f"{name}={value:g} is out of range: {lo:g} to {hi:g}")
+        raise InvalidSpec(f"{name}={env.get(name, '')[:40]} is out of range: {lo:g} to {hi:g}")
     return value
+
+
+def _whole(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if not re.fullmatch(r"[0-9]{1,9}", raw):
+        raise InvalidSpec(f"{name}={raw[:40]!r} is not a whole number")
+    if not lo <= int(raw) <= hi:
+        raise InvalidSpec(f"{name}={raw} is out of range: {lo} to {hi}")
+    return int(raw)
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -156,11 +172,9 @@ class Settings:
             ha=_flag(env, "FLEETSERVE_HA"),
             lease_ttl=_bounded(env, "FLEETSERVE_LEASE_TTL", 6.0, 2.0, 60.0),
             api_header_timeout=_bounded(env, "FLEETSERVE_API_HEADER_TIMEOUT", 10.0, 0.5, 3600),
-            api_max_connections=int(
-                _bounded(env, "FLEETSERVE_API_MAX_CONNECTIONS", 512, 16, 100_000)
-            ),
-            api_max_client_connections=int(
-                _bounded(env, "FLEETSERVE_API_MAX_CLIENT_CONNECTIONS", 32, 1, 100_000)
+            api_max_connections=_whole(env, "FLEETSERVE_API_MAX_CONNECTIONS", 512, 16, 100_000),
+            api_max_client_connections=_whole(
+                env, "FLEETSERVE_API_MAX_CLIENT_CONNECTIONS", 32, 1, 100_000
             ),
         )
 
