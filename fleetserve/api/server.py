@@ -11,6 +11,7 @@ server.json, no log of the running controller.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import json
@@ -181,9 +182,30 @@ def main(infra: Infra | None = None) -> None:
         # From now on stray stderr output (the CLI stops reading it) goes to the log too.
         sys.stderr.flush()
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+        text = json.dumps(info)
         tmp = settings.server_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, settings.server_file)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, settings.server_file)
+        except OSError as e:
+            # A full disk: the controller still serves (on its port, where the CLI looks
+            # first), so that `down` can stop the processes that filled it. The old file,
+            # rewritten in place, reuses its own blocks; else no file names it for now.
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            try:
+                with open(
+                    settings.server_file, "r+" if settings.server_file.exists() else "w"
+                ) as f:
+                    f.truncate(0)
+                    f.write(text)
+            except OSError:
+                logging.getLogger("fleetserve.controller").warning(
+                    "cannot write %s (%s): clients find this controller on port %s only",
+                    settings.server_file,
+                    e.strerror or e,
+                    settings.api_port,
+                )
 
     def forget_server_file() -> None:
         # uvicorn re-raises SIGTERM once shut down, so this runs from the lifespan's end.

@@ -198,7 +198,23 @@ class ServiceReconciler:
     async def run(self) -> None:
         failures = 0
         try:
-            await self.recover()
+            while True:  # a store that cannot be written (a full disk): retried, one line
+                try:
+                    await self.recover()
+                    break
+                except STORE_FAILURES as e:
+                    failures += 1
+                    if failures == 1:
+                        log.warning(
+                            "service %s: recovery waits for the store: %s",
+                            self.name,
+                            failure_text(e),
+                        )
+                    delay = self.settings.reconcile_interval * min(2**failures, 30)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), timeout=delay)
+                    self.wake.clear()
+            failures = 0
             while True:
                 started = self.metrics.timer()
                 try:

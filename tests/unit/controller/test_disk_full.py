@@ -19,6 +19,7 @@ from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock, SystemClock
 from fleetserve.core.errors import StorageFull
+from fleetserve.core.types import ReplicaStatus
 from fleetserve.infra.local import FULL_DISK_TAIL, rotate_log
 
 from .fakes import FakeInfra, FakeLb, create_service, handle_of, service_yaml
@@ -211,3 +212,41 @@ def test_a_launch_the_store_cannot_record_is_stopped_and_fails_once_there_is_roo
         asyncio.run(asyncio.wait_for(scenario(), 90))
     finally:
         ctl.store.close()
+
+
+def test_recovery_on_a_full_disk_waits_for_the_store_instead_of_ending_the_reconciler(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A controller restarted on a full disk: recovery cannot record what it finds (a launch
+    cut short). Before, the reconciler's task ended on the store's error (a traceback, and
+    nothing more for that service, a `down` included); now it retries, says so once, and
+    recovers once there is room."""
+    settings = Settings(home=small_fs / "home", reconcile_interval=0.05)
+    settings.home.mkdir(mode=0o700)
+    ctl = Controller(settings, clock=SystemClock(), infra=FakeInfra())
+    ctl.lb = cast(LbManager, FakeLb())
+    create_service(ctl.store, "web", service_yaml(replicas=1), ctl.clock.now())
+    row = ctl.store.allocate_replica("web", 1, "local", "tok-1", ctl.clock.now())
+    ctl.store.update_replica(row, ctl.clock.now(), status=ReplicaStatus.PROVISIONING)
+    filler = small_fs / "filler"
+    fill(filler)
+
+    async def scenario() -> None:
+        rec = ctl._run("web")
+        await asyncio.sleep(1.0)  # recovery tries, and tries again
+        assert not rec.finished.is_set(), "the reconciler ended on the full disk"
+        filler.unlink()
+        for _ in range(200):  # bounded: 10 s
+            if ctl.store.replica("web", 1).status is not ReplicaStatus.PROVISIONING:
+                break
+            await asyncio.sleep(0.05)
+        assert ctl.store.replica("web", 1).status is not ReplicaStatus.PROVISIONING
+        await ctl._stop_reconcilers()
+
+    try:
+        with caplog.at_level("WARNING", logger="fleetserve.controller"):
+            asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        ctl.store.close()
+    said = [r.getMessage() for r in caplog.records if "recovery waits" in r.getMessage()]
+    assert len(said) == 1, said
