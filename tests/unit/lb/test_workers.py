@@ -179,6 +179,16 @@ async def _ready(config: LbConfig) -> None:
     raise AssertionError("a worker never became ready")
 
 
+async def _one_replica(start: Start, config: LbConfig) -> None:
+    """One replica ("a") pushed to the load balancer, and relayed to its worker."""
+    a = await start(upstream_app("a"))
+    async with aiohttp.ClientSession() as s:
+        push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+        async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
+            pass
+    await asyncio.sleep(0.3)  # relayed to the worker
+
+
 def _queue_requests(port: int, count: int) -> list[socket.socket]:
     """`count` requests, each on a new connection (the kernel spreads them over the
     processes' sockets), sent whole, none answered yet."""
@@ -247,12 +257,7 @@ async def test_a_killed_primary_loses_no_connection_queued_on_its_socket(
     workers = await wait_workers(proc)
     try:
         await _ready(config)
-        a = await start(upstream_app("a"))
-        async with aiohttp.ClientSession() as s:
-            push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
-            async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
-                pass
-        await asyncio.sleep(0.3)  # relayed to the worker
+        await _one_replica(start, config)
         proc.send_signal(signal.SIGSTOP)
         try:
             socks = await asyncio.to_thread(_queue_requests, config.port, 24)
@@ -392,12 +397,7 @@ async def test_a_worker_outlives_a_killed_primary_that_left_its_batches_unread(
     (worker,) = await wait_workers(proc)
     try:
         await _ready(config)
-        a = await start(upstream_app("a"))
-        async with aiohttp.ClientSession() as s:
-            push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
-            async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push):
-                pass
-        await asyncio.sleep(0.3)  # relayed to the worker
+        await _one_replica(start, config)
         assert set(await asyncio.to_thread(_chat_posts, config.port, 10, "warm")) == {200}
         proc.send_signal(signal.SIGSTOP)
         try:
