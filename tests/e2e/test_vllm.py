@@ -144,7 +144,8 @@ def block_size(url: str) -> int:
     raise AssertionError("vLLM's /metrics has no vllm:cache_config_info{block_size=...}")
 
 
-def test_chat_completions_stream_token_by_token(served: Served) -> None:
+def stream_chat(served: Served) -> list[tuple[float, bytes]]:
+    """One streamed chat answer of 48 tokens: each `data:` line and when it arrived."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "tell me about the fleet"}],
@@ -169,18 +170,30 @@ def test_chat_completions_stream_token_by_token(served: Served) -> None:
             if line.strip() == b"data: [DONE]":
                 break
     conn.close()
-    assert events and events[-1][1] == b"data: [DONE]"
-    chunks = [json.loads(e[6:]) for _, e in events[:-1]]
-    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert len(chunks) >= 48  # a chunk per token (vLLM's first one also carries the role)
-    # Token by token: the chunks reached the client as vLLM sent them, in many bursts over
-    # the answer's time, not in one piece at the end (a buffering proxy delivers them all
-    # within a millisecond). vLLM's API process sends a few tokens at once when the CPU is
-    # busy, so not every gap is a token's time.
-    gaps = [b[0] - a[0] for a, b in itertools.pairwise(events)]
-    assert sum(g > 0.001 for g in gaps) >= 8, gaps
-    assert events[-1][0] - events[0][0] > 0.05
+    return events
+
+
+def test_chat_completions_stream_token_by_token(served: Served) -> None:
+    # Token by token: the chunks reach the client as vLLM sends them, in many bursts over the
+    # answer's time, not in one piece at the end (a buffering proxy delivers them all within a
+    # millisecond). vLLM's API process sends a few tokens at once when the CPU is busy, so not
+    # every gap is a token's time; and a test process that the rest of a parallel suite keeps
+    # off the CPU for the whole answer reads it in one piece too: up to three answers, of
+    # which one must come in bursts (a buffering proxy fails all three).
+    tries: list[list[float]] = []
+    for _ in range(3):
+        events = stream_chat(served)
+        assert events and events[-1][1] == b"data: [DONE]"
+        chunks = [json.loads(e[6:]) for _, e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(chunks) >= 48  # a chunk per token (vLLM's first one also carries the role)
+        gaps = [b[0] - a[0] for a, b in itertools.pairwise(events)]
+        tries.append(gaps)
+        if sum(g > 0.001 for g in gaps) >= 8 and events[-1][0] - events[0][0] > 0.05:
+            break
+    else:
+        raise AssertionError(f"three answers each arrived in one piece: gaps {tries}")
 
 
 def test_cache_aware_sends_the_next_turn_where_vllm_has_the_prefix(served: Served) -> None:
