@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 from fastapi.testclient import TestClient
 
 from fleetserve.controller.controller import Controller
+from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.settings import Settings
-from tests.unit.controller.fakes import FakeInfra
+from tests.unit.controller.fakes import FakeInfra, FakeLb
 
 POOL = "pool:\n  workers: 3\nsetup: echo ready\n"
 
@@ -22,6 +24,7 @@ def ctl(tmp_path: Path) -> Iterator[Controller]:
     settings = Settings.from_env_dict({"FLEETSERVE_HOME": str(tmp_path / "home")})
     settings.home.mkdir(mode=0o700)
     controller = Controller(settings, infra=FakeInfra())
+    controller.lb = cast(LbManager, FakeLb())  # nor load balancers
     yield controller
     controller.store.close()
 
