@@ -409,50 +409,70 @@ def _rollout_failed(svc: ServiceInfo, version: int) -> ServiceFailed:
     )
 
 
-def _follow_rollout(client: Client, name: str, version: int, prog: Progress) -> ServiceInfo:
-    """Show replica changes until `version` serves (or, for a canary, has a READY replica),
-    or the rollout fails."""
+def _watch_version(
+    client: Client,
+    name: str,
+    version: int,
+    prog: Progress,
+    done: Callable[[ServiceInfo], bool],
+    moved: Callable[[ServiceInfo], str],
+) -> ServiceInfo:
+    """Show replica changes until `done` holds; the rollout failing or the service moving to
+    another version (`moved` says how) ends the wait with an error."""
     seen: dict[int, str] = {}
     while True:
         svc = client.service(name)
         _print_changes(svc, seen, prog, versions=True)
         prog.state(_fleet_state(svc, version))
         if svc.active_version != version:
-            raise FleetserveError(f"the rollout of version {version} was abandoned (rollback)")
+            raise FleetserveError(moved(svc))
         if svc.failure_reason:
             raise _rollout_failed(svc, version)
-        if svc.serving_version == version:
-            return svc
-        if svc.traffic_percent is not None and any(
-            r.version == version and r.status == "READY" for r in svc.replicas
-        ):
+        if done(svc):
             return svc
         time.sleep(0.5)
 
 
+def _follow_rollout(client: Client, name: str, version: int, prog: Progress) -> ServiceInfo:
+    """Until `version` serves (or, for a canary, has a READY replica), or the rollout fails."""
+
+    def done(svc: ServiceInfo) -> bool:
+        return svc.serving_version == version or (
+            svc.traffic_percent is not None
+            and any(r.version == version and r.status == "READY" for r in svc.replicas)
+        )
+
+    return _watch_version(
+        client,
+        name,
+        version,
+        prog,
+        done,
+        lambda svc: f"the rollout of version {version} was abandoned (rollback)",
+    )
+
+
 def _settle_on(client: Client, name: str, version: int, prog: Progress) -> ServiceInfo:
-    """Show replica changes until `version` serves alone (`promote`, `rollback`): it serves,
-    one of its replicas is READY and no other version's replica is left running."""
-    seen: dict[int, str] = {}
-    while True:
-        svc = client.service(name)
-        _print_changes(svc, seen, prog, versions=True)
-        prog.state(_fleet_state(svc, version))
-        if svc.active_version != version:
-            raise FleetserveError(
-                f"{name} moved on to version {svc.active_version} while waiting for {version}"
-            )
-        if svc.failure_reason:
-            raise _rollout_failed(svc, version)
+    """Until `version` serves alone (`promote`, `rollback`): it serves, one of its replicas is
+    READY and no other version's replica is left running."""
+
+    def done(svc: ServiceInfo) -> bool:
         alive = [r for r in svc.replicas if r.status not in _ENDED and "FAIL" not in r.status]
-        if (
+        return (
             svc.serving_version == version
             and svc.traffic_percent is None
             and all(r.version == version for r in alive)
             and any(r.status == "READY" for r in alive)
-        ):
-            return svc
-        time.sleep(0.5)
+        )
+
+    return _watch_version(
+        client,
+        name,
+        version,
+        prog,
+        done,
+        lambda svc: f"{name} moved on to version {svc.active_version} while waiting for {version}",
+    )
 
 
 @app.command()
