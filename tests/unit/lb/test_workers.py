@@ -29,14 +29,20 @@ from tests.unit.lb.test_proxy import Start, closed_port, start, upstream_app
 __all__ = ["start"]
 
 
-@pytest.fixture
-async def lb_process(tmp_path: Path) -> AsyncIterator[tuple[LbConfig, subprocess.Popen[bytes]]]:
-    config = LbConfig(
-        service="w",
+def two_workers(service: str, policy: str = "least_load") -> LbConfig:
+    """A load balancer of two processes on ports of its own."""
+    return LbConfig(
+        service=service,
         port=closed_port(),
         admin_port=closed_port(),
+        policy=policy,
         options=LoadBalancerOptions(workers=2),
     )
+
+
+@pytest.fixture
+async def lb_process(tmp_path: Path) -> AsyncIterator[tuple[LbConfig, subprocess.Popen[bytes]]]:
+    config = two_workers("w")
     proc = await start_lb_process(config, tmp_path)
     yield config, proc
     workers = workers_of(proc)
@@ -111,13 +117,7 @@ async def test_round_robin_takes_turns_across_workers_and_metrics_keep_real_date
     from prometheus_client.parser import text_string_to_metric_families
 
     began = time.time()
-    config = LbConfig(
-        service="rr",
-        port=closed_port(),
-        admin_port=closed_port(),
-        policy=policy,
-        options=LoadBalancerOptions(workers=2),
-    )
+    config = two_workers("rr", policy)
     proc = await start_lb_process(config, tmp_path)
     try:
         (worker,) = await wait_workers(proc)
@@ -247,12 +247,7 @@ async def test_a_killed_primary_loses_no_connection_queued_on_its_socket(
 ) -> None:
     """The primary killed (kill -9) with connections in its socket's queue: its workers,
     which hold that socket too, serve them while they linger."""
-    config = LbConfig(
-        service="w",
-        port=closed_port(),
-        admin_port=closed_port(),
-        options=LoadBalancerOptions(workers=2),
-    )
+    config = two_workers("w")
     proc = await start_lb_process(config, tmp_path)
     workers = await wait_workers(proc)
     try:
@@ -386,13 +381,7 @@ async def test_a_worker_outlives_a_killed_primary_that_left_its_batches_unread(
     index batches pile up there), then killed with kill -9. The kernel resets the channel; the
     worker takes that as the primary's end, as a close, and serves its linger (before, an
     unhandled ConnectionResetError ended it at once, and the port refused connections)."""
-    config = LbConfig(
-        service="ca",
-        port=closed_port(),
-        admin_port=closed_port(),
-        policy="cache_aware",
-        options=LoadBalancerOptions(workers=2),
-    )
+    config = two_workers("ca", "cache_aware")
     proc = await start_lb_process(config, tmp_path)
     (worker,) = await wait_workers(proc)
     try:
