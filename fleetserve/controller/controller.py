@@ -19,7 +19,7 @@ from fleetserve.controller.executor import uses_own_network
 from fleetserve.controller.history import History
 from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.leadership import Leadership
-from fleetserve.controller.metrics import ControllerMetrics
+from fleetserve.controller.metrics import ControllerMetrics, fleet_bounds
 from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
 from fleetserve.controller.probe_client import ProbeClient
 from fleetserve.controller.prober import Prober
@@ -822,6 +822,7 @@ class Controller:
             lb_running=lb_running,
             lb_failed=not lb_running and bool(svc.failure_reason),
             scaling_stopped=lb_running and bool(svc.failure_reason),
+            has_floor=fleet_bounds(self.spec_of(svc))[0] > 0,
         )
 
     def replica_logs(

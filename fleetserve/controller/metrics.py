@@ -255,11 +255,17 @@ class _Facts:
     autoscaled: bool
 
 
-def _facts(spec: ServiceTask) -> _Facts:
+def fleet_bounds(spec: ServiceTask) -> tuple[int, int]:
+    """(min, max) replicas, or workers for a pool, as the spec says."""
     if spec.service.pool is not None:
-        lo, hi = pool_bounds(spec.service.pool)
+        return pool_bounds(spec.service.pool)
+    return spec.service.replica_bounds()
+
+
+def _facts(spec: ServiceTask) -> _Facts:
+    lo, hi = fleet_bounds(spec)
+    if spec.service.pool is not None:
         return _Facts(lo, hi, pool=True, autoscaled=lo != hi)
-    lo, hi = spec.service.replica_bounds()
     policy = spec.service.replica_policy
     return _Facts(lo, hi, pool=False, autoscaled=policy is not None and policy.autoscaled)
 
@@ -386,4 +392,5 @@ class FleetCollector(Collector):
             lb_running=lb_running,
             lb_failed=not lb_running and bool(svc.failure_reason),
             scaling_stopped=lb_running and bool(svc.failure_reason),
+            has_floor=facts.lo > 0,
         )

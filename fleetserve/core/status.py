@@ -75,11 +75,15 @@ def derive_service_status(
     lb_running: bool = True,
     lb_failed: bool = False,
     scaling_stopped: bool = False,
+    has_floor: bool = False,
 ) -> ServiceStatus:
     """The service's status, from its replicas' statuses and a few service-level facts.
 
     `scaling_stopped` means the controller gave up launching (every replica of the version
     failed before it was ever ready): with no READY replica the service is then FAILED.
+    `has_floor`: the service keeps at least one replica (min_replicas > 0), so a failed
+    replica is replaced while scaling is not stopped: between its failure and its
+    replacement's row the service is REPLICA_INIT, not a FAILED that `up` would stop on.
     """
     statuses = list(statuses)
     if shutting_down:
@@ -97,5 +101,5 @@ def derive_service_status(
     if any(not s.is_terminal and s is not ReplicaStatus.SHUTTING_DOWN for s in statuses):
         return ServiceStatus.REPLICA_INIT
     if any(s.is_failed for s in statuses):
-        return ServiceStatus.FAILED
+        return ServiceStatus.REPLICA_INIT if has_floor else ServiceStatus.FAILED
     return ServiceStatus.NO_REPLICA

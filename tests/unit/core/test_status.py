@@ -20,6 +20,9 @@ from fleetserve.core.status import derive_service_status
         ([R.NOT_READY], {}, S.REPLICA_INIT),
         ([R.FAILED, R.PENDING], {}, S.REPLICA_INIT),
         ([R.FAILED, R.FAILED_PROBING], {}, S.FAILED),
+        # A fleet with a floor replaces its failed replicas until the crash-loop stop.
+        ([R.FAILED_PROVISION], {"has_floor": True}, S.REPLICA_INIT),
+        ([R.FAILED_PROVISION], {"has_floor": True, "scaling_stopped": True}, S.FAILED),
         ([R.PREEMPTED], {}, S.NO_REPLICA),
         ([R.FAILED, R.PENDING], {"scaling_stopped": True}, S.FAILED),
         ([R.READY], {"scaling_stopped": True}, S.READY),
