@@ -195,6 +195,15 @@ class ServiceReconciler:
 
     # -- the loop ------------------------------------------------------------------------
 
+    async def _sleep_or_wake(self, delay: float) -> None:
+        """Until `wake` is set or `delay` seconds pass. asyncio.timeout, not wait_for: on
+        Python 3.11 a wait_for whose event fires as the task is cancelled swallows the
+        cancellation, and the loop went on while the controller waited for it to stop."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self.wake.wait()
+        self.wake.clear()
+
     async def run(self) -> None:
         failures = 0
         try:
@@ -211,9 +220,7 @@ class ServiceReconciler:
                             failure_text(e),
                         )
                     delay = self.settings.reconcile_interval * min(2**failures, 30)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), timeout=delay)
-                    self.wake.clear()
+                    await self._sleep_or_wake(delay)
             failures = 0
             while True:
                 started = self.metrics.timer()
@@ -237,9 +244,7 @@ class ServiceReconciler:
                     return  # the service is gone, its series with it
                 self.metrics.round(self.metrics.timer() - started, failed=failures > 0)
                 delay = self.settings.reconcile_interval * min(2**failures, 30)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), timeout=delay)
-                self.wake.clear()
+                await self._sleep_or_wake(delay)
         finally:
             self.finished.set()
 
