@@ -8,19 +8,9 @@ import logging
 from collections import deque
 from collections.abc import Mapping
 
-from fleetserve.lb.messages import LoadReport
-
-try:  # TEMPORARY until h26b's commit is merged (removed before the end)
-    from fleetserve.controller.history import window_percentile_ms
-except ImportError:  # pragma: no cover
-
-    def window_percentile_ms(  # type: ignore[misc]
-        prev: LoadReport | None, cur: LoadReport, q: float, first_byte: bool
-    ) -> float | None:
-        return None
-
-
+from fleetserve.controller.history import window_percentile_ms
 from fleetserve.core.clock import Clock
+from fleetserve.lb.messages import LoadReport
 from fleetserve.policies.autoscaler import (
     AutoscalerState,
     Decision,
