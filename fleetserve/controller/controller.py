@@ -24,6 +24,7 @@ from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
 from fleetserve.controller.probe_client import ProbeClient
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
+from fleetserve.controller.replica_metrics import MetricsClient
 from fleetserve.controller.scaling import STATE_KEY
 from fleetserve.controller.settings import Settings
 from fleetserve.controller.spot import STATE_KEY as SPOT_STATE_KEY
@@ -87,6 +88,8 @@ class Controller:
         self.http = httpx.AsyncClient(trust_env=False)
         # Every service's readiness probes: kept-alive connections, bounded concurrency.
         self.probes = ProbeClient()
+        # Every service's reads of its replicas' metrics (autoscaling): the same connections.
+        self.replica_metrics = MetricsClient(self.probes)
         self.lb = LbManager(settings, self.http, self.home_id, legacy, host=self.host)
         # GET /metrics (docs/metrics.md): counts the store's replica transitions from now on.
         self.metrics = ControllerMetrics(self.store, active=lambda: self.role == "active")
@@ -304,6 +307,7 @@ class Controller:
             self.clock,
             self.home_id,
             metrics=self.metrics,
+            metrics_client=self.replica_metrics,
         )
         self.reconcilers[name] = rec
         self._tasks[name] = asyncio.create_task(rec.run(), name=f"reconcile-{name}")
