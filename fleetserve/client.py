@@ -43,7 +43,7 @@ from fleetserve.core.errors import (
     WaitTimeout,
 )
 from fleetserve.core.sockets import listener_uids
-from fleetserve.infra.local import open_private
+from fleetserve.oshelpers.files import open_private
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 FAILED_SERVICE_STATUSES = ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")

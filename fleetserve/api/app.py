@@ -53,8 +53,8 @@ from fleetserve.controller.scaling import STATE_KEY as AUTOSCALER_KEY
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound, Standby
 from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
 from fleetserve.infra.cgroups import Cgroups
-from fleetserve.infra.local import lines_naming, read_lines
 from fleetserve.lb.wake import wake_token
+from fleetserve.oshelpers.files import lines_naming, read_lines
 from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import lb_host, reachable_host
 from fleetserve.spec.loader import parse_spec

@@ -32,7 +32,7 @@ from fleetserve.controller.home import ensure_token, running_controllers, secure
 from fleetserve.controller.settings import DEFAULT_API_PORT, Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 from fleetserve.infra.base import Infra
-from fleetserve.infra.procs import started
+from fleetserve.oshelpers.procs import started
 
 EXIT_REFUSED = 2
 EXIT_OTHER_CONTROLLER = 5  # the home's controller runs: reach that one (like "unreachable")

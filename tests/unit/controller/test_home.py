@@ -82,7 +82,7 @@ def test_every_running_controller_of_a_home_is_found_whatever_its_kind(tmp_path:
     import psutil
 
     from fleetserve.controller.home import running_controllers
-    from fleetserve.infra.procs import started
+    from fleetserve.oshelpers.procs import started
 
     home = tmp_path / "home"
     home.mkdir()
