@@ -38,13 +38,18 @@ from fleetserve.infra.base import (
     Location,
 )
 from fleetserve.infra.cgroups import Cgroups, replica_name
-from fleetserve.infra.git import clone
 from fleetserve.infra.host import host_id
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
-from fleetserve.infra.kv_ports import KV_EVENTS_PORTS, kv_events_env
+from fleetserve.infra.kv_ports import KV_EVENTS_PORTS
 from fleetserve.infra.listening import listening_ports
 from fleetserve.infra.missing import setup_missing
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
+from fleetserve.infra.replica import (
+    ReplicaLayout,
+    create_replica_dir,
+    replica_env,
+    replica_layout,
+)
 from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 from fleetserve.oshelpers.files import open_private, read_lines
 from fleetserve.oshelpers.ports import fixed_port_taken, free_port, port_free
@@ -61,8 +66,6 @@ from fleetserve.oshelpers.procs import (
 from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
-_SETUP_DONE = "setup.done"
-_EXIT_CODE = "exit_code"
 
 _ENTRY = """\
 # Written by fleetserve: runs the replica's setup, then its run command.
@@ -241,49 +244,56 @@ class LocalInfra:
     def prepare(self, service: str, resources: dict[str, Any]) -> None:
         """Nothing to place: every replica runs on this machine."""
 
-    def replica_dir(self, service: str, replica_id: int) -> Path:
-        return self.home / "replicas" / service / str(replica_id)
+    def layout(self, service: str, replica_id: int) -> ReplicaLayout:
+        return replica_layout(self.home / "replicas", service, replica_id)
 
     def log_path(self, service: str, replica_id: int) -> Path:
         return self.home / "logs" / service / f"replica-{replica_id}.log"
 
-    def _prepare(self, req: LaunchRequest) -> tuple[Path, Path]:
-        rdir = self.replica_dir(req.service, req.replica_id)
-        if rdir.exists():
-            shutil.rmtree(rdir)  # left by an earlier, cut-short launch of this replica
-        # The replica's folder (its copy of the workdir, setup and run) is the owner's only.
-        rdir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        rdir.mkdir(mode=0o700)
-        rdir.chmod(0o700)
-        workdir = rdir / "workdir"
-        if req.workdir_git is not None:
-            clone(req.workdir_git, workdir)
-        elif req.workdir is not None:
-            if not req.workdir.is_dir():
-                raise TerminalError(f"workdir {req.workdir} is not a directory")
-            shutil.copytree(req.workdir, workdir, symlinks=True)
-        else:
-            workdir.mkdir(parents=True)
-        for mount in req.file_mounts:
-            dest = workdir / mount.dest.removeprefix("~/").lstrip("/")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if mount.source.is_dir():
-                shutil.copytree(mount.source, dest, symlinks=True, dirs_exist_ok=True)
-            elif mount.source.is_file():
-                shutil.copy2(mount.source, dest)
-            else:
-                raise TerminalError(f"file_mounts source {mount.source} does not exist")
-        (rdir / "setup.sh").write_text(req.setup or "")
-        (rdir / "run.sh").write_text(req.run)
-        (rdir / "entry.sh").write_text(
+    def _prepare(self, req: LaunchRequest) -> tuple[ReplicaLayout, Path]:
+        """The replica's folder (fleetserve.infra.replica) and its wrapper; its log's path."""
+        layout = self.layout(req.service, req.replica_id)
+        create_replica_dir(
+            layout,
+            run=req.run,
+            setup=req.setup,
+            workdir=req.workdir,
+            workdir_git=req.workdir_git,
+            file_mounts=req.file_mounts,
+        )
+        (layout.dir / "entry.sh").write_text(
             _ENTRY.format(
-                workdir=shlex.quote(str(workdir)),
-                dir=shlex.quote(str(rdir)),
-                done=_SETUP_DONE,
-                exit_code=_EXIT_CODE,
+                workdir=shlex.quote(str(layout.workdir)),
+                dir=shlex.quote(str(layout.dir)),
+                done=layout.setup_done.name,
+                exit_code=layout.exit_code.name,
             )
         )
-        return rdir, self.log_path(req.service, req.replica_id)
+        return layout, self.log_path(req.service, req.replica_id)
+
+    def replica_env(self, request: LaunchRequest, port: int, zone: str | None) -> dict[str, str]:
+        """The replica's environment (fleetserve.infra.replica.replica_env, from this
+        process's own), with the markers this infra finds its processes by."""
+        env = replica_env(
+            os.environ,
+            envs=request.envs,
+            port=port,
+            service=request.service,
+            replica_id=request.replica_id,
+            version=request.version,
+            task=task_env(
+                "127.0.0.1",
+                request.gpus,
+                f"{request.service}-{request.replica_id}",
+                "local",
+                "local",
+                zone,
+            ),
+        )
+        env[TOKEN_ENV] = request.launch_token
+        if self.home_id:
+            env[HOME_ID_ENV] = self.home_id
+        return env
 
     def _pick_port(self, req: LaunchRequest) -> int:
         if req.port is not None and req.own_network:
@@ -308,34 +318,12 @@ class LocalInfra:
 
     async def launch(self, request: LaunchRequest) -> Launched:
         zone = self.zones.place(request.zone, request.spot)  # NoCapacity: a full zone
-        rdir, log = await asyncio.to_thread(self._prepare, request)
+        layout, log = await asyncio.to_thread(self._prepare, request)
+        rdir = layout.dir
         port = self._pick_port(request)
         netns: str | None = None
         address = "127.0.0.1"
-        env = dict(os.environ)
-        env.update(request.envs)
-        env.update(
-            {
-                "PORT": str(port),
-                **kv_events_env(port),
-                "FLEETSERVE_REPLICA_ID": str(request.replica_id),
-                "SKYPILOT_SERVE_REPLICA_ID": str(request.replica_id),
-                **task_env(
-                    address,
-                    request.gpus,
-                    f"{request.service}-{request.replica_id}",
-                    "local",
-                    "local",
-                    zone,
-                ),
-                "FLEETSERVE_SERVICE": request.service,
-                "FLEETSERVE_VERSION": str(request.version),
-                "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
-                TOKEN_ENV: request.launch_token,
-            }
-        )
-        if self.home_id:
-            env[HOME_ID_ENV] = self.home_id
+        env = self.replica_env(request, port, zone)
         relay: socket.socket | None = None  # this machine's end of a user namespace's relay
         relay_port = 0
         how = await asyncio.to_thread(self.networks.kind) if request.own_network else None
@@ -404,10 +392,10 @@ class LocalInfra:
         )
         self._hold(request.launch_token, handle)  # the zone's capacity counts it from now
         try:
-            while not (rdir / _SETUP_DONE).exists():
+            while not layout.setup_done.exists():
                 code = proc.poll()
                 if code is not None:
-                    if (rdir / _SETUP_DONE).exists():
+                    if layout.setup_done.exists():
                         break  # run already ended: poll() reports it
                     if proc.pid in self._preempted:
                         raise NoCapacity(self._preempted[proc.pid], zone, preempted=True)
@@ -448,7 +436,7 @@ class LocalInfra:
                     if token:
                         self._hold(token, h)
             return InstanceState(InstanceKind.RUNNING)
-        recorded = Path(h.dir) / _EXIT_CODE
+        recorded = ReplicaLayout(Path(h.dir)).exit_code
         with contextlib.suppress(OSError, ValueError):
             code = int(recorded.read_text().strip())
         if code is None:
