@@ -25,13 +25,6 @@ import httpx
 import psutil
 
 from fleetserve.api.models import EventInfo, Health, JobInfo, PoolApplied, Preempted, ServiceInfo
-from fleetserve.controller.home import (
-    RunningController,
-    local_url,
-    running_controllers,
-    secure_home,
-)
-from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import (
     ERROR_KINDS,
     FleetserveError,
@@ -43,7 +36,14 @@ from fleetserve.core.errors import (
     WaitTimeout,
 )
 from fleetserve.core.sockets import listener_uids
-from fleetserve.infra.local import open_private
+from fleetserve.home.folder import (
+    RunningController,
+    local_url,
+    running_controllers,
+    secure_home,
+)
+from fleetserve.home.settings import HomeSettings
+from fleetserve.oshelpers.files import open_private
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 FAILED_SERVICE_STATUSES = ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")
@@ -101,7 +101,7 @@ def _raise_for(resp: httpx.Response, hint: str = "") -> None:
     raise ERROR_KINDS.get(kind, FleetserveError)(message)
 
 
-def controller_of(settings: Settings) -> RunningController | None:
+def controller_of(settings: HomeSettings) -> RunningController | None:
     """This home's controller on the settings' API port, whether or not it runs with high
     availability; without it here, the home's controller without high availability on
     whichever port (there is one per home)."""
@@ -116,13 +116,13 @@ def controller_of(settings: Settings) -> RunningController | None:
     return None
 
 
-def server_pid(settings: Settings) -> int | None:
+def server_pid(settings: HomeSettings) -> int | None:
     """The pid of this home's controller on the settings' port (see `controller_of`)."""
     c = controller_of(settings)
     return c.pid if c is not None else None
 
 
-def start_server(settings: Settings, wait: float = 30.0) -> int:
+def start_server(settings: HomeSettings, wait: float = 30.0) -> int:
     """Start the controller in the background; returns its pid once its API answers.
 
     A start that fails says why in one line (the controller's own, from its stderr), and the
@@ -203,7 +203,7 @@ def _ended(p: psutil.Process) -> bool:
         return True
 
 
-def stop_server(settings: Settings, wait: float = 60.0) -> bool:
+def stop_server(settings: HomeSettings, wait: float = 60.0) -> bool:
     """Stop every controller of this home, with high availability or not (replicas and load
     balancers keep running). False if none ran."""
     found = running_controllers(settings.home)
@@ -216,7 +216,7 @@ def _loopback_url(url: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _local_url(settings: Settings) -> str:
+def _local_url(settings: HomeSettings) -> str:
     """The controller of this home on the API port: its scheme from its server file (it
     may serve TLS), whichever FLEETSERVE_HA it was started with."""
     running = controller_of(settings)
@@ -230,13 +230,13 @@ class Client:
     def __init__(
         self,
         url: str | None = None,
-        settings: Settings | None = None,
+        settings: HomeSettings | None = None,
         auto_start: bool = True,
         timeout: float = 30.0,
         token: str | None = None,
         ca_file: str | None = None,
     ) -> None:
-        self.settings = settings or Settings.from_env()
+        self.settings = settings or HomeSettings.from_env()
         url = url or os.environ.get("FLEETSERVE_API_URL") or None
         self.remote = url is not None
         self.url = (url or _local_url(self.settings)).rstrip("/")

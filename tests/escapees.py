@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fleetserve.infra.procs import find_process, started
+from fleetserve.oshelpers.procs import find_process, started
 
 SHAPES = ("setsid", "double", "nohup", "daemon")
 

@@ -29,10 +29,10 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleetserve.infra.local import free_port, port_free  # noqa: E402
 from fleetserve.lb.build import make_proxy  # noqa: E402
 from fleetserve.lb.config import LbConfig  # noqa: E402
 from fleetserve.lb.messages import RoutableReplica  # noqa: E402
+from fleetserve.oshelpers.ports import free_port, port_free  # noqa: E402
 from fleetserve.spec.models import LoadBalancerOptions  # noqa: E402
 
 WORDS = ("the of and to in is you that it was for on are as with his they at be this have").split()  # noqa: SIM905

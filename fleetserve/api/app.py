@@ -46,15 +46,15 @@ from fleetserve.api.models import (
 )
 from fleetserve.controller.controller import Controller
 from fleetserve.controller.history import SERVICE
-from fleetserve.controller.home import ensure_token
 from fleetserve.controller.pools import STATE_KEY as POOL_KEY
 from fleetserve.controller.pools import pool_bounds
 from fleetserve.controller.scaling import STATE_KEY as AUTOSCALER_KEY
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound, Standby
 from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
+from fleetserve.home.folder import ensure_token
 from fleetserve.infra.cgroups import Cgroups
-from fleetserve.infra.local import lines_naming, read_lines
 from fleetserve.lb.wake import wake_token
+from fleetserve.oshelpers.files import lines_naming, read_lines
 from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import lb_host, reachable_host
 from fleetserve.spec.loader import parse_spec

@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from fleetserve.controller.settings import LOOPBACK_HOSTS, Settings
+from fleetserve.controller.settings import Settings
+from fleetserve.home.settings import LOOPBACK_HOSTS
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

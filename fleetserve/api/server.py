@@ -28,11 +28,12 @@ import uvicorn
 from fleetserve.api.app import create_app
 from fleetserve.api.connections import Admission, protocol_class, token_check
 from fleetserve.controller.controller import Controller
-from fleetserve.controller.home import ensure_token, running_controllers, secure_home
-from fleetserve.controller.settings import DEFAULT_API_PORT, Settings
+from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import FleetserveError, InvalidSpec
+from fleetserve.home.folder import ensure_token, running_controllers, secure_home
+from fleetserve.home.settings import DEFAULT_API_PORT
 from fleetserve.infra.base import Infra
-from fleetserve.infra.procs import started
+from fleetserve.oshelpers.procs import started
 
 EXIT_REFUSED = 2
 EXIT_OTHER_CONTROLLER = 5  # the home's controller runs: reach that one (like "unreachable")

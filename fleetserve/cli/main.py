@@ -52,9 +52,6 @@ from fleetserve.client import (
     start_server,
     stop_controllers,
 )
-from fleetserve.controller.admission import deploy_problems
-from fleetserve.controller.home import RunningController, running_controllers
-from fleetserve.controller.settings import Settings, is_loopback
 from fleetserve.core.errors import (
     FleetserveError,
     InvalidSpec,
@@ -62,7 +59,10 @@ from fleetserve.core.errors import (
     ServiceFailed,
     TransientError,
 )
-from fleetserve.infra import netns
+from fleetserve.home.folder import RunningController, running_controllers
+from fleetserve.home.settings import HomeSettings, is_loopback
+from fleetserve.oshelpers import netcaps
+from fleetserve.spec.admission import deploy_problems
 from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import load_spec_file, require_values
@@ -207,8 +207,8 @@ def validate(
             update={"resources": spec.resources.model_copy(update={"infra": infra})}
         )
     infra = spec.requested_infra() or "local"
-    mode = os.environ.get(netns.MODE_ENV, "auto")
-    not_here = deploy_problems(spec, infra, mode if mode in netns.MODES else "auto", Path.cwd())
+    mode = os.environ.get(netcaps.MODE_ENV, "auto")
+    not_here = deploy_problems(spec, infra, mode if mode in netcaps.MODES else "auto", Path.cwd())
     warnings = compat_warnings(spec, infra)
     pool = spec.service.pool
     if pool is not None and spec.run is not None:
@@ -1235,7 +1235,7 @@ def _spot_progress(trace: str, seconds: float) -> Callable[[str, int, int], None
     return progress
 
 
-def _already_running(settings: Settings) -> bool:
+def _already_running(settings: HomeSettings) -> bool:
     """Whether this home's controller runs and answers: at once, or, while its process lives
     (server.json), within BUSY_WAIT_SECONDS. A controller busy adopting its fleet on a loaded
     machine can miss the 2 s health check; starting another one then only failed on its lock
@@ -1273,7 +1273,7 @@ def server_start(
     ] = None,
 ) -> None:
     """Start the controller in the background (the CLI also does it on demand)."""
-    settings = Settings.from_env()
+    settings = HomeSettings.from_env()
     changes: dict[str, object] = {}
     if host is not None:
         changes["api_host"] = host
@@ -1323,7 +1323,7 @@ def server_stop(
 ) -> None:
     """Stop this home's controllers (every one, with high availability or not; --port: one).
     Replicas and load balancers keep serving; a restart adopts them."""
-    settings = Settings.from_env()
+    settings = HomeSettings.from_env()
     found = running_controllers(settings.home)
     if port is not None:
         found = [c for c in found if c.port == port]
@@ -1340,7 +1340,7 @@ def server_stop(
 def server_status() -> None:
     """Whether this home's controllers run, and where they listen (every one, whatever
     FLEETSERVE_HA and FLEETSERVE_API_PORT say here)."""
-    settings = Settings.from_env()
+    settings = HomeSettings.from_env()
     found = running_controllers(settings.home)
     if not found:
         try:  # one that answers on the port without a server file (an older version's)
@@ -1375,7 +1375,7 @@ def server_status() -> None:
             out.print(f"Local replicas and jobs: {processes}", highlight=False)
 
 
-def _health_role(settings: Settings, c: RunningController) -> str | None:
+def _health_role(settings: HomeSettings, c: RunningController) -> str | None:
     """The controller's role from its health check ("" if it does not say), None if it does
     not answer (as this home's controller)."""
     url = f"{c.url}/api/v1/health"

@@ -14,7 +14,6 @@ from typing import Any, cast
 import httpx
 
 from fleetserve.controller import updates
-from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
 from fleetserve.controller.executor import uses_own_network
 from fleetserve.controller.history import History
 from fleetserve.controller.lb_manager import LbManager
@@ -37,9 +36,11 @@ from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePh
 from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.host import elsewhere, host_id
 from fleetserve.infra.jobs import JobRunner
-from fleetserve.infra.local import LocalInfra, disk_full, rotate_log
+from fleetserve.infra.local import LocalInfra
 from fleetserve.infra.zones import Held
 from fleetserve.lb.messages import LoadReport
+from fleetserve.oshelpers.files import disk_full, rotate_log
+from fleetserve.spec.admission import check_deployable, resolve_paths, service_name
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask

@@ -24,19 +24,22 @@ from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServiceRecord
 from fleetserve.infra.host import elsewhere, host_id
-from fleetserve.infra.local import (
-    HOME_ID_ENV,
-    listeners_on,
-    open_private,
-    owned_by,
-    port_free,
-    process_alive,
-)
-from fleetserve.infra.procs import find_process, processes_where, started, stop_processes
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.messages import Canary, LoadReport, ReplicaPush, RoutableReplica
 from fleetserve.lb.nginx import stop_stale_nginx
 from fleetserve.lb.workers import PARENT_ENV
+from fleetserve.oshelpers.files import open_private
+from fleetserve.oshelpers.ports import listeners_on, port_free
+from fleetserve.oshelpers.procs import (
+    HOME_ID_ENV,
+    find_process,
+    of_home,
+    owned_by,
+    process_alive,
+    processes_where,
+    started,
+    stop_processes,
+)
 
 log = logging.getLogger("fleetserve.controller")
 LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
@@ -285,15 +288,10 @@ class LbManager:
                 known[s.name] = (None, None)
 
         def orphan(env: dict[str, str]) -> bool:
-            legacy = (
-                self.legacy_home is not None
-                and HOME_ID_ENV not in env
-                and env.get("FLEETSERVE_HOME") == self.legacy_home
-            )
             return (
                 env.get(LB_SERVICE_ENV) is not None
                 and bool(self.home_id)
-                and (env.get(HOME_ID_ENV) == self.home_id or legacy)
+                and of_home(env, self.home_id, self.legacy_home)
             )
 
         procs = []

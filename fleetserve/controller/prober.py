@@ -21,8 +21,8 @@ from fleetserve.controller.probe_client import (
     ProbeTransport,
     foreign_listener,
 )
-from fleetserve.controller.settings import is_loopback
 from fleetserve.core.types import ReplicaKey
+from fleetserve.home.settings import is_loopback
 from fleetserve.policies.fleet import ProbeResult
 from fleetserve.spec.models import ReadinessProbe
 

@@ -38,11 +38,11 @@ from fleetserve.core.types import (
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.infra.host import elsewhere, host_of
 from fleetserve.infra.jobs import JobRunner
-from fleetserve.infra.local import free_port, port_free
 from fleetserve.infra.zones import NoCapacity
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.messages import Canary
 from fleetserve.lb.wake import wake_token
+from fleetserve.oshelpers.ports import free_port, port_free
 from fleetserve.policies.autoscaler import (
     FallbackTargets,
     SignalReading,

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fleetserve.controller.admission import check_deployable, resolve_paths
 from fleetserve.core.errors import Conflict, InvalidSpec
 from fleetserve.core.types import ServicePhase, ServiceRecord
 from fleetserve.policies.rollout import BLUE_GREEN, UPDATE_MODES
+from fleetserve.spec.admission import check_deployable, resolve_paths
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store

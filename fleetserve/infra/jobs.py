@@ -29,8 +29,10 @@ import psutil
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra.base import InstanceKind, InstanceState
 from fleetserve.infra.cgroups import Cgroups, job_name
-from fleetserve.infra.procs import (
+from fleetserve.oshelpers.procs import (
+    HOME_ID_ENV,
     find_process,
+    of_home,
     processes_where,
     spawn_session,
     started,
@@ -124,7 +126,6 @@ class LocalJobs:
         home: Path,
         home_id: str,
         token_env: str,
-        home_id_env: str,
         umask: int | None = None,
         grace_seconds: float = 10.0,
         cgroups: Cgroups | None = None,
@@ -133,7 +134,6 @@ class LocalJobs:
         self.cgroups = cgroups or Cgroups(home_id, home, "off")
         self.home_id = home_id
         self.token_env = token_env
-        self.home_id_env = home_id_env
         self.umask = umask
         self.grace_seconds = grace_seconds
         self._children: dict[int, subprocess.Popen[bytes]] = {}
@@ -166,7 +166,7 @@ class LocalJobs:
         env[self.token_env] = req.worker_token
         env[JOB_TOKEN_ENV] = req.token
         if self.home_id:
-            env[self.home_id_env] = self.home_id
+            env[HOME_ID_ENV] = self.home_id
         # Its own cgroup inside its worker's, where the worker has one.
         worker_cgroup = self.cgroups.ours(json.loads(req.worker_handle).get("cgroup"))
         cgroup = None
@@ -235,8 +235,7 @@ class LocalJobs:
 
     def _ours(self, token: str) -> Callable[[dict[str, str]], bool]:
         return lambda env: (
-            env.get(JOB_TOKEN_ENV) == token
-            and (not self.home_id or env.get(self.home_id_env) == self.home_id)
+            env.get(JOB_TOKEN_ENV) == token and (not self.home_id or of_home(env, self.home_id))
         )
 
     def stop(self, token: str, handle: str | None = None) -> list[int]:

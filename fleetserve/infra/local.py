@@ -12,12 +12,9 @@ own, which holds the processes that clear their environment too, and terminate k
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import errno
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -41,27 +38,34 @@ from fleetserve.infra.base import (
     Location,
 )
 from fleetserve.infra.cgroups import Cgroups, replica_name
-from fleetserve.infra.git import clone
 from fleetserve.infra.host import host_id
 from fleetserve.infra.jobs import JobRequest, LocalJobs, job_log
-from fleetserve.infra.kv_ports import KV_EVENTS_PORTS, kv_events_env
+from fleetserve.infra.kv_ports import KV_EVENTS_PORTS
 from fleetserve.infra.listening import listening_ports
 from fleetserve.infra.missing import setup_missing
 from fleetserve.infra.netns import REFUSAL, ReplicaNetworks
-from fleetserve.infra.procs import (
+from fleetserve.infra.replica import (
+    ReplicaLayout,
+    create_replica_dir,
+    replica_env,
+    replica_layout,
+)
+from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
+from fleetserve.oshelpers.files import open_private, read_lines
+from fleetserve.oshelpers.ports import fixed_port_taken, free_port, port_free
+from fleetserve.oshelpers.procs import (
+    HOME_ID_ENV,
     find_process,
+    of_home,
+    owned_by,
     processes_where,
     spawn_session,
     started,
     stop_processes,
 )
-from fleetserve.infra.zones import Held, NoCapacity, ZoneBook, ZoneConfig
 from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 TOKEN_ENV = "FLEETSERVE_LAUNCH_TOKEN"
-HOME_ID_ENV = "FLEETSERVE_HOME_ID"  # every process a controller starts carries its home's id
-_SETUP_DONE = "setup.done"
-_EXIT_CODE = "exit_code"
 
 _ENTRY = """\
 # Written by fleetserve: runs the replica's setup, then its run command.
@@ -123,96 +127,6 @@ class LocalHandle:
         )
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a listener could bind `host`:`port` now (the address it will bind: 0.0.0.0 is
-    taken by any listener on that port). Never with SO_REUSEPORT: that would call a port free
-    that another listener of this user shares out."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def fixed_port_taken(port: int) -> str | None:
-    """Why a replica's server could not listen on a port its spec fixes, or None. Checked
-    the way the server binds it (every address, 0.0.0.0), and only a listener takes a port:
-    a service on that port taken down a moment ago leaves connections in TIME_WAIT (for a
-    minute) that fail a test bind, yet a server that sets SO_REUSEADDR (most do) or
-    SO_REUSEPORT, as its predecessor did, binds beside them."""
-    if port_free(port, "0.0.0.0"):
-        return None
-    holders = listeners_on(port)
-    if not holders:
-        return None  # only connections left, no listener: the server's own bind decides
-    known = sorted({p for p in holders if p is not None})
-    who = f" (listening: pid {', '.join(map(str, known))})" if known else ""
-    return f"port {port} (fixed by the spec) is already in use on this machine{who}"
-
-
-def free_port(avoid: set[int] | None = None) -> int:
-    """A port that nothing listens on now (the kernel's pick), not in `avoid`."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not avoid or port not in avoid:
-            return port
-    raise TerminalError("could not find a free port")
-
-
-def process_alive(
-    pid: int | None,
-    create_time: float | None,
-    home_id: str | None = None,
-    legacy_home: str | None = None,
-) -> bool:
-    """Whether that process still runs (and, given `home_id`, was started by that home)."""
-    if pid is None or create_time is None:
-        return False
-    p = find_process(pid, create_time)
-    return p is not None and (home_id is None or owned_by(p, home_id, legacy_home))
-
-
-def owned_by(p: psutil.Process, home_id: str, legacy_home: str | None = None) -> bool:
-    """Whether the process carries this home's id (another user's process never does: its
-    environment cannot be read). With `legacy_home` (a database upgraded from before home
-    ids), a process with no home id started for that home path counts too."""
-    try:
-        env = p.environ()
-    except (psutil.Error, OSError):
-        return False
-    if env.get(HOME_ID_ENV) == home_id:
-        return True
-    return (
-        legacy_home is not None
-        and HOME_ID_ENV not in env
-        and env.get("FLEETSERVE_HOME") == legacy_home
-    )
-
-
-def open_private(path: Path) -> int:
-    """A file descriptor appending to `path`, created readable by its owner only. Logs are
-    appended to, never truncated: a failed start must not wipe a running process's log."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)
-    return fd
-
-
-def listeners_on(port: int) -> list[int | None]:
-    """The pids listening on TCP `port` (None for a process this user may not see)."""
-    found: list[int | None] = []
-    with contextlib.suppress(psutil.Error, OSError):
-        for c in psutil.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
-                found.append(c.pid)
-    return found
-
-
 def processes_with_token(token: str) -> list[psutil.Process]:
     """Every live process whose environment carries this launch token."""
     return processes_where(lambda env: env.get(TOKEN_ENV) == token)
@@ -244,9 +158,7 @@ class LocalInfra:
         self.host = host or host_id()
         self.zones = ZoneBook(zones or [ZoneConfig("local")])
         self._preempted: dict[int, str] = {}  # pid -> why (preempted replicas poll LOST)
-        self.jobs = LocalJobs(
-            home, home_id, TOKEN_ENV, HOME_ID_ENV, umask, grace_seconds, self.cgroups
-        )
+        self.jobs = LocalJobs(home, home_id, TOKEN_ENV, umask, grace_seconds, self.cgroups)
         self.networks = ReplicaNetworks(home_id, replica_net, replica_netns)  # fixed-port fleets
         self.home_id = home_id
         self.legacy_home = legacy_home  # processes of a home from before home ids
@@ -260,17 +172,8 @@ class LocalInfra:
         self._watched: dict[int, int] = {}  # pid -> its pidfd, on the event loop
 
     def _env_ours(self, env: dict[str, str]) -> bool:
-        """A process environment of this home: its id, or (an upgraded home) its path and no
-        id at all."""
-        if not self.home_id:
-            return True
-        if env.get(HOME_ID_ENV) == self.home_id:
-            return True
-        return (
-            self.legacy_home is not None
-            and HOME_ID_ENV not in env
-            and env.get("FLEETSERVE_HOME") == self.legacy_home
-        )
+        """A process environment of this home (`of_home`); any, for an infra with no home id."""
+        return not self.home_id or of_home(env, self.home_id, self.legacy_home)
 
     def _ours(self, p: psutil.Process, create_time: float) -> bool:
         """An adopted process is ours only if it carries this home's id (a database copied
@@ -341,49 +244,56 @@ class LocalInfra:
     def prepare(self, service: str, resources: dict[str, Any]) -> None:
         """Nothing to place: every replica runs on this machine."""
 
-    def replica_dir(self, service: str, replica_id: int) -> Path:
-        return self.home / "replicas" / service / str(replica_id)
+    def layout(self, service: str, replica_id: int) -> ReplicaLayout:
+        return replica_layout(self.home / "replicas", service, replica_id)
 
     def log_path(self, service: str, replica_id: int) -> Path:
         return self.home / "logs" / service / f"replica-{replica_id}.log"
 
-    def _prepare(self, req: LaunchRequest) -> tuple[Path, Path]:
-        rdir = self.replica_dir(req.service, req.replica_id)
-        if rdir.exists():
-            shutil.rmtree(rdir)  # left by an earlier, cut-short launch of this replica
-        # The replica's folder (its copy of the workdir, setup and run) is the owner's only.
-        rdir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        rdir.mkdir(mode=0o700)
-        rdir.chmod(0o700)
-        workdir = rdir / "workdir"
-        if req.workdir_git is not None:
-            clone(req.workdir_git, workdir)
-        elif req.workdir is not None:
-            if not req.workdir.is_dir():
-                raise TerminalError(f"workdir {req.workdir} is not a directory")
-            shutil.copytree(req.workdir, workdir, symlinks=True)
-        else:
-            workdir.mkdir(parents=True)
-        for mount in req.file_mounts:
-            dest = workdir / mount.dest.removeprefix("~/").lstrip("/")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if mount.source.is_dir():
-                shutil.copytree(mount.source, dest, symlinks=True, dirs_exist_ok=True)
-            elif mount.source.is_file():
-                shutil.copy2(mount.source, dest)
-            else:
-                raise TerminalError(f"file_mounts source {mount.source} does not exist")
-        (rdir / "setup.sh").write_text(req.setup or "")
-        (rdir / "run.sh").write_text(req.run)
-        (rdir / "entry.sh").write_text(
+    def _prepare(self, req: LaunchRequest) -> tuple[ReplicaLayout, Path]:
+        """The replica's folder (fleetserve.infra.replica) and its wrapper; its log's path."""
+        layout = self.layout(req.service, req.replica_id)
+        create_replica_dir(
+            layout,
+            run=req.run,
+            setup=req.setup,
+            workdir=req.workdir,
+            workdir_git=req.workdir_git,
+            file_mounts=req.file_mounts,
+        )
+        (layout.dir / "entry.sh").write_text(
             _ENTRY.format(
-                workdir=shlex.quote(str(workdir)),
-                dir=shlex.quote(str(rdir)),
-                done=_SETUP_DONE,
-                exit_code=_EXIT_CODE,
+                workdir=shlex.quote(str(layout.workdir)),
+                dir=shlex.quote(str(layout.dir)),
+                done=layout.setup_done.name,
+                exit_code=layout.exit_code.name,
             )
         )
-        return rdir, self.log_path(req.service, req.replica_id)
+        return layout, self.log_path(req.service, req.replica_id)
+
+    def replica_env(self, request: LaunchRequest, port: int, zone: str | None) -> dict[str, str]:
+        """The replica's environment (fleetserve.infra.replica.replica_env, from this
+        process's own), with the markers this infra finds its processes by."""
+        env = replica_env(
+            os.environ,
+            envs=request.envs,
+            port=port,
+            service=request.service,
+            replica_id=request.replica_id,
+            version=request.version,
+            task=task_env(
+                "127.0.0.1",
+                request.gpus,
+                f"{request.service}-{request.replica_id}",
+                "local",
+                "local",
+                zone,
+            ),
+        )
+        env[TOKEN_ENV] = request.launch_token
+        if self.home_id:
+            env[HOME_ID_ENV] = self.home_id
+        return env
 
     def _pick_port(self, req: LaunchRequest) -> int:
         if req.port is not None and req.own_network:
@@ -408,34 +318,12 @@ class LocalInfra:
 
     async def launch(self, request: LaunchRequest) -> Launched:
         zone = self.zones.place(request.zone, request.spot)  # NoCapacity: a full zone
-        rdir, log = await asyncio.to_thread(self._prepare, request)
+        layout, log = await asyncio.to_thread(self._prepare, request)
+        rdir = layout.dir
         port = self._pick_port(request)
         netns: str | None = None
         address = "127.0.0.1"
-        env = dict(os.environ)
-        env.update(request.envs)
-        env.update(
-            {
-                "PORT": str(port),
-                **kv_events_env(port),
-                "FLEETSERVE_REPLICA_ID": str(request.replica_id),
-                "SKYPILOT_SERVE_REPLICA_ID": str(request.replica_id),
-                **task_env(
-                    address,
-                    request.gpus,
-                    f"{request.service}-{request.replica_id}",
-                    "local",
-                    "local",
-                    zone,
-                ),
-                "FLEETSERVE_SERVICE": request.service,
-                "FLEETSERVE_VERSION": str(request.version),
-                "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
-                TOKEN_ENV: request.launch_token,
-            }
-        )
-        if self.home_id:
-            env[HOME_ID_ENV] = self.home_id
+        env = self.replica_env(request, port, zone)
         relay: socket.socket | None = None  # this machine's end of a user namespace's relay
         relay_port = 0
         how = await asyncio.to_thread(self.networks.kind) if request.own_network else None
@@ -504,10 +392,10 @@ class LocalInfra:
         )
         self._hold(request.launch_token, handle)  # the zone's capacity counts it from now
         try:
-            while not (rdir / _SETUP_DONE).exists():
+            while not layout.setup_done.exists():
                 code = proc.poll()
                 if code is not None:
-                    if (rdir / _SETUP_DONE).exists():
+                    if layout.setup_done.exists():
                         break  # run already ended: poll() reports it
                     if proc.pid in self._preempted:
                         raise NoCapacity(self._preempted[proc.pid], zone, preempted=True)
@@ -548,7 +436,7 @@ class LocalInfra:
                     if token:
                         self._hold(token, h)
             return InstanceState(InstanceKind.RUNNING)
-        recorded = Path(h.dir) / _EXIT_CODE
+        recorded = ReplicaLayout(Path(h.dir)).exit_code
         with contextlib.suppress(OSError, ValueError):
             code = int(recorded.read_text().strip())
         if code is None:
@@ -723,169 +611,3 @@ class LocalInfra:
         tail: int | None = None,
     ) -> AsyncIterator[str]:
         return read_lines(self.log_path(service, replica_id), follow, tail)
-
-
-TAIL_WINDOW = 256 * 1024  # bytes read from a log's end to find its last lines
-
-
-def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
-    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end."""
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        start = max(0, size - TAIL_WINDOW)
-        f.seek(start)
-        data = f.read(size - start)
-    lines = data.decode(errors="replace").splitlines(keepends=True)
-    if start > 0 and lines:
-        lines = lines[1:]  # the first one is cut
-    return lines[-n:] if n > 0 else [], size
-
-
-async def read_lines(path: Path, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
-    """The lines of a log file (the last `tail` ones, if given); with `follow`, wait for it
-    and keep reading as it grows, from its start again when it was rotated (truncated)."""
-    while follow and not path.exists():
-        await asyncio.sleep(0.5)
-    if not path.exists():
-        return
-    offset = 0
-    if tail is not None:
-        lines, offset = tail_lines(path, tail)
-        for line in lines:
-            yield line
-        if not follow:
-            return
-    with open(path, errors="replace") as f:
-        f.seek(offset)
-        while True:
-            line = f.readline()
-            if line:
-                yield line
-            elif follow:
-                await asyncio.sleep(0.2)
-                with contextlib.suppress(OSError):
-                    if os.fstat(f.fileno()).st_size < f.tell():
-                        f.seek(0)  # rotated: the file was copied away and truncated
-            else:
-                return
-
-
-def naming(service: str) -> re.Pattern[str]:
-    """Text that names `service` as a word of its own (`web` and `web/3`, not `web2`)."""
-    return re.compile(rf"(?<![\w.-]){re.escape(service)}(?![\w-])")
-
-
-async def lines_naming(
-    path: Path, service: str, follow: bool, tail: int | None = None
-) -> AsyncIterator[str]:
-    """The lines of a log that name `service` (`logs --controller NAME`): the last `tail` of
-    them if given, then, with `follow`, the new ones as they come."""
-    pattern = naming(service)
-    if tail is None:
-        async for line in read_lines(path, follow):
-            if pattern.search(line):
-                yield line
-        return
-    last: collections.deque[str] = collections.deque(maxlen=tail)
-    async for line in read_lines(path, False):
-        if pattern.search(line):
-            last.append(line)
-    for line in last:
-        yield line
-    if follow:
-        async for line in read_lines(path, True, tail=0):
-            if pattern.search(line):
-                yield line
-
-
-FULL_DISK_TAIL = 4 * 1024 * 1024  # the most of a log's end kept when the disk is full
-FULL_DISK_MIN = 64 * 1024  # on a full disk, logs past this size are rotated, under the cap too
-LOW_DISK_BYTES = 1024 * 1024  # a disk with less room than this is full (for rotate_log)
-
-
-def disk_full(path: Path) -> bool:
-    """Whether the file system of `path` has less than LOW_DISK_BYTES left (for this user)."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < LOW_DISK_BYTES
-
-
-@dataclass(frozen=True)
-class Rotated:
-    """A log that was rotated: its size then, how many bytes of its end `<name>.1` kept, and
-    whether there was no room to copy them first (the log was emptied before they were
-    written back, and only a bounded tail, or nothing, could be kept)."""
-
-    size: int
-    kept: int
-    full_disk: bool
-
-
-def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> int:
-    """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (what it
-    had then: a writer that goes on does not make this longer), or `data`; returns how many
-    bytes it holds."""
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with open(fd, "wb") as out:
-        if data is not None:
-            out.write(data)
-        else:
-            with open(src, "rb") as f:
-                left = os.fstat(f.fileno()).st_size - f.seek(start)
-                while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
-                    out.write(chunk)
-                    left -= len(chunk)
-        out.flush()
-        return out.tell()
-
-
-def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated | None:
-    """Keep a log under `cap_bytes` with its newest lines: past half the cap, its last half
-    cap moves to `<name>.1` (replacing the older half) and the file is truncated in place, so
-    the process writing it (with O_APPEND) carries on. None if it did not need to.
-
-    On a full disk (the copy fails) the log is truncated anyway, since it is what fills the
-    disk or holds the room others need: its end (at most FULL_DISK_TAIL bytes) is read first
-    and written to `<name>.1` once the truncation made room, or dropped if there is none.
-    With `disk_full` (the caller found no room left on the disk, whoever filled it) a log
-    under the cap is rotated too, past FULL_DISK_MIN bytes, keeping half of it.
-    An error that leaves the log as it was (it went away, it cannot be truncated) raises
-    OSError."""
-    half = cap_bytes // 2
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return None
-    if size <= (min(half, FULL_DISK_MIN) if disk_full else half):
-        return None
-    old = path.with_name(path.name + ".1")
-    keep = min(size // 2 if disk_full else size, half)
-    try:
-        kept = _write_tail(path, old, size - keep)
-        os.truncate(path, 0)
-        return Rotated(size, kept, full_disk=False)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-    # No room for the copy: what it wrote goes (that frees room too), the end of the log is
-    # held in memory, the log is emptied, and the end written back if there is room now.
-    with contextlib.suppress(OSError):
-        old.unlink()
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        end = f.tell()
-        f.seek(max(0, end - min(keep, FULL_DISK_TAIL)))
-        tail = f.read()
-    os.truncate(path, 0)
-    try:
-        kept = _write_tail(path, old, 0, tail)
-    except OSError:
-        kept = 0
-        with contextlib.suppress(OSError):
-            old.unlink()
-    return Rotated(max(size, end), kept, full_disk=True)

@@ -10,7 +10,8 @@ prober reach the replica at that second address.
 Names derive from the launch token (and the home's id), so terminate-by-token, recovery and
 the orphan sweep find a replica's namespace with no other record. Needs root and iproute2.
 A normal user gets the other way, an unprivileged user namespace per replica joined by a relay
-(fleetserve.infra.userns); `kind` says which one this process can use.
+(fleetserve.infra.userns); fleetserve.oshelpers.netcaps.kind says which one this process
+can use.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import hashlib
 import ipaddress
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -30,12 +30,10 @@ import psutil
 
 from fleetserve.core.errors import TerminalError
 from fleetserve.infra import userns
+from fleetserve.oshelpers.netcaps import kind, veth_available
 
 DEFAULT_RANGE = "10.231.0.0/16"
 RANGE_ENV = "FLEETSERVE_REPLICA_NET"
-MODE_ENV = "FLEETSERVE_REPLICA_NETNS"
-# auto: veth pairs as root, else an unprivileged user namespace with a relay (infra.userns)
-MODES = ("auto", "veth", "userns")
 _NS_PREFIX = "fleetserve-"
 _HOST_PREFIX = "fsh"  # interface names are at most 15 characters
 _PEER_PREFIX = "fsr"
@@ -154,23 +152,6 @@ def lasting_collisions(
 # -- I/O: iproute2 -----------------------------------------------------------------------------
 
 
-def available() -> bool:
-    """Whether this process may make namespaces (root, with iproute2 installed)."""
-    return os.geteuid() == 0 and shutil.which("ip") is not None
-
-
-def kind(mode: str = "auto") -> str | None:
-    """How this process gives a replica a network of its own: "veth" (root), "userns" (an
-    unprivileged user namespace and a relay), or None when it cannot."""
-    if mode not in MODES:
-        raise TerminalError(f"{MODE_ENV}={mode!r}: use one of {', '.join(MODES)}")
-    if mode in ("auto", "veth") and available():
-        return "veth"
-    if mode in ("auto", "userns") and userns.available():
-        return "userns"
-    return None
-
-
 def _ip(*args: str, check: bool = True) -> str:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if check and proc.returncode != 0:
@@ -247,7 +228,7 @@ class ReplicaNetworks:
 
     def may_exist(self) -> bool:
         """Whether this controller could have made named namespaces at all."""
-        return available()
+        return veth_available()
 
     def kind(self) -> str | None:
         return kind(self.mode)
@@ -258,7 +239,7 @@ class ReplicaNetworks:
         (started with `env`, the replica's, so that stopping the replica by its token stops it
         too), else through the veth (routed only as far as this machine forwards it). Anything
         half made is removed on failure."""
-        if not available():
+        if not veth_available():
             raise TerminalError(REFUSAL)
         net = parse_range(self.range_text)
         bad = lasting_collisions(net, _routes)

@@ -29,7 +29,7 @@ import signal
 import socket
 import subprocess
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,34 @@ from fleetserve.core.errors import TerminalError, TransientError
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.jobs import JobRequest, WorkerBroken
 from fleetserve.infra.missing import TAIL_BYTES, missing_commands, offline, what_is_missing
+from fleetserve.infra.replica import (
+    ReplicaLayout,
+    create_replica_dir,
+    replica_env,
+    replica_layout,
+)
 from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 NAMESPACE = "fleetserve"
 ACTOR_PREFIX = "fs-"
+
+
+def node_env(
+    req: dict[str, Any], port: int, node_ip: str, base: Mapping[str, str]
+) -> dict[str, str]:
+    """A replica's environment on its node (fleetserve.infra.replica.replica_env, from the Ray
+    worker's own `base`), its node's address in SkyPilot's variables."""
+    env = replica_env(
+        base,
+        envs=req["envs"],
+        port=port,
+        service=req["service"],
+        replica_id=int(req["replica_id"]),
+        version=int(req["version"]),
+        task=req.get("task_env", {}),
+    )
+    env[NODE_IPS] = env[SETUP_NODE_IPS] = node_ip
+    return env
 
 
 class ReplicaProcess:
@@ -52,51 +76,41 @@ class ReplicaProcess:
         self.dir: Path | None = None
         self.jobs: dict[int, subprocess.Popen[bytes]] = {}  # a pool worker's jobs
 
-    def start(self, req: dict[str, Any]) -> dict[str, Any]:
-        import ray
-
-        rdir = self.root / req["service"] / str(req["replica_id"])
-        shutil.rmtree(rdir, ignore_errors=True)
+    def prepare(self, req: dict[str, Any]) -> ReplicaLayout:
+        """The replica's folder on this node (fleetserve.infra.replica); TerminalError for a
+        workdir that is not a directory here (it is copied from the same path as on the
+        controller's machine: docs/ray.md)."""
+        layout = replica_layout(self.root, req["service"], int(req["replica_id"]))
         # Copies of workdirs and replica logs are readable by the node's Ray user only.
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.root.chmod(0o700)
-        workdir = rdir / "workdir"
         src = req.get("workdir")
-        if src and Path(src).is_dir():
-            shutil.copytree(src, workdir, symlinks=True)
-        else:
-            workdir.mkdir(parents=True)
-        (rdir / "setup.sh").write_text(req.get("setup") or "")
-        (rdir / "run.sh").write_text(req["run"])
+        create_replica_dir(
+            layout, run=req["run"], setup=req.get("setup"), workdir=Path(src) if src else None
+        )
+        return layout
+
+    def start(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Prepare and start the replica; {"refused": why} when its folder cannot be made
+        (a plain answer: the controller raises it as the launch's TerminalError)."""
+        try:
+            layout = self.prepare(req)
+        except TerminalError as e:
+            return {"refused": e.message}
+        import ray
+
         port = req.get("port")
         if port is None:
             with socket.socket() as s:
                 s.bind(("", 0))
                 port = s.getsockname()[1]
-        env = dict(os.environ)
-        env.update(req["envs"])
-        env.update(
-            {
-                "PORT": str(port),
-                # cache_aware's precise mode: where the replica publishes its KV cache events
-                # (the load balancer derives them from its URL: fleetserve.lb.kv_events).
-                "FLEETSERVE_KV_EVENTS_PORT": str(port + 1),
-                "FLEETSERVE_KV_EVENTS_REPLAY_PORT": str(port + 2),
-                "FLEETSERVE_REPLICA_ID": str(req["replica_id"]),
-                "SKYPILOT_SERVE_REPLICA_ID": str(req["replica_id"]),
-                "FLEETSERVE_SERVICE": req["service"],
-                "FLEETSERVE_VERSION": str(req["version"]),
-                "PYTHONUNBUFFERED": "1",
-                # SkyPilot's task variables (fleetserve.spec.task_env), on this node.
-                **req.get("task_env", {}),
-            }
-        )
         node_ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        env[NODE_IPS] = env[SETUP_NODE_IPS] = node_ip
+        env = node_env(req, port, node_ip, os.environ)
+        rdir = layout.dir
         d = shlex.quote(str(rdir))
         script = (
-            f"cd {shlex.quote(str(workdir))} && bash {d}/setup.sh && : > {d}/setup.done "
-            f"&& exec bash {d}/run.sh"
+            f"cd {shlex.quote(str(layout.workdir))} && bash {d}/setup.sh && "
+            f": > {shlex.quote(str(layout.setup_done))} && exec bash {d}/run.sh"
         )
         log = os.fdopen(
             os.open(rdir / "replica.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab"
@@ -120,7 +134,7 @@ class ReplicaProcess:
         """["SETUP" | "RUNNING" | "EXITED", exit code, setup finished]."""
         assert self.proc is not None and self.dir is not None
         code = self.proc.poll()
-        done = (self.dir / "setup.done").exists()
+        done = ReplicaLayout(self.dir).setup_done.exists()
         if code is not None:
             return ["EXITED", code, done]
         return ["RUNNING" if done else "SETUP", None, done]
@@ -344,6 +358,29 @@ class RayInfra:
             for z in sorted(zones)
         ] or [Location(zone=ANY_ZONE, region="ray", spot_capable=any_spot)]
 
+    @staticmethod
+    def start_request(request: LaunchRequest, options: dict[str, Any]) -> dict[str, Any]:
+        """What the replica's actor gets to start it (`ReplicaProcess.start`)."""
+        return {
+            "service": request.service,
+            "replica_id": request.replica_id,
+            "version": request.version,
+            "run": request.run,
+            "setup": request.setup,
+            "envs": request.envs,
+            "workdir": str(request.workdir) if request.workdir else None,
+            "port": request.port,
+            # The GPUs Ray reserves for the actor (rounded up, as SkyPilot counts them).
+            "task_env": task_env(
+                "",
+                math.ceil(float(options.get("num_gpus", request.gpus))),
+                f"{request.service}-{request.replica_id}",
+                "ray",
+                None,
+                request.zone,
+            ),
+        }
+
     async def launch(self, request: LaunchRequest) -> Launched:
         ray = await self._ray()
         name = ACTOR_PREFIX + request.launch_token
@@ -365,28 +402,15 @@ class RayInfra:
             custom.pop("spot", None)
         options["resources"] = custom
         actor = self._actor_cls.options(**options).remote(self.root)
-        req = {
-            "service": request.service,
-            "replica_id": request.replica_id,
-            "version": request.version,
-            "run": request.run,
-            "setup": request.setup,
-            "envs": request.envs,
-            "workdir": str(request.workdir) if request.workdir else None,
-            "port": request.port,
-            # The GPUs Ray reserves for the actor (rounded up, as SkyPilot counts them).
-            "task_env": task_env(
-                "",
-                math.ceil(float(options.get("num_gpus", request.gpus))),
-                f"{request.service}-{request.replica_id}",
-                "ray",
-                None,
-                request.zone,
-            ),
-        }
+        req = self.start_request(request, options)
         try:
             # Scheduling waits for a node with the resources (Ray's autoscaler may add one).
             info = await asyncio.to_thread(ray.get, actor.start.remote(req))
+            if "refused" in info:
+                raise TerminalError(
+                    f"{info['refused']} on the Ray node given replica {request.replica_id} "
+                    "(a workdir is copied there from the same path: docs/ray.md)"
+                )
             while True:
                 kind, code, done = await self._call(ray, actor.state.remote())
                 if kind == "RUNNING":

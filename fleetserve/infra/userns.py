@@ -20,7 +20,9 @@ processes result, all with the replica's environment (and so its launch token):
   outer   (this machine's network) starts slirp4netns, then waits for `inner`, exits with its code
   inner   (the new namespaces) the relay; exits with the replica's code when the replica ends
   replica COMMAND, started by inner
-`--probe` exits 0 when a user + network namespace can be made here.
+`--probe` exits 0 when a user + network namespace can be made here (what
+fleetserve.oshelpers.netcaps.userns_available asks). This module imports nothing of
+fleetserve: it runs on its own (tests/e2e/test_userns_fleet.py runs a copy as `nobody`).
 """
 
 from __future__ import annotations
@@ -73,22 +75,6 @@ def enter_namespaces() -> None:
         req = struct.pack(_IFREQ, b"lo", 0)
         flags = struct.unpack(_IFREQ, fcntl.ioctl(s, _SIOCGIFFLAGS, req))[1]
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
-
-
-@functools.cache
-def available() -> bool:
-    """Whether this user may make a user + network namespace here (kernel settings, AppArmor
-    and seccomp policies all decide it, so it is tried, once, in a child process)."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "fleetserve.infra.userns", "--probe"],
-            capture_output=True,
-            timeout=20,
-            cwd="/",
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return proc.returncode == 0
 
 
 def outbound_tool() -> str | None:

@@ -101,7 +101,7 @@ Action = SetStatus | Terminate | CreateReplicas | StartLaunch | DeleteRow
 @dataclass(frozen=True)
 class FleetPlan:
     actions: list[Action]
-    scaling_stopped: bool = False
+    # Set when launches stopped (a crash loop): why, shown as the service's failure reason.
     failure_reason: str | None = None
     rollout_complete: bool = True  # only the active version is left
     switch_traffic: bool = False  # blue-green: the active version takes all traffic now
@@ -312,7 +312,6 @@ def plan_fleet(
         actions.append(DeleteRow(r.replica_id))
     return FleetPlan(
         actions,
-        scaling_stopped=stopped,
         failure_reason=reason,
         rollout_complete=rs.complete,
         switch_traffic=rs.switch,

@@ -325,19 +325,3 @@ def _act(
             group.sort(key=lambda r: (r.ready_at <= t, -r.launched))
             for r in group[: len(group) - keep]:
                 fleet.remove(r)
-
-
-def format_table(runs: list[SpotRun], trace: SpotTrace) -> str:
-    lines = [
-        f"spot trace {trace.name}: {len(trace.zones)} zones, {trace.seconds / 86400:.1f} days",
-        f"{'policy':<18}{'cost vs OD':>11}{'avail':>9}{'over cap':>10}{'preempt':>9}"
-        f"{'launches':>10}{'failed':>8}{'spot':>7}",
-    ]
-    for r in runs:
-        d = r.as_dict()
-        lines.append(
-            f"{r.policy:<18}{d['relative_cost']:>11.3f}{100 * r.availability:>8.2f}%"
-            f"{100 * r.over_capacity_share:>9.2f}%{r.preemptions:>9}{r.launches:>10}"
-            f"{r.failed_launches:>8}{100 * float(d['spot_share']):>6.0f}%"
-        )
-    return "\n".join(lines)

@@ -1,8 +1,9 @@
 """Persistence: SQLAlchemy 2 tables on SQLite (WAL), migrated with Alembic.
 
-`Store` is imported on first use: the CLI reads `fleetserve.store.url` (through the settings)
-and never opens a store, while the store's module brings in Alembic, which every CLI command
-(`fleetserve status`) then paid for at its start."""
+`Store` is imported on first use: the controller's settings read `fleetserve.store.url`
+without opening a store, and the store's module brings in Alembic, which every importer of
+this package would otherwise pay for at its start. (The CLI and the SDK import nothing of the
+store: the import contract in pyproject.toml.)"""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from fleetserve.infra.local import free_port, port_free
 from fleetserve.lb.kv_events import KvEventsFollower, KvEventsSettings
 from fleetserve.lb.prompt_tokens import PromptTokenizer
+from fleetserve.oshelpers.ports import free_port, port_free
 from fleetserve.policies.kv_index import KvIndex, Trust, token_block_keys
 from tests.e2e.vllm_testbed import vllm_testbed
 

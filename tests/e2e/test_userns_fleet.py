@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from fleetserve.infra import userns
+from fleetserve.oshelpers import netcaps
 from tests.e2e.conftest import Fleet
 from tests.e2e.fixed_port import FIXED, SERVER
 from tests.e2e.test_service_lifecycle import get, up
@@ -46,7 +47,7 @@ def _host_address() -> str | None:
 def test_a_fixed_port_fleet_in_user_namespaces_serves_heals_and_leaves_nothing(
     fleet: Fleet,
 ) -> None:
-    if not userns.available():  # CI's machine allows them; say so loudly where it does not
+    if not netcaps.userns_available():  # CI's machine allows them; say so loudly where it does not
         pytest.fail("this machine does not allow user namespaces", pytrace=False)
     fleet.env["FLEETSERVE_REPLICA_NETNS"] = "userns"
     (fleet.workdir / "fixed.py").write_text(SERVER)
@@ -137,7 +138,7 @@ def test_nobody_runs_two_replicas_on_port_8080_without_privilege() -> None:
     """The mechanism as a normal user: `nobody` (no capability at all) starts two replicas that
     both bind 8080, each reached at its own loopback port, one with an outbound link
     (slirp4netns) and one without; nothing is left after a kill."""
-    if not userns.available():
+    if not netcaps.userns_available():
         pytest.fail("this machine does not allow user namespaces", pytrace=False)
     work = Path(tempfile.mkdtemp(prefix="fs-userns-"))
     try:
@@ -225,7 +226,7 @@ def test_two_fixed_port_services_started_at_once_one_broken_in_user_namespaces(
 ) -> None:
     """Both fix port 8080 (namespaced, so both may): the healthy one serves from each of its
     replicas while the broken one's replicas exit; the broken one is reported, not the other."""
-    if not userns.available():
+    if not netcaps.userns_available():
         pytest.fail("this machine does not allow user namespaces", pytrace=False)
     fleet.env["FLEETSERVE_REPLICA_NETNS"] = "userns"
     (fleet.workdir / "fixed.py").write_text(SERVER)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fleetserve.controller.home import secure_home
+from fleetserve.home.folder import secure_home
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock, SystemClock
 from fleetserve.core.errors import StorageFull
 from fleetserve.core.types import ReplicaStatus
-from fleetserve.infra.local import FULL_DISK_TAIL, rotate_log
+from fleetserve.oshelpers.files import FULL_DISK_TAIL, rotate_log
 
 from .fakes import FakeInfra, FakeLb, create_service, handle_of, service_yaml
 

@@ -29,8 +29,7 @@ from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ServicePhase, ServiceRecord
 from fleetserve.infra.host import HOST_ID_ENV
-from fleetserve.infra.local import HOME_ID_ENV
-from fleetserve.infra.procs import started
+from fleetserve.oshelpers.procs import HOME_ID_ENV, started
 from fleetserve.store import Store
 
 from .fakes import FakeInfra, FakeLb, create_service, service_yaml, settle

@@ -17,8 +17,9 @@ from fleetserve.controller.lb_manager import LB_SERVICE_ENV, LbManager
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServicePhase, ServiceRecord
-from fleetserve.infra.local import HOME_ID_ENV, free_port
 from fleetserve.lb.messages import LoadReport
+from fleetserve.oshelpers.ports import free_port
+from fleetserve.oshelpers.procs import HOME_ID_ENV
 
 HOME_ID = "h0me1d"
 

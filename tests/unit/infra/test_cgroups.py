@@ -22,7 +22,7 @@ from fleetserve.infra.base import InstanceKind, LaunchRequest
 from fleetserve.infra.cgroups import Cgroups, own_cgroup, replica_name
 from fleetserve.infra.jobs import JobHandle, JobRequest
 from fleetserve.infra.local import TOKEN_ENV, LocalHandle, LocalInfra, processes_with_token
-from fleetserve.infra.procs import find_process, started
+from fleetserve.oshelpers.procs import find_process, started
 from tests.escapees import SHAPES, Escapees, escapees, escaping
 
 __all__ = ["escapees"]  # the fixture

@@ -280,7 +280,7 @@ async def test_an_upgraded_home_adopts_the_replicas_started_before_home_ids(
 def test_port_free_checks_the_address_the_listener_will_bind() -> None:
     import socket
 
-    from fleetserve.infra.local import port_free
+    from fleetserve.oshelpers.ports import port_free
 
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))
@@ -364,7 +364,7 @@ async def test_a_fixed_port_held_only_by_time_wait_connections_is_free_for_the_n
 ) -> None:
     """A service on a fixed port taken down, then another on it at once: no listener is
     left, only TIME_WAIT connections, and a server that binds as servers do gets the port."""
-    from fleetserve.infra.local import fixed_port_taken, listeners_on, port_free
+    from fleetserve.oshelpers.ports import fixed_port_taken, listeners_on, port_free
 
     port = time_wait_only_port()
     assert not port_free(port, "0.0.0.0") and listeners_on(port) == []  # the situation
@@ -379,7 +379,7 @@ async def test_a_fixed_port_held_only_by_time_wait_connections_is_free_for_the_n
 
 
 def test_a_listener_on_another_address_still_takes_a_fixed_port() -> None:
-    from fleetserve.infra.local import fixed_port_taken
+    from fleetserve.oshelpers.ports import fixed_port_taken
 
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))  # the server would bind 0.0.0.0, which includes it

@@ -17,11 +17,11 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from fleetserve.infra.local import free_port, port_free
 from fleetserve.lb.build import make_proxy
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.messages import RoutableReplica
 from fleetserve.lb.prompt_tokens import LoopTokenizer, PromptTokenizer
+from fleetserve.oshelpers.ports import free_port, port_free
 from fleetserve.policies.cache_aware_precise import PreciseCacheAware
 from fleetserve.policies.kv_index import Trust
 from fleetserve.spec.models import LoadBalancerOptions

@@ -148,7 +148,7 @@ def test_scale_down_order_helper() -> None:
 def test_crash_loop_stops_launches_and_says_why() -> None:
     failed = [rep(i, R.FAILED, reason=f"replica process exited with code {i}") for i in range(1, 4)]
     plan = plan_fleet(failed, {}, settings(target_replicas=1), T0)
-    assert plan.scaling_stopped
+    assert plan.failure_reason is not None  # launches stopped
     assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
     assert plan.failure_reason is not None and "exited with code 3" in plan.failure_reason
 
@@ -156,7 +156,7 @@ def test_crash_loop_stops_launches_and_says_why() -> None:
 def test_a_version_that_once_was_ready_keeps_being_replaced() -> None:
     failed = [rep(i, R.FAILED, first_ready_at=T0) for i in range(1, 4)]
     plan = plan_fleet(failed, {}, settings(target_replicas=1), T0)
-    assert not plan.scaling_stopped
+    assert plan.failure_reason is None
     assert CreateReplicas(1) in plan.actions
 
 
@@ -191,7 +191,7 @@ def test_a_failure_this_round_and_one_being_torn_down_count_towards_the_crash_lo
         rep(3, R.STARTING),
     ]
     plan = plan_fleet(replicas, {3: gone}, settings(target_replicas=1), T0)
-    assert plan.scaling_stopped
+    assert plan.failure_reason is not None  # launches stopped
     assert not any(isinstance(a, CreateReplicas) for a in plan.actions)
     assert plan.failure_reason is not None
     assert "replica 3: replica process exited with code 4" in plan.failure_reason
@@ -217,7 +217,7 @@ def test_replacements_of_a_never_ready_version_stay_within_the_crash_loop_limit(
     two_failed = [rep(1, R.FAILED), rep(2, R.FAILED)]
     plan = plan_fleet(two_failed, {}, settings(target_replicas=2), T0)
     assert [a for a in plan.actions if isinstance(a, CreateReplicas)] == [CreateReplicas(1)]
-    assert not plan.scaling_stopped
+    assert plan.failure_reason is None
     # While that one is launching, no other is created.
     launching = [*two_failed, rep(3, R.PROVISIONING)]
     plan = plan_fleet(launching, {}, settings(target_replicas=2), T0)

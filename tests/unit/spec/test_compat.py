@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleetserve.controller.admission import check_deployable
 from fleetserve.spec import parse_spec
+from fleetserve.spec.admission import check_deployable
 from fleetserve.spec.compat import compat_errors, compat_warnings
 
 HEAD = "service:\n  readiness_probe: /\nrun: python -m http.server $PORT\n"

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.controller import admission
-from fleetserve.controller.admission import check_deployable, resolve_paths, service_name
 from fleetserve.controller.executor import launch_request
 from fleetserve.core.errors import InvalidSpec, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ReplicaRecord
 from fleetserve.infra.git import GitSource
+from fleetserve.oshelpers import netcaps
+from fleetserve.spec import admission
+from fleetserve.spec.admission import check_deployable, resolve_paths, service_name
 from fleetserve.spec.loader import parse_spec
 
 BASE = "run: python3 server.py\nservice:\n  readiness_probe: /health\n  replicas: 1\n"
@@ -72,8 +73,8 @@ FIXED = "service:\n  readiness_probe: /h\n  ports: 8080\n  replicas: {n}\nrun: p
 def test_a_fixed_port_fleet_needs_namespaces_and_says_so_without_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(admission.netns, "available", lambda: False)
-    monkeypatch.setattr(admission.netns.userns, "available", lambda: False)
+    monkeypatch.setattr(netcaps, "veth_available", lambda: False)
+    monkeypatch.setattr(netcaps, "userns_available", lambda: False)
     with pytest.raises(InvalidSpec, match="needs root and iproute2") as e:
         admission.check_deployable(parse_spec(FIXED.format(n=3)))
     assert "$PORT" in e.value.message and "unprivileged user namespaces" in e.value.message
@@ -85,8 +86,8 @@ def test_a_fixed_port_fleet_needs_namespaces_and_says_so_without_them(
 def test_a_fixed_port_fleet_is_accepted_where_namespaces_can_be_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(admission.netns, "available", lambda: True)
-    monkeypatch.setattr(admission.netns.userns, "available", lambda: False)
+    monkeypatch.setattr(netcaps, "veth_available", lambda: True)
+    monkeypatch.setattr(netcaps, "userns_available", lambda: False)
     admission.check_deployable(parse_spec(FIXED.format(n=3)))
     with pytest.raises(InvalidSpec, match="FLEETSERVE_REPLICA_NETNS=userns"):
         admission.check_deployable(parse_spec(FIXED.format(n=3)), "local", "userns")
@@ -95,17 +96,17 @@ def test_a_fixed_port_fleet_is_accepted_where_namespaces_can_be_made(
 def test_a_normal_user_gets_user_namespaces_for_a_fixed_port_fleet(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(admission.netns, "available", lambda: False)  # not root
-    monkeypatch.setattr(admission.netns.userns, "available", lambda: True)
+    monkeypatch.setattr(netcaps, "veth_available", lambda: False)  # not root
+    monkeypatch.setattr(netcaps, "userns_available", lambda: True)
     admission.check_deployable(parse_spec(FIXED.format(n=3)))
-    assert admission.netns.kind("auto") == "userns"
+    assert netcaps.kind("auto") == "userns"
     with pytest.raises(InvalidSpec, match="neither is possible"):
         admission.check_deployable(parse_spec(FIXED.format(n=3)), "local", "veth")
 
 
 def test_an_unknown_replica_netns_mode_is_named() -> None:
     with pytest.raises(TerminalError, match="FLEETSERVE_REPLICA_NETNS='bridge'"):
-        admission.netns.kind("bridge")
+        netcaps.kind("bridge")
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from fleetserve.core.errors import FleetserveError
-from fleetserve.infra.procs import started_as
+from fleetserve.oshelpers.procs import started_as
 
 TOKEN_BYTES = 32
 # Entries whose contents are trusted or written: checked one level down (and logs two).

@@ -9,8 +9,8 @@ import time
 import psutil
 import pytest
 
-from fleetserve.infra import procs
-from fleetserve.infra.procs import find_process, started, started_as
+from fleetserve.oshelpers import procs
+from fleetserve.oshelpers.procs import find_process, started, started_as
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """What `up` checks beyond the YAML's own rules: can this infra run this service, and where
-do its relative paths point."""
+do its relative paths point. The controller checks them at `up` and `update`; `fleetserve
+validate` predicts them (deploy_problems) on the CLI's machine."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from fleetserve.core.errors import InvalidSpec
-from fleetserve.infra import netns
+from fleetserve.oshelpers import netcaps
 from fleetserve.spec.compat import compat_errors
 from fleetserve.spec.loader import require_values
 from fleetserve.spec.models import FLEETSERVE_INFRAS, ServiceTask, WorkdirGit
@@ -93,12 +94,12 @@ def _infra_rules(spec: ServiceTask, infra: str, netns_mode: str) -> None:
     _lo, hi = spec.service.replica_bounds()
     port = spec.replica_port()
     local = (wanted or infra).split("/")[0] == "local"
-    if local and port is not None and hi > 1 and netns.kind(netns_mode) is None:
+    if local and port is not None and hi > 1 and netcaps.kind(netns_mode) is None:
         raise InvalidSpec(
             f"the spec fixes port {port} and asks for up to {hi} replicas: on the local infra "
             f"each replica then runs in a network namespace of its own, which needs root and "
             f"iproute2 (`ip netns`) or, as a normal user, unprivileged user namespaces, and "
-            f"neither is possible here ({netns.MODE_ENV}={netns_mode}), so port {port} can be "
+            f"neither is possible here ({netcaps.MODE_ENV}={netns_mode}), so port {port} can be "
             "bound only once. Run the controller as root, allow user namespaces (sysctl "
             "kernel.unprivileged_userns_clone=1), or remove `ports` (from service and resources) "
             "and make the run command listen on $PORT, which fleetserve sets to a free port for "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.controller.home import UnsafeHome, ensure_token, secure_home
+from fleetserve.home.folder import UnsafeHome, ensure_token, secure_home
 
 NOBODY = 65534
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to nobody")
@@ -81,8 +81,8 @@ def test_every_running_controller_of_a_home_is_found_whatever_its_kind(tmp_path:
 
     import psutil
 
-    from fleetserve.controller.home import running_controllers
-    from fleetserve.infra.procs import started
+    from fleetserve.home.folder import running_controllers
+    from fleetserve.oshelpers.procs import started
 
     home = tmp_path / "home"
     home.mkdir()
@@ -113,7 +113,7 @@ def test_every_running_controller_of_a_home_is_found_whatever_its_kind(tmp_path:
 
 
 def test_a_controller_is_reached_where_it_listens() -> None:
-    from fleetserve.controller.home import local_url
+    from fleetserve.home.folder import local_url
 
     assert local_url("https", "0.0.0.0", 1) == "https://127.0.0.1:1"
     assert local_url("http", "127.0.0.2", 2) == "http://127.0.0.2:2"

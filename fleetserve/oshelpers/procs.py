@@ -1,5 +1,6 @@
 """Processes of replicas, jobs and load balancers on this machine: start one in a session of
-its own, find them by what their environment carries, stop them (SIGTERM, then SIGKILL)."""
+its own, find them by what their environment carries, stop them (SIGTERM, then SIGKILL), and
+the one rule that says which home a process belongs to (`of_home`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import psutil
+
+# Every process a controller starts (replicas, jobs, load balancers) carries its home's id.
+HOME_ID_ENV = "FLEETSERVE_HOME_ID"
 
 
 def spawn_session(
@@ -120,3 +124,40 @@ def stop_processes(procs: list[psutil.Process], grace: float) -> list[psutil.Pro
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     return _wait_gone(alive, 5)
+
+
+def of_home(env: Mapping[str, str], home_id: str, legacy_home: str | None = None) -> bool:
+    """Whether a process environment belongs to this home: it carries the home's id, or (with
+    `legacy_home`, a database upgraded from before home ids) no home id at all and that home
+    path. The one ownership rule: replicas, jobs and load balancers are adopted, stopped and
+    swept by it."""
+    if env.get(HOME_ID_ENV) == home_id:
+        return True
+    return (
+        legacy_home is not None
+        and HOME_ID_ENV not in env
+        and env.get("FLEETSERVE_HOME") == legacy_home
+    )
+
+
+def owned_by(p: psutil.Process, home_id: str, legacy_home: str | None = None) -> bool:
+    """Whether the process belongs to this home (`of_home`; another user's process never does:
+    its environment cannot be read)."""
+    try:
+        env = p.environ()
+    except (psutil.Error, OSError):
+        return False
+    return of_home(env, home_id, legacy_home)
+
+
+def process_alive(
+    pid: int | None,
+    create_time: float | None,
+    home_id: str | None = None,
+    legacy_home: str | None = None,
+) -> bool:
+    """Whether that process still runs (and, given `home_id`, was started by that home)."""
+    if pid is None or create_time is None:
+        return False
+    p = find_process(pid, create_time)
+    return p is not None and (home_id is None or owned_by(p, home_id, legacy_home))

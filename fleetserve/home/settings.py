@@ -1,0 +1,168 @@
+"""The settings every process of a home shares, read from the environment (FLEETSERVE_*): where
+the home is, where its controller's API listens and how (TLS, allowed hosts), where its store
+is, and whether several controllers share it (high availability). The CLI and the SDK read
+these alone (`HomeSettings`); the controller's own settings (fleetserve.controller.settings)
+add the rest, which the controller checks when it starts."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetserve.core.errors import InvalidSpec
+
+DEFAULT_API_PORT = 46580
+
+
+def fleetserve_home(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("FLEETSERVE_HOME") or Path.home() / ".fleetserve").expanduser()
+
+
+# A number as people write one in ASCII (Python's float() also takes '1_0', ' 5', 'inf', 'nan'
+# and other scripts' digits, none of which a setting should mean).
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def env_number(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if not _NUMBER.fullmatch(raw):
+        raise InvalidSpec(f"{name}={raw[:40]!r} is not a number")
+    return float(raw)
+
+
+def env_bounded(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    value = env_number(env, name, default)
+    if not lo <= value <= hi:
+        raise InvalidSpec(f"{name}={env.get(name, '')[:40]} is out of range: {lo:g} to {hi:g}")
+    return value
+
+
+def env_whole(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if not re.fullmatch(r"[0-9]{1,9}", raw):
+        raise InvalidSpec(f"{name}={raw[:40]!r} is not a whole number")
+    if not lo <= int(raw) <= hi:
+        raise InvalidSpec(f"{name}={raw} is out of range: {lo} to {hi}")
+    return int(raw)
+
+
+def env_flag(env: Mapping[str, str], name: str) -> bool:
+    raw = (env.get(name) or "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise InvalidSpec(f"{name}={raw!r}: use 1 or 0")
+
+
+def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """One of `choices` (the first when unset)."""
+    raw = (env.get(name) or "").strip().lower() or choices[0]
+    if raw not in choices:
+        raise InvalidSpec(f"{name}={raw!r}: use {' or '.join(choices)}")
+    return raw
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+@dataclass(frozen=True)
+class HomeSettings:
+    home: Path
+    api_port: int = DEFAULT_API_PORT
+    # Where the REST API listens. Anything but loopback needs TLS (a cert and key) and, like
+    # every call but /health, the token.
+    api_host: str = "127.0.0.1"
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides loopback ones
+    # The store (docs/scaling.md): PostgreSQL at FLEETSERVE_DB_URL (kept out of repr: it may
+    # hold a password), or at the URL in the 0600 file FLEETSERVE_DB_URL_FILE (read by the
+    # controller only, see Settings.store_url); neither: SQLite at db_path.
+    db_url: str | None = field(default=None, repr=False)
+    db_url_file: Path | None = None
+    # High availability (docs/scaling.md): several controllers on one database, one active
+    # through a lease, the others standbys that take over.
+    ha: bool = False
+
+    @classmethod
+    def from_env(cls) -> HomeSettings:
+        return cls(**home_fields(os.environ))
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "fleetserve.db"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def server_file(self) -> Path:
+        """Where the running controller says who it is. With high availability several
+        controllers share a home, one API port each: one file (and lock) per port."""
+        return self.home / (f"server-{self.api_port}.json" if self.ha else "server.json")
+
+    @property
+    def controller_log(self) -> Path:
+        """The controller's log; one per API port with high availability."""
+        name = f"controller-{self.api_port}.log" if self.ha else "controller.log"
+        return self.logs_dir / name
+
+    @property
+    def lock_file(self) -> Path:
+        return self.home / (f"server-{self.api_port}.lock" if self.ha else "server.lock")
+
+    @property
+    def token_file(self) -> Path:
+        """The API token (0600): the CLI and SDK of this user read it."""
+        return self.home / "api-token"
+
+    @property
+    def api_scheme(self) -> str:
+        return "https" if self.tls_certfile else "http"
+
+    def check_exposure(self) -> None:
+        """An API beyond loopback only with TLS: the token must not cross a network in clear."""
+        if is_loopback(self.api_host):
+            return
+        if not (self.tls_certfile and self.tls_keyfile):
+            raise InvalidSpec(
+                f"listening on {self.api_host} needs TLS: pass --tls-cert and --tls-key "
+                "(clients then need the token, and the CA file if the cert is private)"
+            )
+        for path in (self.tls_certfile, self.tls_keyfile):
+            if not Path(path).is_file():
+                raise InvalidSpec(f"TLS file {path} does not exist")
+
+
+def home_fields(env: Mapping[str, str]) -> dict[str, Any]:
+    """HomeSettings' fields from an environment (the controller's Settings reads them so too)."""
+    return {
+        "home": fleetserve_home(env),
+        "api_port": int(env_number(env, "FLEETSERVE_API_PORT", DEFAULT_API_PORT)),
+        "api_host": env.get("FLEETSERVE_API_HOST") or "127.0.0.1",
+        "tls_certfile": env.get("FLEETSERVE_TLS_CERTFILE") or None,
+        "tls_keyfile": env.get("FLEETSERVE_TLS_KEYFILE") or None,
+        "allowed_hosts": tuple(
+            h.strip() for h in env.get("FLEETSERVE_ALLOWED_HOSTS", "").split(",") if h.strip()
+        ),
+        "db_url": env.get("FLEETSERVE_DB_URL") or None,
+        "db_url_file": Path(env["FLEETSERVE_DB_URL_FILE"])
+        if env.get("FLEETSERVE_DB_URL_FILE")
+        else None,
+        "ha": env_flag(env, "FLEETSERVE_HA"),
+    }

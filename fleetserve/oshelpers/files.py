@@ -1,0 +1,191 @@
+"""Private files and logs: opening one for appending (owner-only), reading a log's lines (its
+tail, following it as it grows or is rotated, those naming a service), and rotating a log
+under a cap, also on a full disk. Used by the controller (its log, the replicas' and load
+balancers' logs), the API (`logs`), the SDK (the controller's log) and the local infra."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import os
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def open_private(path: Path) -> int:
+    """A file descriptor appending to `path`, created readable by its owner only. Logs are
+    appended to, never truncated: a failed start must not wipe a running process's log."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+TAIL_WINDOW = 256 * 1024  # bytes read from a log's end to find its last lines
+
+
+def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
+    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        start = max(0, size - TAIL_WINDOW)
+        f.seek(start)
+        data = f.read(size - start)
+    lines = data.decode(errors="replace").splitlines(keepends=True)
+    if start > 0 and lines:
+        lines = lines[1:]  # the first one is cut
+    return lines[-n:] if n > 0 else [], size
+
+
+async def read_lines(path: Path, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
+    """The lines of a log file (the last `tail` ones, if given); with `follow`, wait for it
+    and keep reading as it grows, from its start again when it was rotated (truncated)."""
+    while follow and not path.exists():
+        await asyncio.sleep(0.5)
+    if not path.exists():
+        return
+    offset = 0
+    if tail is not None:
+        lines, offset = tail_lines(path, tail)
+        for line in lines:
+            yield line
+        if not follow:
+            return
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        while True:
+            line = f.readline()
+            if line:
+                yield line
+            elif follow:
+                await asyncio.sleep(0.2)
+                with contextlib.suppress(OSError):
+                    if os.fstat(f.fileno()).st_size < f.tell():
+                        f.seek(0)  # rotated: the file was copied away and truncated
+            else:
+                return
+
+
+def naming(service: str) -> re.Pattern[str]:
+    """Text that names `service` as a word of its own (`web` and `web/3`, not `web2`)."""
+    return re.compile(rf"(?<![\w.-]){re.escape(service)}(?![\w-])")
+
+
+async def lines_naming(
+    path: Path, service: str, follow: bool, tail: int | None = None
+) -> AsyncIterator[str]:
+    """The lines of a log that name `service` (`logs --controller NAME`): the last `tail` of
+    them if given, then, with `follow`, the new ones as they come."""
+    pattern = naming(service)
+    if tail is None:
+        async for line in read_lines(path, follow):
+            if pattern.search(line):
+                yield line
+        return
+    last: collections.deque[str] = collections.deque(maxlen=tail)
+    async for line in read_lines(path, False):
+        if pattern.search(line):
+            last.append(line)
+    for line in last:
+        yield line
+    if follow:
+        async for line in read_lines(path, True, tail=0):
+            if pattern.search(line):
+                yield line
+
+
+FULL_DISK_TAIL = 4 * 1024 * 1024  # the most of a log's end kept when the disk is full
+FULL_DISK_MIN = 64 * 1024  # on a full disk, logs past this size are rotated, under the cap too
+LOW_DISK_BYTES = 1024 * 1024  # a disk with less room than this is full (for rotate_log)
+
+
+def disk_full(path: Path) -> bool:
+    """Whether the file system of `path` has less than LOW_DISK_BYTES left (for this user)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < LOW_DISK_BYTES
+
+
+@dataclass(frozen=True)
+class Rotated:
+    """A log that was rotated: its size then, how many bytes of its end `<name>.1` kept, and
+    whether there was no room to copy them first (the log was emptied before they were
+    written back, and only a bounded tail, or nothing, could be kept)."""
+
+    size: int
+    kept: int
+    full_disk: bool
+
+
+def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> int:
+    """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (what it
+    had then: a writer that goes on does not make this longer), or `data`; returns how many
+    bytes it holds."""
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "wb") as out:
+        if data is not None:
+            out.write(data)
+        else:
+            with open(src, "rb") as f:
+                left = os.fstat(f.fileno()).st_size - f.seek(start)
+                while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
+                    out.write(chunk)
+                    left -= len(chunk)
+        out.flush()
+        return out.tell()
+
+
+def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated | None:
+    """Keep a log under `cap_bytes` with its newest lines: past half the cap, its last half
+    cap moves to `<name>.1` (replacing the older half) and the file is truncated in place, so
+    the process writing it (with O_APPEND) carries on. None if it did not need to.
+
+    On a full disk (the copy fails) the log is truncated anyway, since it is what fills the
+    disk or holds the room others need: its end (at most FULL_DISK_TAIL bytes) is read first
+    and written to `<name>.1` once the truncation made room, or dropped if there is none.
+    With `disk_full` (the caller found no room left on the disk, whoever filled it) a log
+    under the cap is rotated too, past FULL_DISK_MIN bytes, keeping half of it.
+    An error that leaves the log as it was (it went away, it cannot be truncated) raises
+    OSError."""
+    half = cap_bytes // 2
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    if size <= (min(half, FULL_DISK_MIN) if disk_full else half):
+        return None
+    old = path.with_name(path.name + ".1")
+    keep = min(size // 2 if disk_full else size, half)
+    try:
+        kept = _write_tail(path, old, size - keep)
+        os.truncate(path, 0)
+        return Rotated(size, kept, full_disk=False)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+    # No room for the copy: what it wrote goes (that frees room too), the end of the log is
+    # held in memory, the log is emptied, and the end written back if there is room now.
+    with contextlib.suppress(OSError):
+        old.unlink()
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+        f.seek(max(0, end - min(keep, FULL_DISK_TAIL)))
+        tail = f.read()
+    os.truncate(path, 0)
+    try:
+        kept = _write_tail(path, old, 0, tail)
+    except OSError:
+        kept = 0
+        with contextlib.suppress(OSError):
+            old.unlink()
+    return Rotated(max(size, end), kept, full_disk=True)
