@@ -1,0 +1,207 @@
+"""The LLM engine model (fleetserve.sim.engine), the fleet harness that feeds the autoscaler
+from it (fleetserve.sim.engine_sim), and `fleetserve simulate --engine`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+import fleetserve.sim.engine_sim as engine_sim
+from fleetserve.policies.autoscaler import LoadObservation
+from fleetserve.sim.engine import EngineConfig, Replica, Request
+from fleetserve.sim.engine_sim import (
+    POLICIES,
+    Arrivals,
+    Calibration,
+    Workload,
+    calibrate,
+    engine_policy,
+    run_engine_fleet,
+)
+from fleetserve.sim.simulator import Trace
+
+ENGINE = EngineConfig()
+
+# -- the engine model ---------------------------------------------------------------------------
+
+
+def test_a_lone_request_waits_only_for_its_prefill_then_one_step_a_token() -> None:
+    r = Request(0.0, prompt=600, output=5)
+    replica = Replica(ENGINE)
+    replica.advance(10.0, [r])
+    prefill = ENGINE.step_seconds(0, 0, 600)
+    assert r.ttft == pytest.approx(prefill)
+    decode = ENGINE.step_seconds(1, 600 + 5 / 2, 0)
+    assert r.finished_at == pytest.approx(prefill + 4 * decode)
+    assert replica.load == 0 and replica.kv_used == 0
+    # Prefix-cache hits shorten the prefill of a compute-bound prompt.
+    hit = Request(0.0, prompt=600, output=5)
+    Replica(dataclasses.replace(ENGINE, prefix_hit=0.5)).advance(10.0, [hit])
+    assert hit.ttft is not None and hit.ttft < prefill
+    assert hit.ttft == pytest.approx(ENGINE.step_seconds(0, 0, 300))
+
+
+def test_a_decode_step_takes_longer_as_the_batch_and_its_context_grow() -> None:
+    steps = [ENGINE.step_seconds(n, n * 800, 0) for n in (1, 16, 64, 256)]
+    assert steps == sorted(steps) and steps[-1] > steps[0]
+    # Past the memory time, a step is compute bound: each token computed counts.
+    assert ENGINE.step_seconds(0, 0, 4000) > ENGINE.step_seconds(0, 0, 2000)
+
+
+def test_a_queue_forms_when_arrivals_exceed_the_batch() -> None:
+    cfg = dataclasses.replace(ENGINE, max_batch=2)
+    reqs = [Request(0.0, 100, 200) for _ in range(5)]
+    replica = Replica(cfg)
+    replica.advance(0.5, reqs)
+    assert replica.running == 2 and replica.queued == 3
+    replica.advance(600.0)
+    ttfts = [r.ttft for r in reqs]
+    assert all(t is not None for t in ttfts)
+    # The third waited for a place in the batch: for the first ones' whole decoding.
+    assert ttfts[2] > ttfts[0] + 100 * ENGINE.step_seconds(2, 0, 0)  # type: ignore[operator]
+
+
+def test_the_kv_cache_limits_what_runs() -> None:
+    cfg = dataclasses.replace(ENGINE, kv_tokens=1000)
+    reqs = [Request(0.0, 300, 100) for _ in range(4)]  # 400 tokens of context each
+    replica = Replica(cfg)
+    replica.advance(0.2, reqs)
+    assert replica.running == 2 and replica.queued == 2
+    assert replica.kv_usage == pytest.approx(0.8)
+    replica.advance(1000.0)
+    assert all(r.finished_at is not None for r in reqs)
+    assert replica.kv_usage == 0
+
+
+def test_expire_drops_the_oldest_waiting_requests() -> None:
+    cfg = dataclasses.replace(ENGINE, max_batch=1)
+    reqs = [Request(float(i), 100, 1000) for i in range(4)]
+    replica = Replica(cfg)
+    replica.advance(4.0, reqs)
+    assert replica.running == 1 and replica.queued == 3
+    assert replica.expire(2.5) == 2  # arrived at 1 and 2; the one at 3 still waits
+    assert replica.queued == 1
+
+
+def test_the_same_seed_gives_the_same_requests_and_times() -> None:
+    def run(seed: int) -> list[tuple[float, int, int, float | None]]:
+        reqs = Arrivals(Workload(), seed).second(0.0, 50.0, length=10.0)
+        replica = Replica(ENGINE)
+        replica.advance(600.0, reqs)
+        return [(r.arrived, r.prompt, r.output, r.ttft) for r in reqs]
+
+    a = run(1)
+    assert len(a) > 100
+    assert run(1) == a
+    assert run(2) != a
+
+
+def test_bad_engine_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="prefix_hit"):
+        EngineConfig(prefix_hit=1.0)
+    with pytest.raises(ValueError, match="max_batch"):
+        EngineConfig(max_batch=0)
+    with pytest.raises(ValueError, match="weights_ms"):
+        EngineConfig(weights_ms=float("nan"))
+
+
+# -- the harness --------------------------------------------------------------------------------
+
+RISING = Trace("rising", 60.0, tuple(0.2 + 0.2 * i for i in range(30)))  # 0.2 -> 6 req/s
+
+
+def calibration() -> Calibration:
+    return calibrate(ENGINE, Workload(), 1000.0, seconds=600.0)
+
+
+def test_the_targets_come_from_one_replicas_capacity() -> None:
+    cal = calibration()
+    assert cal.qps == pytest.approx(0.8 * cal.capacity_qps)
+    ttfts, _, _ = engine_sim._steady(ENGINE, Workload(), cal.capacity_qps, 600.0, 0)
+    assert engine_sim._percentile(ttfts, 90) <= 1.0  # the capacity meets the target
+    ttfts, _, _ = engine_sim._steady(ENGINE, Workload(), 3 * cal.capacity_qps, 600.0, 0)
+    assert engine_sim._percentile(ttfts, 90) > 1.0  # three times as much does not
+    assert 0 < cal.kv_cache < 1 and cal.inflight > 0
+
+
+def test_a_policy_that_scales_keeps_more_requests_under_target_than_one_that_does_not() -> None:
+    cal = calibration()
+    common = (ENGINE, Workload(), 1.0, 60.0, 0)
+    fixed = run_engine_fleet(
+        RISING, engine_policy("request_rate", cal, 1, 1, 60, 300, 60), "fixed", *common
+    )
+    scaling = run_engine_fleet(
+        RISING, engine_policy("request_rate", cal, 1, 12, 60, 300, 60), "rr", *common
+    )
+    assert fixed.requests == scaling.requests  # the same requests
+    assert fixed.max_replicas == 1 and scaling.max_replicas > 1
+    assert scaling.over_target < fixed.over_target
+    assert scaling.replica_hours > fixed.replica_hours
+
+
+def test_every_policy_gets_the_engine_signals_and_scales_on_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cal = calibration()
+    seen: dict[str, list[LoadObservation]] = {}
+    real = engine_sim.autoscale
+
+    def spy(policy, state, load, now, accelerator=None):  # type: ignore[no-untyped-def]
+        seen.setdefault(current, []).append(load)
+        return real(policy, state, load, now, accelerator)
+
+    monkeypatch.setattr(engine_sim, "autoscale", spy)
+    for current in POLICIES:
+        pol = engine_policy(current, cal, 1, 12, 60, 300, 60)
+        run = run_engine_fleet(RISING, pol, current, ENGINE, Workload(), 1.0, 60.0, 0)
+        assert run.max_replicas > 1, current  # each signal saw the load rise
+    for name, loads in seen.items():
+        late = loads[-1]
+        assert {"queue", "kv_cache"} <= set(late.signals), name
+        kv = late.signals["kv_cache"]
+        assert kv.answered == kv.ready and kv.mean is not None and 0 <= kv.mean <= 1
+    assert any(o.latency_ms is not None for o in seen["ttft"])
+    assert all(o.latency_ms is None for o in seen["request_rate"])  # measured only if used
+
+
+def test_a_trace_past_the_bound_is_refused_before_it_runs() -> None:
+    huge = Trace("huge", 60.0, (1e6,) * 60)
+    pol = engine_policy("request_rate", calibration(), 1, 2, 60, 300, 60)
+    with pytest.raises(ValueError, match="--duration or --scale"):
+        run_engine_fleet(huge, pol, "request_rate", ENGINE, Workload(), 1.0)
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def _fleetserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetserve", "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_compares_the_five_policies_on_the_engine_model() -> None:
+    args = ("--burst", "0.5:4:1800:600", "--duration", "1800", "--max", "12", "--engine")
+    proc = _fleetserve(*args, "--upscale-delay", "60")
+    assert proc.returncode == 0, proc.stderr
+    for word in (*POLICIES, "OVER TARGET", "REPLICA-HOURS", "SCALE EVENTS", "80% of that"):
+        assert word in proc.stdout, word
+    doc = json.loads(_fleetserve(*args, "--policy", "queue,ttft", "-o", "json").stdout)
+    assert doc["kind"] == "engine"
+    assert [p["policy"] for p in doc["policies"]] == ["queue", "ttft"]
+    assert doc["policies"][1]["target"] == "target_ttft_ms: 1000"
+    bad = _fleetserve(*args, "--target-qps", "3")
+    assert bad.returncode == 2 and "--target-qps does not apply with --engine" in bad.stderr
+    bad = _fleetserve(*args, "--engine-param", "kv_tokens=100")
+    assert bad.returncode == 2 and "must fit in kv_tokens" in bad.stderr
+    bad = _fleetserve("--trace", "maf1", "--engine")
+    assert bad.returncode == 2 and "more than the engine model's bound" in bad.stderr
+    bad = _fleetserve(*args, "--policy", "skyserve")
+    assert bad.returncode == 2 and "with --engine use request_rate" in bad.stderr
