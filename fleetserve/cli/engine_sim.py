@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -53,6 +54,24 @@ def parse_params(items: list[str]) -> tuple[EngineConfig, Workload]:
     return engine, workload
 
 
+def parse_targets(items: list[str]) -> dict[str, float]:
+    """`POLICY=VALUE` items: targets given instead of the rule's."""
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in POLICIES:
+            raise ValueError(
+                f"--engine-target {item!r}: expected POLICY=VALUE, POLICY one of "
+                f"{', '.join(POLICIES)}"
+            )
+        try:
+            out[name] = float(raw)
+        except ValueError:
+            raise ValueError(f"--engine-target {item!r}: {raw!r} is not a number") from None
+    return out
+
+
 def run_engine(
     trace: Trace,
     names: list[str],
@@ -68,9 +87,12 @@ def run_engine(
     window: float,
     cold_start: float,
     seed: int,
+    given: dict[str, float] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[Calibration, list[tuple[EngineRun, str]]]:
-    """Calibrate the targets on the engine model, then run each policy over the trace."""
+    """Calibrate the targets on the engine model, then run each policy over the trace
+    (`given`: targets chosen by the user instead of the rule, by policy)."""
+    given = given or {}
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}: with --engine use {', '.join(POLICIES)}")
@@ -85,12 +107,24 @@ def run_engine(
     if progress is not None:
         progress("capacity of one replica (the targets' rule)", 0, total)
     cal = calibrate(engine, workload, ttft_target_ms, percentile, seed, utilization=utilization)
-    policies = [
-        engine_policy(
-            n, cal, min_replicas, max_replicas, upscale_delay, downscale_delay, window, percentile
-        )
-        for n in names
-    ]
+    try:
+        policies = [
+            engine_policy(
+                n,
+                cal,
+                min_replicas,
+                max_replicas,
+                upscale_delay,
+                downscale_delay,
+                window,
+                percentile,
+                given.get(n),
+            )
+            for n in names
+        ]
+    except ValidationError as e:
+        problem = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        raise ValueError(f"--engine-target: {problem}") from None
     runs = []
     for i, (name, policy) in enumerate(zip(names, policies, strict=True)):
         if progress is not None:
@@ -98,7 +132,7 @@ def run_engine(
         run = run_engine_fleet(
             trace, policy, name, engine, workload, ttft_target_ms / 1000, cold_start, seed
         )
-        runs.append((run, target_text(name, policy)))
+        runs.append((run, target_text(name, policy) + (" (given)" if name in given else "")))
     return cal, runs
 
 

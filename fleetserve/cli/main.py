@@ -1009,6 +1009,13 @@ def simulate(
             "(docs/autoscaling.md), repeatable"
         ),
     ] = None,
+    engine_target: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --engine: POLICY=VALUE, a target of your choice instead of the rule's "
+            "(e.g. queue=2), repeatable"
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The same as -o json")] = False,
     output: OutputOption = OutputFormat.table,
 ) -> None:
@@ -1040,6 +1047,7 @@ def simulate(
             utilization,
             seed,
             engine_param or [],
+            engine_target or [],
             plot_file,
             spot_trace,
             output,
@@ -1173,11 +1181,12 @@ def _simulate_engine(
     utilization: float,
     seed: int,
     engine_param: list[str],
+    engine_target: list[str],
     plot_file: Path | None,
     spot_trace: str | None,
     output: OutputFormat,
 ) -> None:
-    from fleetserve.cli.engine_sim import parse_params, run_engine, show
+    from fleetserve.cli.engine_sim import parse_params, parse_targets, run_engine, show
     from fleetserve.sim.engine_sim import POLICIES
     from fleetserve.sim.results import engine_simulation
 
@@ -1209,6 +1218,7 @@ def _simulate_engine(
             names = list(POLICIES)
         names = list(dict.fromkeys(names))
         engine, workload = parse_params(engine_param)
+        given = parse_targets(engine_target)
         if burst is not None:
             tr = _burst(burst, duration)
         else:
@@ -1231,6 +1241,7 @@ def _simulate_engine(
             window,
             cold,
             seed,
+            given,
             _engine_progress(tr) if err.is_terminal else None,
         )
     except ValueError as e:

@@ -237,7 +237,8 @@ def run_engine_fleet(
             if wants_latency and window
             else None
         )
-        inflight = len(held) + sum(n.replica.load for n in nodes)
+        # As the controller's: in flight at the replicas (draining ones too), held apart.
+        inflight = sum(n.replica.load for n in nodes)
         decision = autoscale(
             policy,
             state,
@@ -381,9 +382,10 @@ def engine_policy(
     downscale_delay: float,
     window: float,
     percentile: float = 90.0,
+    given: float | None = None,
 ) -> ReplicaPolicy:
     """The policy `name` with its target from the calibration (a target that the rule
-    puts below 0.01 is 0.01: the spec's keys are positive)."""
+    puts below 0.01 is 0.01: the spec's keys are positive), or the `given` one."""
     common: dict[str, object] = {
         "min_replicas": min_replicas,
         "max_replicas": max_replicas,
@@ -400,7 +402,11 @@ def engine_policy(
     }
     if name not in keys:
         raise ValueError(f"unknown policy {name!r}: use {', '.join(POLICIES)}")
-    return ReplicaPolicy.model_validate({**common, **keys[name]})
+    chosen = keys[name]
+    if given is not None:
+        key = next(iter(chosen))
+        chosen = {**chosen, key: given}
+    return ReplicaPolicy.model_validate({**common, **chosen})
 
 
 def target_text(name: str, policy: ReplicaPolicy) -> str:
