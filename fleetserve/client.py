@@ -609,9 +609,7 @@ class Client:
                 last = self.service(name)
             except NotFound:
                 return None
-            if last.status == "FAILED_CLEANUP" or (
-                last.failure_reason and "could not terminate" in last.failure_reason
-            ):
+            if last.status == "FAILED_CLEANUP":
                 return last
             time.sleep(0.3)
         return last

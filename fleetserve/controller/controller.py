@@ -19,7 +19,7 @@ from fleetserve.controller.executor import uses_own_network
 from fleetserve.controller.history import History
 from fleetserve.controller.lb_manager import LbManager
 from fleetserve.controller.leadership import Leadership
-from fleetserve.controller.metrics import ControllerMetrics, fleet_bounds
+from fleetserve.controller.metrics import ControllerMetrics
 from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
 from fleetserve.controller.probe_client import ProbeClient
 from fleetserve.controller.prober import Prober
@@ -30,7 +30,8 @@ from fleetserve.controller.spot import STATE_KEY as SPOT_STATE_KEY
 from fleetserve.controller.spot import zone_marks
 from fleetserve.core.clock import Clock, SystemClock
 from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby, StorageFull
-from fleetserve.core.status import ReplicaStatus, ServiceStatus, derive_service_status
+from fleetserve.core.service_status import service_status
+from fleetserve.core.status import ReplicaStatus, ServiceStatus
 from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
 from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.host import elsewhere, host_id
@@ -655,9 +656,9 @@ class Controller:
         if svc.phase is ServicePhase.SHUTTING_DOWN:
             raise Conflict(f"pool {pool!r} is shutting down")
         ready = any(r.status is ReplicaStatus.READY for r in self.store.list_replicas(pool))
-        if svc.failure_reason and not ready:
+        if svc.launch_stop and not ready:
             raise Conflict(
-                f"pool {pool!r} cannot start workers ({svc.failure_reason}); fix it with "
+                f"pool {pool!r} cannot start workers ({svc.launch_stop}); fix it with "
                 f"`fleetserve pool apply -p {pool} FILE`"
             )
         if not 1 <= num_jobs <= MAX_JOBS_PER_LAUNCH:
@@ -815,15 +816,7 @@ class Controller:
         return spec
 
     def status_of(self, svc: ServiceRecord, replicas: list[ReplicaRecord]) -> ServiceStatus:
-        lb_running = svc.lb_pid is not None or self.spec_of(svc).service.pool is not None
-        return derive_service_status(
-            (r.status for r in replicas),
-            shutting_down=svc.phase is ServicePhase.SHUTTING_DOWN,
-            lb_running=lb_running,
-            lb_failed=not lb_running and bool(svc.failure_reason),
-            scaling_stopped=lb_running and bool(svc.failure_reason),
-            has_floor=fleet_bounds(self.spec_of(svc))[0] > 0,
-        )
+        return service_status(svc, replicas, self.spec_of(svc))
 
     def replica_logs(
         self, name: str, replica_id: int, follow: bool, tail: int | None = None

@@ -30,16 +30,15 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
-from fleetserve.controller.pools import pool_bounds
 from fleetserve.controller.scaling import STATE_KEY as AUTOSCALER_STATE_KEY
 from fleetserve.core.errors import NotFound
+from fleetserve.core.service_status import service_status
 from fleetserve.core.status import (
     TERMINAL_STATUSES,
     ReplicaStatus,
     ServiceStatus,
-    derive_service_status,
 )
-from fleetserve.core.types import ReplicaRecord, ServicePhase, ServiceRecord
+from fleetserve.core.types import ReplicaRecord, ServiceRecord
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
 
@@ -253,21 +252,17 @@ class _Facts:
     hi: int
     pool: bool
     autoscaled: bool
-
-
-def fleet_bounds(spec: ServiceTask) -> tuple[int, int]:
-    """(min, max) replicas, or workers for a pool, as the spec says."""
-    if spec.service.pool is not None:
-        return pool_bounds(spec.service.pool)
-    return spec.service.replica_bounds()
+    spec: ServiceTask  # for the status (fleetserve.core.service_status)
 
 
 def _facts(spec: ServiceTask) -> _Facts:
-    lo, hi = fleet_bounds(spec)
+    lo, hi = spec.service.fleet_bounds()
     if spec.service.pool is not None:
-        return _Facts(lo, hi, pool=True, autoscaled=lo != hi)
+        return _Facts(lo, hi, pool=True, autoscaled=lo != hi, spec=spec)
     policy = spec.service.replica_policy
-    return _Facts(lo, hi, pool=False, autoscaled=policy is not None and policy.autoscaled)
+    return _Facts(
+        lo, hi, pool=False, autoscaled=policy is not None and policy.autoscaled, spec=spec
+    )
 
 
 class FleetCollector(Collector):
@@ -350,7 +345,7 @@ class FleetCollector(Collector):
             target.add_metric([svc.name], self._target(svc, facts))
             lo.add_metric([svc.name], facts.lo)
             hi.add_metric([svc.name], facts.hi)
-            now = self._status(svc, rows, facts)
+            now = service_status(svc, rows, facts.spec)
             for st_ in ServiceStatus:
                 status.add_metric([svc.name, st_.value], 1 if st_ is now else 0)
             active.add_metric([svc.name], svc.active_version)
@@ -381,16 +376,3 @@ class FleetCollector(Collector):
             by_version,
             percent,
         ]
-
-    @staticmethod
-    def _status(svc: ServiceRecord, rows: list[ReplicaRecord], facts: _Facts) -> ServiceStatus:
-        """As `fleetserve status` derives it (Controller.status_of)."""
-        lb_running = svc.lb_pid is not None or facts.pool
-        return derive_service_status(
-            (r.status for r in rows),
-            shutting_down=svc.phase is ServicePhase.SHUTTING_DOWN,
-            lb_running=lb_running,
-            lb_failed=not lb_running and bool(svc.failure_reason),
-            scaling_stopped=lb_running and bool(svc.failure_reason),
-            has_floor=facts.lo > 0,
-        )

@@ -401,10 +401,10 @@ class ServiceReconciler:
             if plan.failure_reason and not any(r.status is ReplicaStatus.READY for r in workers):
                 pool.fail_queue(plan.failure_reason)
             await pool.dispatch(self.spec, workers)
-        if plan.failure_reason != svc.failure_reason and (svc.lb_pid is not None or pool):
-            svc_reason_before = svc.failure_reason
+        if plan.failure_reason != svc.launch_stop:
+            svc_reason_before = svc.launch_stop
             svc = self.store.update_service(
-                self.name, self.clock.now(), failure_reason=plan.failure_reason
+                self.name, self.clock.now(), launch_stop=plan.failure_reason
             )
             if plan.failure_reason and _headline(plan.failure_reason) != _headline(
                 svc_reason_before
@@ -741,7 +741,7 @@ class ServiceReconciler:
                 self.name,
                 self.clock.now(),
                 lb_pid=None,
-                failure_reason=f"load balancer: {e.message}",
+                lb_error=f"load balancer: {e.message}",
             )
         self.store.add_event(
             self.name, self.clock.now(), "service", f"load balancer started on port {port}"
@@ -756,7 +756,7 @@ class ServiceReconciler:
             lb_port=port,
             lb_admin_port=admin_port,
             lb_host=self.lb.host,
-            failure_reason=None,
+            lb_error=None,
         )
 
     def _endpoints(
@@ -862,7 +862,7 @@ class ServiceReconciler:
             self.store.update_service(
                 self.name,
                 self.clock.now(),
-                failure_reason=f"could not terminate replicas {bad}; "
+                cleanup_error=f"could not terminate replicas {bad}; "
                 f"`fleetserve down {self.name} --purge` removes the service anyway",
             )
             return True

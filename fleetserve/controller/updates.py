@@ -98,7 +98,8 @@ def apply_update(
             previous_version=svc.serving_version,
             update_mode=None,
             traffic_percent=None,
-            failure_reason=None,
+            launch_stop=None,
+            lb_error=None,
         ), True
     label = f"canary at {traffic_percent}%" if traffic_percent is not None else mode
     store.add_event(svc.name, now, "rollout", f"version {version}: {label} update started")
@@ -109,7 +110,8 @@ def apply_update(
         stable_version=svc.serving_version,
         update_mode=mode,
         traffic_percent=traffic_percent,
-        failure_reason=None,
+        launch_stop=None,
+        lb_error=None,
     ), False
 
 
@@ -125,7 +127,8 @@ def rollback(store: Store, svc: ServiceRecord, now: float) -> ServiceRecord:
             active_version=target,
             update_mode=None,
             traffic_percent=None,
-            failure_reason=None,
+            launch_stop=None,
+            lb_error=None,
         )
     if svc.previous_version is None:
         raise Conflict(f"service {svc.name!r} has no earlier version to roll back to")
@@ -138,7 +141,8 @@ def rollback(store: Store, svc: ServiceRecord, now: float) -> ServiceRecord:
         stable_version=svc.serving_version,
         update_mode="rolling",
         traffic_percent=None,
-        failure_reason=None,
+        launch_stop=None,
+        lb_error=None,
     )
 
 

@@ -66,7 +66,9 @@ class ServiceRecord:
     lb_pid: int | None = None
     lb_create_time: float | None = None
     next_replica_id: ReplicaId = 1
-    failure_reason: str | None = None
+    launch_stop: str | None = None  # launches stopped: the version crash-loops
+    lb_error: str | None = None  # the load balancer could not be started
+    cleanup_error: str | None = None  # `down` could not terminate these replicas
     purge: bool = False
     stable_version: int | None = None
     previous_version: int | None = None
@@ -74,6 +76,12 @@ class ServiceRecord:
     traffic_percent: int | None = None
     lb_secret: str | None = None  # the LB admin API's bearer secret; never shown
     lb_host: str | None = None  # the host its LB process runs on (None: this one)
+
+    @property
+    def failure_reason(self) -> str | None:
+        """The fault to show (the API's and the CLI's one `failure_reason`): the cleanup's,
+        else the load balancer's, else the stop of launches."""
+        return self.cleanup_error or self.lb_error or self.launch_stop
 
     @property
     def serving_version(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetserve.core.errors import InvalidSpec, NotFound, TerminalError
+from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound
 
 # List prices per hour of one AWS p3.2xlarge (us-east-1, read 2026-12): on-demand $3.06, spot
 # near 30% of that. The local infra bills nothing; these only rank zones and price reports.
@@ -35,9 +35,10 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _KEYS = {"spot": "spot", "od": "od", "spot_price": "spot_price", "od_price": "od_price"}
 
 
-class NoCapacity(TerminalError):
+class NoCapacity(FleetserveError):
     """A launch found no free capacity of its kind in its zone (or, `preempted`, lost its
-    host before it finished)."""
+    host before it finished). Not terminal: the replica's row goes, the spot placer hears of
+    the zone, and the planner launches another replica (with the placer's back-off)."""
 
     def __init__(self, message: str, zone: str, preempted: bool = False) -> None:
         super().__init__(message)

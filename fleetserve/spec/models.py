@@ -483,6 +483,10 @@ class ServiceSection(_Strict):
         n = 1 if self.replicas is None else self.replicas
         return n, n
 
+    def fleet_bounds(self) -> tuple[int, int]:
+        """(min, max) of the fleet: a pool's workers, else the service's replicas."""
+        return self.pool.bounds() if self.pool is not None else self.replica_bounds()
+
 
 def _count_ports(ports: int | str | list[int | str] | None) -> int:
     if ports is None:

@@ -32,7 +32,11 @@ services = Table(
     Column("lb_pid", Integer),
     Column("lb_create_time", Float),
     Column("next_replica_id", Integer, nullable=False, default=1),
-    Column("failure_reason", Text),
+    # Migration 0008: the service's faults, one column each (they were one failure_reason):
+    # launches stopped (a crash loop), the LB could not start, `down` could not terminate.
+    Column("launch_stop", Text),
+    Column("lb_error", Text),
+    Column("cleanup_error", Text),
     Column("purge", Boolean, nullable=False, default=False),
     # Rollouts (migration 0002): active_version is what new replicas launch with; the stable
     # version serves until a rollout completes; previous_version is what `rollback` returns to.

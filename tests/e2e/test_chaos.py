@@ -165,7 +165,8 @@ def fleet_at_deadline(fleet: Fleet, chaos: Chaos) -> str:
         out.append(f"(the API did not answer: {e})")
     with sqlite3.connect(fleet.home / "fleetserve.db") as db:
         for row in db.execute(
-            "SELECT name, phase, active_version, stable_version, update_mode, failure_reason "
+            "SELECT name, phase, active_version, stable_version, update_mode, launch_stop, "
+            "lb_error, cleanup_error "
             "FROM services"
         ):
             out.append(f"row service {row}")

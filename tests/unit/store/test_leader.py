@@ -62,7 +62,7 @@ def test_a_fenced_controller_writes_nothing(two: tuple[Store, Store]) -> None:
     with pytest.raises(Fenced, match="lost its lease"):
         a.add_event("web", 201.0, "note", "from the old leader")
     with pytest.raises(Fenced):
-        a.update_service("web", 201.0, failure_reason="stale")
+        a.update_service("web", 201.0, launch_stop="stale")
     assert [e.message for e in a.list_events("web")] == ["service created (version 1)"]
     b.add_event("web", 202.0, "note", "from the new leader")
     assert b.list_events("web")[-1].message == "from the new leader"

@@ -161,9 +161,9 @@ def test_a_database_of_revision_0006_gains_the_hosts_with_its_rows_intact(
     assert store.update_replica(rep, 3.0, host="h" * 128).host == "h" * 128
     assert store.replica("old", 1).host == "h" * 128  # the column holds the longest host id
     with store.engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0007"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
     store.close()
-    # and back down: 0007 is reversible on both
+    # and back down: 0007 (and 0008) are reversible on both
     engine = create_engine(url)
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
@@ -171,6 +171,64 @@ def test_a_database_of_revision_0006_gains_the_hosts_with_its_rows_intact(
         columns = {c["name"] for c in inspect(conn).get_columns("replicas")}
         assert "host" not in columns and "zone" in columns
     engine.dispose()
+
+
+def test_a_database_of_revision_0007_sorts_its_failure_reasons_into_typed_faults(
+    backend: Backend,
+) -> None:
+    """Migration 0008: services.failure_reason held three facts; each row's goes to its own
+    column (by the prefix the old code wrote), and the downgrade puts it back."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from fleetserve.store.db import _MIGRATIONS
+    from fleetserve.store.url import is_postgres, normalize_db_url
+
+    reasons = {
+        "lb": "load balancer: port 30001 is taken",
+        "gone": "could not terminate replicas 2 (stuck); `fleetserve down gone --purge` ...",
+        "loop": "3 replicas of version 1 in a row failed before ever becoming READY",
+        "fine": None,
+    }
+    url = normalize_db_url(backend.url) if is_postgres(backend.url) else backend.url
+    engine = create_engine(url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0007")
+        for name, reason in reasons.items():
+            conn.execute(
+                text(
+                    "INSERT INTO services (name, phase, active_version, created_at, updated_at, "
+                    "next_replica_id, purge, failure_reason) VALUES (:n, 'ACTIVE', 1, 1.0, 1.0, "
+                    "1, false, :r)"
+                ),
+                {"n": name, "r": reason},
+            )
+    engine.dispose()
+    store = backend.open()
+    faults = {
+        n: (s.lb_error, s.cleanup_error, s.launch_stop) for n in reasons for s in [store.service(n)]
+    }
+    assert faults == {
+        "lb": (reasons["lb"], None, None),
+        "gone": (None, reasons["gone"], None),
+        "loop": (None, None, reasons["loop"]),
+        "fine": (None, None, None),
+    }
+    assert {n: store.service(n).failure_reason for n in reasons} == reasons
+    store.close()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0007")
+        back = dict(conn.execute(text("SELECT name, failure_reason FROM services")).all())
+        columns = {c["name"] for c in inspect(conn).get_columns("services")}
+    engine.dispose()
+    assert back == reasons
+    assert not columns & {"launch_stop", "lb_error", "cleanup_error"}
 
 
 # -- a database that is not this home's own: refused, never turned into a new home ----------
