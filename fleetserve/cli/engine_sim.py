@@ -17,12 +17,14 @@ from fleetserve.sim.engine_sim import (
     EngineRun,
     Workload,
     calibrate,
+    check_fits,
     engine_policy,
     expected_requests,
     run_engine_fleet,
     target_text,
 )
 from fleetserve.sim.simulator import Trace
+from fleetserve.spec.models import ReplicaPolicy
 
 
 def parse_params(items: list[str]) -> tuple[EngineConfig, Workload]:
@@ -44,13 +46,12 @@ def parse_params(items: list[str]) -> tuple[EngineConfig, Workload]:
         except ValueError:
             raise ValueError(f"--engine-param {item!r}: {raw!r} is not a number") from None
         given[where][name] = value
-    engine = EngineConfig(**given["engine"])  # type: ignore[arg-type]
-    workload = Workload(**given["workload"])  # type: ignore[arg-type]
-    if workload.max_prompt + workload.max_output > engine.kv_tokens:
-        raise ValueError(
-            f"--engine-param: max_prompt + max_output ({workload.max_prompt} + "
-            f"{workload.max_output}) must fit in kv_tokens ({engine.kv_tokens})"
-        )
+    try:
+        engine = EngineConfig(**given["engine"])  # type: ignore[arg-type]
+        workload = Workload(**given["workload"])  # type: ignore[arg-type]
+        check_fits(engine, workload)
+    except ValueError as e:
+        raise ValueError(f"--engine-param: {e}") from None
     return engine, workload
 
 
@@ -104,27 +105,32 @@ def run_engine(
             f"engine model's bound of {MAX_REQUESTS:,}: use --duration or --scale"
         )
     total = len(names) + 1
+
+    def build(cal: Calibration) -> list[ReplicaPolicy]:
+        try:
+            return [
+                engine_policy(
+                    n,
+                    cal,
+                    min_replicas,
+                    max_replicas,
+                    upscale_delay,
+                    downscale_delay,
+                    window,
+                    percentile,
+                    given.get(n),
+                )
+                for n in names
+            ]
+        except ValidationError as e:
+            problem = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+            raise ValueError(f"--engine-target: {problem}") from None
+
+    build(Calibration(1.0, utilization, 1.0, 1.0, 1.0, 0.5, ttft_target_ms))  # before the run
     if progress is not None:
         progress("capacity of one replica (the targets' rule)", 0, total)
     cal = calibrate(engine, workload, ttft_target_ms, percentile, seed, utilization=utilization)
-    try:
-        policies = [
-            engine_policy(
-                n,
-                cal,
-                min_replicas,
-                max_replicas,
-                upscale_delay,
-                downscale_delay,
-                window,
-                percentile,
-                given.get(n),
-            )
-            for n in names
-        ]
-    except ValidationError as e:
-        problem = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
-        raise ValueError(f"--engine-target: {problem}") from None
+    policies = build(cal)
     runs = []
     for i, (name, policy) in enumerate(zip(names, policies, strict=True)):
         if progress is not None:

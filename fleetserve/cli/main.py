@@ -982,7 +982,9 @@ def simulate(
     seeds: Annotated[
         int, typer.Option(help="With --spot-trace: runs of a placer with random ties, averaged")
     ] = 5,
-    start: Annotated[float, typer.Option(help="With --spot-trace: seconds to skip")] = 0.0,
+    start: Annotated[
+        float, typer.Option(help="With --spot-trace or --engine: seconds of the trace to skip")
+    ] = 0.0,
     engine: Annotated[
         bool,
         typer.Option(
@@ -1048,6 +1050,7 @@ def simulate(
             seed,
             engine_param or [],
             engine_target or [],
+            start,
             plot_file,
             spot_trace,
             output,
@@ -1182,6 +1185,7 @@ def _simulate_engine(
     seed: int,
     engine_param: list[str],
     engine_target: list[str],
+    start: float,
     plot_file: Path | None,
     spot_trace: str | None,
     output: OutputFormat,
@@ -1219,13 +1223,16 @@ def _simulate_engine(
         names = list(dict.fromkeys(names))
         engine, workload = parse_params(engine_param)
         given = parse_targets(engine_target)
+        if not (math.isfinite(start) and start >= 0):
+            raise ValueError(f"--start {start:g}: seconds, >= 0")
         if burst is not None:
             tr = _burst(burst, duration)
         else:
             assert trace is not None
             from fleetserve.sim.simulator import load_trace
 
-            tr = load_trace(trace, scale, duration)
+            tr = load_trace(trace, scale, None if duration is None else start + duration)
+        tr = _skip(tr, start)
         cal, runs = run_engine(
             tr,
             names,
@@ -1276,6 +1283,18 @@ def _simulate_engine(
         downscale_delay,
         seed,
     )
+
+
+def _skip(tr: Trace, start: float) -> Trace:
+    """The trace from `start` seconds on (a held-out stretch of a long trace)."""
+    if start <= 0:
+        return tr
+    from fleetserve.sim.simulator import Trace
+
+    first = int(start // tr.step)
+    if first >= len(tr.qps):
+        raise ValueError(f"--start {start:g}: the trace lasts {tr.seconds:g} s")
+    return Trace(f"{tr.name} from {start:g} s", tr.step, tr.qps[first:])
 
 
 def _burst(burst: str, duration: float | None) -> Trace:

@@ -71,6 +71,15 @@ class Workload:
         return max(1, min(self.max_prompt, round(p))), max(1, min(self.max_output, round(o)))
 
 
+def check_fits(engine: EngineConfig, workload: Workload) -> None:
+    """The longest request must fit in an empty engine's KV cache, or it would wait forever."""
+    if workload.max_prompt + workload.max_output > engine.kv_tokens:
+        raise ValueError(
+            f"max_prompt + max_output ({workload.max_prompt} + {workload.max_output}) must "
+            f"fit in kv_tokens ({engine.kv_tokens})"
+        )
+
+
 class Arrivals:
     """The requests of each second, in order: a Poisson process at the trace's rate, lengths
     from the workload; one generator per run, seeded, so that each policy gets the same ones."""
@@ -169,6 +178,7 @@ def run_engine_fleet(
             f"{trace.name}: about {expected_requests(trace):,.0f} requests, more than the "
             f"engine model's bound of {MAX_REQUESTS:,}: use --duration or --scale"
         )
+    check_fits(engine, workload)
     run = EngineRun(name)
     arrivals = Arrivals(workload, seed)
     state = AutoscalerState(target=policy.min_replicas)
@@ -329,7 +339,8 @@ def calibrate(
     """The targets by the rule: the capacity by bisection on steady runs of one replica,
     then each signal's mean at `utilization` of it."""
     if not 0 < utilization <= 1:
-        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+        raise ValueError(f"--utilization must be in (0, 1], got {utilization:g}")
+    check_fits(engine, workload)
 
     def meets(rate: float) -> bool:
         ttfts, _, left = _steady(engine, workload, rate, seconds, seed)

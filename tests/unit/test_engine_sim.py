@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -197,6 +198,12 @@ def test_cli_compares_the_five_policies_on_the_engine_model() -> None:
     assert doc["kind"] == "engine"
     assert [p["policy"] for p in doc["policies"]] == ["queue", "ttft"]
     assert doc["policies"][1]["target"] == "target_ttft_ms: 1000"
+    rule = doc["policies"][0]["target"]
+    assert rule == f"target_queue_per_replica: {max(doc['targets']['target_queue'], 0.01):.4g}"
+    given = json.loads(
+        _fleetserve(*args, "--policy", "queue", "--engine-target", "queue=2", "-o", "json").stdout
+    )
+    assert given["policies"][0]["target"] == "target_queue_per_replica: 2 (given)"
     bad = _fleetserve(*args, "--target-qps", "3")
     assert bad.returncode == 2 and "--target-qps does not apply with --engine" in bad.stderr
     bad = _fleetserve(*args, "--engine-param", "kv_tokens=100")
@@ -205,3 +212,19 @@ def test_cli_compares_the_five_policies_on_the_engine_model() -> None:
     assert bad.returncode == 2 and "more than the engine model's bound" in bad.stderr
     bad = _fleetserve(*args, "--policy", "skyserve")
     assert bad.returncode == 2 and "with --engine use request_rate" in bad.stderr
+    bad = _fleetserve(*args, "--engine-target", "kv_cache=2")
+    assert bad.returncode == 2 and "target_kv_cache_usage" in bad.stderr
+
+
+def test_cli_start_replays_a_held_out_stretch_of_a_trace(tmp_path: Path) -> None:
+    """--start skips the trace's first seconds: here its busy first half."""
+    csv = tmp_path / "t.csv"
+    csv.write_text(
+        "time_s,qps\n" + "".join(f"{60 * i},{3 if i < 20 else 0.2}\n" for i in range(40))
+    )
+    args = ("--trace", str(csv), "--engine", "--policy", "request_rate", "-o", "json")
+    whole = json.loads(_fleetserve(*args).stdout)
+    later = json.loads(_fleetserve(*args, "--start", "1200").stdout)
+    assert whole["seconds"] == 2400 and later["seconds"] == 1200
+    assert later["trace"] == "t.csv from 1200 s" and later["peak_qps"] == 0.2
+    assert later["policies"][0]["requests"] < whole["policies"][0]["requests"] / 5
