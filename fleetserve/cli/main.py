@@ -948,7 +948,12 @@ def simulate(
     duration: Annotated[float | None, typer.Option(help="Seconds of the trace to replay")] = None,
     scale: Annotated[float, typer.Option(help="Multiply the trace's rates")] = 1.0,
     policies: Annotated[
-        str, typer.Option("--policy", help="Comma-separated: request_rate,in_flight,skyserve")
+        str,
+        typer.Option(
+            "--policy",
+            help="Comma-separated: request_rate,in_flight,skyserve (with --engine: "
+            "request_rate,in_flight,queue,kv_cache,ttft, all by default)",
+        ),
     ] = "request_rate,in_flight,skyserve",
     target_qps: Annotated[float, typer.Option(help="Requests/s per replica (its capacity)")] = 5.0,
     target_inflight: Annotated[float, typer.Option(help="For in_flight")] = 5.0,

@@ -228,3 +228,46 @@ def test_cli_start_replays_a_held_out_stretch_of_a_trace(tmp_path: Path) -> None
     assert whole["seconds"] == 2400 and later["seconds"] == 1200
     assert later["trace"] == "t.csv from 1200 s" and later["peak_qps"] == 0.2
     assert later["policies"][0]["requests"] < whole["policies"][0]["requests"] / 5
+
+
+def test_cli_shows_progress_on_a_terminal() -> None:
+    """On a terminal, the calibration and each policy's run are announced on stderr (12 h of
+    MAF take seconds); stdout keeps only the result."""
+    import os
+    import pty
+    import select
+    import time
+
+    main, sub = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "fleetserve", "simulate", "--engine"),
+            *("--burst", "0.5:3:900:300", "--duration", "1800"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=sub,
+        text=True,
+    )
+    os.close(sub)
+    seen = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([main], [], [], 1)
+        if ready:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # the other end closed
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(main)
+    out, _ = proc.communicate(timeout=30)
+    text = seen.decode()
+    assert proc.returncode == 0, text
+    assert "Simulating 5 policies on burst" in text, text
+    for line in ("[1/6] capacity of one replica", "[2/6] request_rate", "[6/6] ttft"):
+        assert line in text, text
+    assert "[1/6]" not in out and "kv_cache" in out
