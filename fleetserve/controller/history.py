@@ -65,6 +65,44 @@ def quantile(bounds: Sequence[float], cumulative: Sequence[int], q: float) -> fl
     return float(bounds[-1]) if bounds else None
 
 
+def window_percentile_ms(
+    prev: LoadReport | None, cur: LoadReport, q: float, first_byte: bool
+) -> float | None:
+    """The q-quantile (0 < q < 1), in milliseconds, of the requests the replicas answered
+    between two load reports: of the time to first byte (`first_byte`) or of the whole
+    response's duration, over all replicas (not the answers the load balancer made itself).
+    From the deltas of the cumulative histograms; when a counter went down (a restarted load
+    balancer, or one without these histograms before) or there is no earlier report, `cur`
+    alone. None when no request was measured in between."""
+    if not 0 < q < 1:
+        raise ValueError(f"window_percentile_ms: q must be in (0, 1), got {q}")
+    bounds = cur.latency_bounds
+    size = len(bounds) + 1
+
+    def counts(report: LoadReport) -> dict[str, list[int]]:
+        out = {}
+        for key, t in report.totals.items():
+            hist = t.first_byte if first_byte else t.latency
+            if key.isdigit() and len(hist) == size:  # empty: an older LB's, none kept
+                out[key] = hist
+        return out
+
+    now = counts(cur)
+    then = counts(prev) if prev is not None and prev.latency_bounds == bounds else {}
+    if any(
+        key not in now or any(c < b for c, b in zip(now[key], hist, strict=True))
+        for key, hist in then.items()
+    ):
+        then = {}  # counters went down: a new load balancer (or worker) counting from zero
+    window = [0] * size
+    for key, hist in now.items():
+        before = then.get(key)
+        for i, c in enumerate(hist):
+            window[i] += c - before[i] if before is not None else c
+    value = quantile(bounds, window, q)
+    return None if value is None else value * 1000.0
+
+
 def _totals(raw: ReplicaTotals) -> _Totals:
     return _Totals(requests=raw.requests, errors=raw.errors, latency=tuple(raw.latency))
 

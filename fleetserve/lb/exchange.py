@@ -76,6 +76,8 @@ class Exchange:
         self.sent_to_client = False
         self.started = time.monotonic()
         self.activity = self.started
+        self.sent_at = self.started  # when the current attempt was sent to its replica
+        self.first_byte: float | None = None  # seconds from sent_at to the answer's first byte
         self.keep_alive = True
         self.local: bytes | None = None  # a response the LB gives itself
         self.upgrade = False
@@ -222,7 +224,7 @@ class Exchange:
         if self._reported:
             return
         self._reported = True
-        self.proxy.metrics.done(replica, status, time.monotonic() - self.started)
+        self.proxy.metrics.done(replica, status, time.monotonic() - self.started, self.first_byte)
         self.client.exchange_done(self)
 
     # sending and settling ------------------------------------------------------------------------
@@ -245,7 +247,7 @@ class Exchange:
             self.body = []
             self.body_size = 0
             self.client.resume_reading()
-        self.activity = time.monotonic()
+        self.activity = self.sent_at = time.monotonic()
         self._timer = asyncio.get_running_loop().call_later(
             self.proxy.opts.read_timeout_seconds, self._check_timeout
         )

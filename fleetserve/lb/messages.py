@@ -67,6 +67,9 @@ class ReplicaTotals(BaseModel):
     requests: int = 0
     errors: int = 0  # 5xx answers and failed upstream attempts
     latency: list[int] = Field(default_factory=list)  # cumulative per bound, +Inf last
+    # Time to the first byte of the replica's answer (of a retried request: from the start of
+    # the attempt that was answered); the same bounds. Empty from older load balancers.
+    first_byte: list[int] = Field(default_factory=list)
 
 
 class LoadReport(BaseModel):
@@ -75,7 +78,7 @@ class LoadReport(BaseModel):
 
     at: float = 0.0  # the load balancer's clock (time.time)
     window_seconds: int = 60
-    latency_bounds: list[float] = Field(default_factory=list)  # of ReplicaTotals.latency
+    latency_bounds: list[float] = Field(default_factory=list)  # of latency and first_byte
     requests_per_second: float = 0.0
     total_requests: int = 0  # since the load balancer started
     queued: int = 0  # held while no replica is ready

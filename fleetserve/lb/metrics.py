@@ -53,6 +53,15 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.first_byte = Histogram(
+            "fleetserve_lb_time_to_first_byte_seconds",
+            "Time from sending a request to a replica to the first byte of its answer "
+            "(for a streaming LLM server: time to first token); of a retried request, the "
+            "attempt that was answered.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.inflight = Gauge(
             "fleetserve_lb_inflight_requests",
             "Requests in flight to each replica.",
@@ -107,19 +116,29 @@ class Metrics:
         self._reported: dict[int, int] | None = None  # the poller's live dict, when one runs
         self.service = service
         self.policy = policy
-        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
 
-    def done(self, replica: str, code: int, seconds: float) -> None:
+    def done(
+        self, replica: str, code: int, seconds: float, first_byte: float | None = None
+    ) -> None:
+        """One request answered: its status, its duration and, when a replica answered, the
+        time to the first byte of that answer."""
         key = (replica, code)
         children = self._children.get(key)
         if children is None:  # label lookups are the costly part: once per (replica, code)
             children = (
                 self.requests.labels(self.service, self.policy, replica, str(code)),
                 self.latency.labels(self.service, self.policy, replica),
+                # The LB's own answers ('none') have no first byte: no such series.
+                None
+                if replica == "none"
+                else self.first_byte.labels(self.service, self.policy, replica),
             )
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+        if first_byte is not None and children[2] is not None:
+            children[2].observe(first_byte)
 
     def prompt_blocks(self, matched: int, routed: int, extra_load: int) -> None:
         self._routed_blocks.inc(routed)
@@ -153,8 +172,9 @@ class Metrics:
 
     def totals(self) -> dict[str, ReplicaTotals]:
         """Per replica ('none': answered by the LB itself), counted since this process
-        started: requests, errors (5xx answers and failed upstream attempts) and the latency
-        histogram (cumulative per bound of LATENCY_BUCKETS, +Inf last). Read off the metrics
+        started: requests, errors (5xx answers and failed upstream attempts), the latency and
+        time-to-first-byte histograms (cumulative per bound of LATENCY_BUCKETS, +Inf last).
+        Read off the metrics
         at report time, not on the request path; the controller turns two reports into rates
         and quantiles (fleetserve.controller.history)."""
         out: dict[str, ReplicaTotals] = {}
@@ -163,7 +183,8 @@ class Metrics:
         def slot(replica: str) -> ReplicaTotals:
             entry = out.get(replica)
             if entry is None:
-                entry = out[replica] = ReplicaTotals(latency=[0] * (len(LATENCY_BUCKETS) + 1))
+                size = len(LATENCY_BUCKETS) + 1
+                entry = out[replica] = ReplicaTotals(latency=[0] * size, first_byte=[0] * size)
             return entry
 
         for family in self.requests.collect():
@@ -177,13 +198,15 @@ class Metrics:
             for s in family.samples:
                 if s.name.endswith("_total"):
                     slot(s.labels["replica"]).errors += int(s.value)
-        for family in self.latency.collect():
-            for s in family.samples:
-                if s.name.endswith("_bucket"):
-                    le = s.labels["le"]
-                    i = len(LATENCY_BUCKETS) if le == "+Inf" else index.get(float(le))
-                    if i is not None:
-                        slot(s.labels["replica"]).latency[i] = int(s.value)
+        for histogram, first_byte in ((self.latency, False), (self.first_byte, True)):
+            for family in histogram.collect():
+                for s in family.samples:
+                    if s.name.endswith("_bucket"):
+                        le = s.labels["le"]
+                        i = len(LATENCY_BUCKETS) if le == "+Inf" else index.get(float(le))
+                        if i is not None:
+                            entry = slot(s.labels["replica"])
+                            (entry.first_byte if first_byte else entry.latency)[i] = int(s.value)
         return out
 
 

@@ -35,7 +35,15 @@ from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.workers import PARENT_ENV
 
 log = logging.getLogger("fleetserve.lb")
-_LOG_FORMAT = "fleetserve '$msec $upstream_addr $status $request_time'"
+# Fields apart by "|" (a retried request's upstream fields list every try, ", " apart).
+_LOG_FORMAT = "fleetserve '$msec|$upstream_addr|$status|$request_time|$upstream_header_time'"
+
+
+def _seconds(text: str) -> float | None:
+    try:
+        return float(text.split(":")[-1])  # " : " joins the tries of an internal redirect
+    except ValueError:
+        return None
 
 
 def _ms(seconds: float) -> str:
@@ -204,16 +212,19 @@ class Nginx:
                 if not line:
                     await asyncio.sleep(0.2)
                     continue
-                parts = line.split()
-                if len(parts) < 4:
+                parts = line.rstrip("\n").split("|")
+                if len(parts) < 5:
                     continue
-                _msec, addr, status, seconds = parts[:4]
-                replica = self._by_addr.get(addr.split(",")[-1].strip(), "none")
-                if addr.endswith(f":{self.fallback.port}"):
+                _msec, addr, status, seconds, header = parts[:5]
+                last = addr.split(",")[-1].strip()
+                replica = self._by_addr.get(last, "none")
+                if last.endswith(f":{self.fallback.port}"):
                     continue  # the fallback proxy counts its own requests
+                # The answering try's time to its head ("-": none came).
+                first_byte = _seconds(header.split(",")[-1]) if replica != "none" else None
                 with contextlib.suppress(ValueError):
                     self.fallback.load.record(replica)
-                    self.fallback.metrics.done(replica, int(status), float(seconds))
+                    self.fallback.metrics.done(replica, int(status), float(seconds), first_byte)
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -61,6 +61,9 @@ class UpstreamConn(asyncio.Protocol):
             return
         if not self.got_bytes:
             self.got_bytes = True
+            # The answer's first byte (its status line; an interim 100 Continue counts): a
+            # retry only follows an attempt that got none, so this is the answered attempt's.
+            ex.first_byte = time.monotonic() - ex.sent_at
             # plain_response_head, inlined: this runs for every response.
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None

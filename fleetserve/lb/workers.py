@@ -295,6 +295,13 @@ class Supervisor:
                 link.proc.kill()
 
 
+def _add_counts(a: list[int], b: list[int]) -> list[int]:
+    """Two histograms' cumulative counts added up; an empty one (none kept) adds nothing."""
+    if not a or not b:
+        return list(a or b)
+    return [x + y for x, y in zip(a, b, strict=False)]
+
+
 def merge_load(reports: Iterable[LoadReport]) -> LoadReport:
     """Add up the load reports of several workers (rates, totals, in-flight, queued); the
     rest (window, latency bounds) is the first one's."""
@@ -317,10 +324,8 @@ def merge_load(reports: Iterable[LoadReport]) -> LoadReport:
             into = totals.setdefault(key, ReplicaTotals())
             into.requests += t.requests
             into.errors += t.errors
-            counts = t.latency
-            into.latency = [
-                a + b for a, b in zip(into.latency or [0] * len(counts), counts, strict=False)
-            ]
+            into.latency = _add_counts(into.latency, t.latency)
+            into.first_byte = _add_counts(into.first_byte, t.first_byte)
     return (merged or LoadReport()).model_copy(update={"replicas": replicas, "totals": totals})
 
 

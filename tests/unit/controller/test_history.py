@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetserve.controller.history import SERVICE, History, quantile
+from fleetserve.controller.history import SERVICE, History, quantile, window_percentile_ms
 from fleetserve.lb.messages import LoadReport
 
 BOUNDS = [0.01, 0.1, 1.0]
@@ -109,3 +109,72 @@ def test_since_returns_only_newer_points() -> None:
         h.observe(float(t), None, 0, 0, {})
     assert [p.at for p in h.since(2.0)[SERVICE]] == [3.0, 4.0]
     assert len(h.since(None)[SERVICE]) == 5
+
+
+def timed(
+    latency: dict[str, list[int]], first_byte: dict[str, list[int]] | None = None
+) -> LoadReport:
+    """A report with per-replica duration and time-to-first-byte histograms."""
+    first_byte = first_byte or {}
+    keys = set(latency) | set(first_byte)
+    return LoadReport.model_validate(
+        {
+            "latency_bounds": BOUNDS,
+            "totals": {
+                k: {"latency": latency.get(k, []), "first_byte": first_byte.get(k, [])}
+                for k in keys
+            },
+        }
+    )
+
+
+def test_window_percentile_is_over_the_requests_between_two_reports() -> None:
+    prev = timed({"1": [100, 100, 100, 100]}, {"1": [100, 100, 100, 100]})
+    # Since then: replica 1 answered 10 more in (0.1, 1] s, after a first byte in (10, 100] ms;
+    # replica 2 (new) 10 in (10, 100] ms, first byte under 10 ms.
+    cur = timed(
+        {"1": [100, 100, 110, 110], "2": [0, 10, 10, 10]},
+        {"1": [100, 110, 110, 110], "2": [10, 10, 10, 10]},
+    )
+    # Of the window's 20 whole responses, the 90th percentile is the 18th: 8/10 into (0.1, 1].
+    assert window_percentile_ms(prev, cur, 0.9, first_byte=False) == pytest.approx(820.0)
+    # Of their first bytes, the median is the 10th: the top of the first bucket.
+    assert window_percentile_ms(prev, cur, 0.5, first_byte=True) == pytest.approx(10.0)
+    # The old 100 requests (all under 10 ms) do not count: without prev they would.
+    assert window_percentile_ms(None, cur, 0.9, first_byte=False) == pytest.approx(82.0)
+
+
+def test_window_percentile_is_none_without_a_new_request() -> None:
+    cur = timed({"1": [5, 5, 5, 5], "none": [0, 0, 0, 7]}, {"1": [5, 5, 5, 5]})
+    assert window_percentile_ms(cur, cur, 0.9, first_byte=True) is None
+    assert window_percentile_ms(cur, cur, 0.9, first_byte=False) is None
+    # The load balancer's own answers ('none') are no replica's latency.
+    only_lb = timed({"none": [0, 0, 0, 7]})
+    assert window_percentile_ms(None, only_lb, 0.5, first_byte=False) is None
+    assert window_percentile_ms(None, timed({}), 0.5, first_byte=True) is None
+
+
+def test_window_percentile_after_a_restarted_load_balancer_uses_the_new_report_alone() -> None:
+    prev = timed({"1": [0, 0, 1000, 1000]})
+    cur = timed({"1": [0, 10, 10, 10]})  # counters went down: it counts from zero again
+    assert window_percentile_ms(prev, cur, 0.5, first_byte=False) == pytest.approx(55.0)
+    # A replica whose counters vanished (a worker gone with them) is a restart too.
+    prev = timed({"1": [0, 0, 1000, 1000], "2": [0, 0, 5, 5]})
+    cur = timed({"2": [0, 10, 15, 15]})
+    assert window_percentile_ms(prev, cur, 0.5, first_byte=False) == pytest.approx(77.5)
+
+
+def test_window_percentile_of_an_older_load_balancer_without_first_bytes_is_none() -> None:
+    old = timed({"1": [10, 10, 10, 10]})  # first_byte: [] (a report before the field)
+    assert window_percentile_ms(None, old, 0.9, first_byte=True) is None
+    assert window_percentile_ms(None, old, 0.9, first_byte=False) == pytest.approx(9.0)
+    # Upgraded between two reports: the new one's counts alone.
+    new = timed({"1": [20, 20, 20, 20]}, {"1": [0, 20, 20, 20]})
+    assert window_percentile_ms(old, new, 0.5, first_byte=True) == pytest.approx(55.0)
+    assert window_percentile_ms(old, new, 0.5, first_byte=False) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("q", [0.0, 1.0, 90.0, -0.5])
+def test_window_percentile_refuses_a_quantile_outside_0_1(q: float) -> None:
+    with pytest.raises(ValueError, match="q must be in"):
+        window_percentile_ms(None, timed({}), q, first_byte=True)

@@ -98,6 +98,9 @@ async def test_nginx_data_plane_end_to_end(start: Start, nginx_lb: LbConfig) -> 
         async with s.get(f"{admin}/-/load") as r:
             load = await r.json()
         assert load["replicas"]["1"]["requests_per_second"] == pytest.approx(5 / 60)
+        # nginx's $upstream_header_time: each answer's time to first byte
+        assert load["totals"]["1"]["first_byte"][-1] == 5
+        assert load["totals"]["2"]["first_byte"][-1] == 5
 
 
 async def test_nginx_round_robin_takes_turns_across_its_workers(

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.metrics import LATENCY_BUCKETS
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.lb import make_selector
@@ -287,6 +288,52 @@ async def test_a_request_the_replica_dropped_unanswered_is_retried_elsewhere(sta
         assert dropped >= 1
     finally:
         server.close()
+
+
+async def test_a_retried_requests_first_byte_counts_from_the_attempt_that_answered(
+    start: Start,
+) -> None:
+    """The first replica holds the request 0.5 s and drops it unanswered; the second answers
+    its head after 0.2 s: the first byte took 0.2 s (that attempt's), the request 0.7 s."""
+    dropped = 0
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        await reader.readuntil(b"\r\n\r\n")
+        dropped += 1
+        await asyncio.sleep(0.5)
+        writer.transport.abort()
+
+    async def late(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.2)
+        return web.Response(text="ok")
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    bad = server.sockets[0].getsockname()[1]
+    app = web.Application()
+    app.router.add_get("/", late)
+    good = await start(app)
+    lb, _, proxy = await make_lb_proxy(
+        start,
+        "round_robin",
+        [Upstream(1, f"http://127.0.0.1:{bad}", 1), Upstream(2, f"http://127.0.0.1:{good}", 1)],
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):  # round robin: one of the two starts on the dropping replica
+                async with s.get(f"{lb}/") as r:
+                    assert r.status == 200
+    finally:
+        server.close()
+    totals = proxy.metrics.totals()
+    bounds = list(LATENCY_BUCKETS)
+    answered = totals["2"]
+    assert answered.first_byte[bounds.index(0.1)] == 0
+    assert answered.first_byte[bounds.index(0.25)] == 2  # both ~0.2 s, a retried one too
+    assert dropped >= 1
+    assert answered.latency[bounds.index(0.5)] == 2 - dropped  # the retried took ~0.7 s
+    assert answered.latency[bounds.index(1)] == 2
+    assert totals["1"].first_byte == [0] * (len(bounds) + 1)  # it never answered
 
 
 async def test_a_response_cut_short_is_not_passed_off_as_complete(start: Start) -> None:

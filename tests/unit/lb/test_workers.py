@@ -17,7 +17,9 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
+from aiohttp import web
 
+from fleetserve.controller.history import window_percentile_ms
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.messages import LoadReport
 from fleetserve.lb.proxy import listening_sockets
@@ -79,6 +81,74 @@ async def test_two_workers_share_the_port_and_report_together(
     assert load["total_requests"] == 40
     assert load["replicas"]["1"]["requests_per_second"] == pytest.approx(40 / 60)
     assert 'replica="1",service="w"} 40.0' in text
+
+
+def slow_to_answer_app() -> web.Application:
+    """A replica that sends its head after 0.3 s, then its body in 5 pieces over 1 s (an LLM
+    server streaming tokens after its time to first token)."""
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.3)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # sends the status line and headers
+        for i in range(5):
+            await asyncio.sleep(0.2)
+            await resp.write(f"data: {i}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", slow)
+    return app
+
+
+async def test_time_to_first_byte_is_the_heads_and_duration_the_whole_answers(
+    start: Start, lb_process: tuple[LbConfig, subprocess.Popen[bytes]]
+) -> None:
+    """Two workers, each measuring: the load report and the metrics add both up."""
+    config, proc = lb_process
+    await wait_workers(proc)
+    a = await start(slow_to_answer_app())
+    admin = f"http://127.0.0.1:{config.admin_port}"
+
+    async def one() -> bytes:
+        async with (  # a new connection each: the kernel spreads them over the workers
+            aiohttp.ClientSession() as fresh,
+            fresh.post(f"http://127.0.0.1:{config.port}/v1/completions", json={}) as r,
+        ):
+            assert r.status == 200
+            return await r.read()
+
+    async with aiohttp.ClientSession() as s:
+        push = {"replicas": [{"replica_id": 1, "url": f"http://127.0.0.1:{a}"}]}
+        async with s.put(f"{admin}/-/replicas", json=push) as r:
+            assert r.status == 200
+        async with s.get(f"{admin}/-/load") as r:
+            before = LoadReport.model_validate(await r.json())
+        await asyncio.sleep(0.2)
+        bodies = await asyncio.wait_for(asyncio.gather(*(one() for _ in range(8))), 20)
+        assert all(b.count(b"data:") == 5 for b in bodies)
+        async with s.get(f"{admin}/-/load") as r:
+            load = LoadReport.model_validate(await r.json())
+        async with s.get(f"{admin}/metrics") as r:
+            text = await r.text()
+    bounds = load.latency_bounds
+    totals = load.totals["1"]
+    # Cumulative counts: none of the 8 first bytes within 0.25 s, all within 0.5 s (0.3 s);
+    # no whole answer within 1 s, all within 2.5 s (1.3 s).
+    assert totals.first_byte[bounds.index(0.25)] == 0
+    assert totals.first_byte[bounds.index(0.5)] == 8 and totals.first_byte[-1] == 8
+    assert totals.latency[bounds.index(1)] == 0 and totals.latency[bounds.index(2.5)] == 8
+    ttft = window_percentile_ms(before, load, 0.5, first_byte=True)
+    duration = window_percentile_ms(before, load, 0.5, first_byte=False)
+    assert ttft is not None and 250 < ttft < 500
+    assert duration is not None and 1000 < duration < 2500
+    ttft_bucket = (
+        'fleetserve_lb_time_to_first_byte_seconds_bucket{{le="{}",policy="least_load",'
+        'replica="1",service="w"}} {}'
+    )
+    assert ttft_bucket.format("0.25", "0.0") in text
+    assert ttft_bucket.format("0.5", "8.0") in text
 
 
 async def test_a_dead_worker_is_restarted_and_gets_the_set(
@@ -312,6 +382,26 @@ def test_merge_load_adds_up() -> None:
         "1": {"inflight": 3, "requests_per_second": 1.5},
         "2": {"inflight": 3, "requests_per_second": 0.0},
     }
+
+
+def test_merge_load_adds_up_the_histograms_and_keeps_an_older_workers_report() -> None:
+    def report(latency: list[int], first_byte: list[int] | None) -> LoadReport:
+        totals: dict[str, object] = {"requests": latency[-1], "latency": latency}
+        if first_byte is not None:
+            totals["first_byte"] = first_byte
+        return LoadReport.model_validate(
+            {"latency_bounds": [0.1, 1.0], "totals": {"1": totals, "2": totals}}
+        )
+
+    a = report([1, 2, 3], [2, 3, 3])
+    b = report([0, 4, 4], [4, 4, 4])
+    old = report([1, 1, 1], None)  # a report without first_byte: it parses, adds nothing
+    assert old.totals["1"].first_byte == []
+    for reports in ([a, b, old], [old, a, b]):
+        m = merge_load(reports)
+        assert m.totals["1"].latency == [2, 7, 8] and m.totals["2"].latency == [2, 7, 8]
+        assert m.totals["1"].first_byte == [6, 7, 7] and m.totals["1"].requests == 8
+    assert merge_load([old, old]).totals["1"].first_byte == []
 
 
 def test_merged_metrics_sum_samples() -> None:
