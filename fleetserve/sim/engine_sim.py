@@ -8,7 +8,8 @@ fewest requests in flight (held while none is READY); each replica is an engine 
 fleetserve.policies.autoscaler) gets what the controller gives it: the requests of that
 second, the requests in flight, those held, the replicas' engine signals (waiting requests,
 KV cache usage) as read every `metrics_scrape_seconds`, and the time to first token at the
-policy's percentile over the last window. A launched replica is billed from its launch and
+policy's percentile over the last `qps_window_seconds`, interpolated in the load balancer's
+histogram buckets as the controller does. A launched replica is billed from its launch and
 serves after `cold_start`; one removed drains (no new requests, billed until its last request
 ends), or goes at once if it was not READY yet.
 
@@ -24,9 +25,10 @@ import bisect
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from fleetserve.lb.metrics import LATENCY_BUCKETS
 from fleetserve.policies.autoscaler import (
     AutoscalerState,
     LoadObservation,
@@ -147,6 +149,54 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def bucket_quantile(bounds: Sequence[float], cumulative: Sequence[int], q: float) -> float | None:
+    """The q-quantile of a histogram (cumulative counts per upper bound, +Inf last),
+    interpolated linearly inside its bucket, as the controller reads the load balancer's
+    (fleetserve.controller.history.quantile, which the layers keep the simulator from
+    importing; a unit test holds the two to the same answers)."""
+    if not cumulative or cumulative[-1] <= 0:
+        return None
+    rank = q * cumulative[-1]
+    below, lower = 0, 0.0
+    for i, count in enumerate(cumulative):
+        if count >= rank:
+            if i >= len(bounds):
+                return float(bounds[-1]) if bounds else None
+            upper = float(bounds[i])
+            inside = count - below
+            return lower + (upper - lower) * ((rank - below) / inside if inside else 1.0)
+        below = count
+        lower = float(bounds[i]) if i < len(bounds) else lower
+    return float(bounds[-1]) if bounds else None
+
+
+class _LatencyWindow:
+    """The TTFTs of the requests whose first token came in the window, counted in the load
+    balancer's histogram buckets (LATENCY_BUCKETS), so that latency_ms is the percentile the
+    controller would compute from the LB's time-to-first-byte histogram."""
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[float, int]] = deque()  # (when, bucket index)
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+
+    def add(self, when: float, seconds: float) -> None:
+        i = bisect.bisect_left(LATENCY_BUCKETS, seconds)  # the first bound >= it (le)
+        self.entries.append((when, i))
+        self.counts[i] += 1
+
+    def drop_until(self, until: float) -> None:
+        while self.entries and self.entries[0][0] <= until:
+            self.counts[self.entries.popleft()[1]] -= 1
+
+    def percentile_ms(self, q: float) -> float | None:
+        cumulative, total = [], 0
+        for c in self.counts:
+            total += c
+            cumulative.append(total)
+        value = bucket_quantile(LATENCY_BUCKETS, cumulative, q / 100)
+        return None if value is None else value * 1000.0
+
+
 def _reading(values: list[float], ready: int) -> SignalReading:
     if not values:
         return SignalReading(mean=None, peak=None, answered=0, ready=ready)
@@ -189,7 +239,7 @@ def run_engine_fleet(
         _Node(Replica(engine), -cold_start, 0.0) for _ in range(policy.min_replicas)
     ]
     held: deque[Request] = deque()  # at the load balancer while nothing is READY
-    window: deque[tuple[float, float]] = deque()  # (first token at, TTFT) for latency_ms
+    window = _LatencyWindow()  # the TTFTs of the last qps_window_seconds, for latency_ms
     wants_latency = (
         getattr(policy, "target_ttft_ms", None) is not None
         or getattr(policy, "target_latency_ms", None) is not None
@@ -234,10 +284,9 @@ def run_engine_fleet(
                     assert ttft is not None
                     run.ttfts.append(ttft)
                     if wants_latency:
-                        window.append((now, ttft))
+                        window.add(now, ttft)
         nodes = [n for n in nodes if not (n.draining and n.replica.load == 0)]
-        while window and window[0][0] <= now - latency_window:
-            window.popleft()
+        window.drop_until(now - latency_window)
         ready = [n for n in nodes if not n.draining and n.ready_at <= now]
         if now >= next_scrape:
             next_scrape = now + scrape
@@ -245,11 +294,7 @@ def run_engine_fleet(
                 "queue": _reading([float(n.replica.queued) for n in ready], len(ready)),
                 "kv_cache": _reading([n.replica.kv_usage for n in ready], len(ready)),
             }
-        latency_ms = (
-            1000 * _percentile([x for _, x in window], percentile)
-            if wants_latency and window
-            else None
-        )
+        latency_ms = window.percentile_ms(percentile) if wants_latency else None
         # As the controller's: in flight at the replicas (draining ones too), held apart.
         inflight = sum(n.replica.load for n in nodes)
         decision = autoscale(

@@ -169,6 +169,34 @@ def test_every_policy_gets_the_engine_signals_and_scales_on_them(
     assert all(o.latency_ms is None for o in seen["request_rate"])  # measured only if used
 
 
+def test_latency_is_read_from_the_lb_buckets_as_the_controller_reads_it() -> None:
+    """The simulator's bucket quantile is the controller's (which the layers keep it from
+    importing), and its window of TTFTs gives what the controller would get from the LB's
+    histogram of the same requests."""
+    from fleetserve.controller.history import quantile
+    from fleetserve.lb.metrics import LATENCY_BUCKETS
+
+    bounds = list(LATENCY_BUCKETS)
+    size = len(bounds) + 1
+    for cumulative in ([0] * size, [1] * size, list(range(size)), [0] * 9 + [5] * (size - 9)):
+        for q in (0.5, 0.9, 0.99):
+            assert engine_sim.bucket_quantile(bounds, cumulative, q) == quantile(
+                bounds, cumulative, q
+            )
+    window = engine_sim._LatencyWindow()
+    ttfts = [0.2, 0.3, 0.45, 0.6, 0.7, 0.8, 1.5, 3.0, 0.4, 0.55]
+    for i, t in enumerate(ttfts):
+        window.add(float(i), t)
+    hist = [sum(1 for t in ttfts if t <= b) for b in bounds] + [len(ttfts)]
+    assert window.percentile_ms(90) == pytest.approx(1000 * quantile(bounds, hist, 0.9))  # type: ignore[operator]
+    window.drop_until(7.0)  # the first 8 leave the window
+    assert window.percentile_ms(50) == pytest.approx(
+        1000 * quantile(bounds, [0] * 8 + [1, 2] + [2] * (size - 10), 0.5)
+    )  # type: ignore[operator]
+    window.drop_until(100.0)
+    assert window.percentile_ms(90) is None
+
+
 def test_a_trace_past_the_bound_is_refused_before_it_runs() -> None:
     huge = Trace("huge", 60.0, (1e6,) * 60)
     pol = engine_policy("request_rate", calibration(), 1, 2, 60, 300, 60)
