@@ -144,6 +144,18 @@ def test_a_policy_that_scales_keeps_more_requests_under_target_than_one_that_doe
     assert scaling.replica_hours > fixed.replica_hours
 
 
+def test_replicas_scaled_down_drain_their_requests() -> None:
+    """Up on a rise, down after it: every request gets its first token (none is lost with a
+    replica taken away), and the fleet is billed for its drain."""
+    cal = calibration()
+    up_down = Trace("up-down", 60.0, (4.0,) * 15 + (0.2,) * 30)
+    pol = engine_policy("in_flight", cal, 1, 12, 30, 120, 60)
+    run = run_engine_fleet(up_down, pol, "in_flight", ENGINE, Workload(), 1.0, 60.0, 0)
+    assert run.max_replicas > 2 and run.ready[-1] < run.max_replicas
+    assert run.unserved == run.timed_out == 0
+    assert len(run.ttfts) == run.requests
+
+
 def test_every_policy_gets_the_engine_signals_and_scales_on_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
