@@ -493,10 +493,10 @@ def create_app(
     async def apply_pool(name: ServiceName, body: ApplyPool) -> PoolApplied:
         if body.yaml is not None:
             await parsed_off_loop(body.yaml)
-        svc, action = ctl.apply_pool(
+        svc, action, note = ctl.apply_pool(
             name, body.yaml, body.workers, body.base_dir, body.envs, body.secrets
         )
-        return PoolApplied(pool=service_info(ctl, svc), action=action)
+        return PoolApplied(pool=service_info(ctl, svc), action=action, note=note)
 
     @app.get(f"{PREFIX}/pools", response_model=list[ServiceInfo])
     async def list_pools() -> list[ServiceInfo]:

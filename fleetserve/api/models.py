@@ -216,6 +216,11 @@ class JobInfo(BaseModel):
 class PoolApplied(BaseModel):
     pool: ServiceInfo
     action: str
+    note: str | None = Field(
+        None,
+        description="What the user should know of the change (a resize that ended the "
+        "pool's autoscaling); null when nothing.",
+    )
 
 
 class HistoryPoint(BaseModel):

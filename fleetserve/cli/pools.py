@@ -167,6 +167,8 @@ def apply(
         out.print(
             f"Pool [bold]{escape(p.name)}[/] {done.action}: {p.target_replicas} worker(s) wanted."
         )
+        if done.note:
+            err.print(f"Note: {escape(done.note)}.", soft_wrap=True)
         if wait:
             with Progress(out, err) as prog:
                 p = _wait_workers(client, p.name, prog)

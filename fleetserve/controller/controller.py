@@ -24,6 +24,7 @@ from fleetserve.controller.pools import STATE_KEY as POOL_STATE_KEY
 from fleetserve.controller.probe_client import ProbeClient
 from fleetserve.controller.prober import Prober
 from fleetserve.controller.reconciler import ServiceReconciler
+from fleetserve.controller.replica_metrics import MetricsClient
 from fleetserve.controller.scaling import STATE_KEY
 from fleetserve.controller.settings import Settings
 from fleetserve.controller.spot import STATE_KEY as SPOT_STATE_KEY
@@ -87,6 +88,8 @@ class Controller:
         self.http = httpx.AsyncClient(trust_env=False)
         # Every service's readiness probes: kept-alive connections, bounded concurrency.
         self.probes = ProbeClient()
+        # Every service's reads of its replicas' metrics (autoscaling): the same connections.
+        self.replica_metrics = MetricsClient(self.probes)
         self.lb = LbManager(settings, self.http, self.home_id, legacy, host=self.host)
         # GET /metrics (docs/metrics.md): counts the store's replica transitions from now on.
         self.metrics = ControllerMetrics(self.store, active=lambda: self.role == "active")
@@ -304,6 +307,7 @@ class Controller:
             self.clock,
             self.home_id,
             metrics=self.metrics,
+            metrics_client=self.replica_metrics,
         )
         self.reconcilers[name] = rec
         self._tasks[name] = asyncio.create_task(rec.run(), name=f"reconcile-{name}")
@@ -610,9 +614,10 @@ class Controller:
         base_dir: str | None = None,
         envs: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
-    ) -> tuple[ServiceRecord, str]:
+    ) -> tuple[ServiceRecord, str, str | None]:
         """Create a pool, or update one in place: a new size (`workers`), or a new YAML whose
-        workers roll over as they finish their jobs. Returns the pool and what was done."""
+        workers roll over as they finish their jobs. Returns the pool, what was done and a
+        note for the user (a resize that ended the pool's autoscaling), if any."""
         existing = self.store.get_service(name)
         resized_from = None
         if yaml_text is None:
@@ -623,22 +628,30 @@ class Controller:
         data_spec = parse_spec(yaml_text, envs=envs, secrets=secrets)
         if data_spec.service.pool is None:
             raise InvalidSpec("not a pool YAML: it needs a top-level `pool:` section")
+        fixed_from: str | None = None
         if workers is not None:
             if not 0 <= workers <= 1000:
                 raise InvalidSpec(f"--workers {workers}: within 0..1000")
+            lo, hi = data_spec.service.fleet_bounds()
+            if lo != hi:  # said, not done silently: the YAML's range gives way to a fixed size
+                fixed_from = (
+                    f"--workers {workers} fixes the pool's size: it no longer autoscales "
+                    f"between {lo} and {hi} workers (apply a YAML with min_workers and "
+                    "max_workers to bring that back)"
+                )
             yaml_text = _with_workers(yaml_text, workers)
         if existing is None:
             svc = self.create_service(
                 yaml_text, name, base_dir, envs=envs, secrets=secrets, pool=True
             )
-            return svc, "created"
+            return svc, "created", fixed_from
         if self.spec_of(existing).service.pool is None:
             raise Conflict(f"{name!r} is a service, not a pool")
         resize_only = resized_from is not None
         svc = self.update_service(
             name, yaml_text, base_dir, envs=envs, secrets=secrets, force_in_place=resize_only
         )
-        return svc, "resized in place" if resize_only else "updated"
+        return svc, "resized in place" if resize_only else "updated", fixed_from
 
     def launch_jobs(
         self,

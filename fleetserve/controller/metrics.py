@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -116,6 +117,9 @@ class ServiceMetrics:
         self._round_seconds = self._child(parent.round_seconds)
         self._round_errors = self._child(parent.round_errors)
         self._transitions: dict[ReplicaStatus, Any] = {}  # made on first use: 13 at most
+        # signal -> (value child, replicas child): made on first use, 11 at most
+        # (queue, kv_cache, metric:0..7, latency_ms)
+        self._signals: dict[str, tuple[Any, Any]] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         values = (self.service, *labels)
@@ -139,6 +143,19 @@ class ServiceMetrics:
     def probe(self, seconds: float, outcome: ProbeOutcome) -> None:
         self._probe_seconds.observe(seconds)
         self._probes[outcome].inc()
+
+    def signal(self, name: str, value: float | None, answered: int | None = None) -> None:
+        """What the autoscaler last read of a signal: its value (None: nothing read, NaN
+        shown) and, for a replica-reported one, how many READY replicas answered."""
+        pair = self._signals.get(name)
+        if pair is None:
+            pair = self._signals[name] = (
+                self._child(self.parent.signal_values, name),
+                self._child(self.parent.signal_replicas, name),
+            )
+        pair[0].set(math.nan if value is None else value)
+        if answered is not None:
+            pair[1].set(answered)
 
     def round(self, seconds: float, failed: bool = False) -> None:
         """One reconcile round took `seconds` (and raised, when `failed`)."""
@@ -211,6 +228,20 @@ class ControllerMetrics:
             "fleetserve_controller_reconcile_errors",
             "Reconcile rounds that raised (the next one retries, with backoff).",
             ["service"],
+            registry=reg,
+        )
+        self.signal_values = Gauge(
+            "fleetserve_controller_autoscaler_signal",
+            "What the autoscaler last read of each signal it scales on: queue and metric:N "
+            "per replica (mean, or max with aggregation max), kv_cache as a fraction, "
+            "latency_ms; NaN when nothing was read.",
+            ["service", "signal"],
+            registry=reg,
+        )
+        self.signal_replicas = Gauge(
+            "fleetserve_controller_autoscaler_signal_replicas",
+            "READY replicas whose metrics answered for the signal in the last scrape.",
+            ["service", "signal"],
             registry=reg,
         )
         self._services: dict[str, ServiceMetrics] = {}

@@ -199,12 +199,41 @@ class ProbeClient:
             except TimeoutError:
                 raise ProbeTimeout(f"no answer within {timeout_seconds:g} s") from None
 
-    async def _send(self, url: str, host: str, port: int, request: bytes, head_only: bool) -> int:
+    async def get(
+        self,
+        url: str,
+        headers: Mapping[str, str],
+        timeout_seconds: float,
+        max_bytes: int = MAX_BODY_BYTES,
+    ) -> tuple[int, bytes, bool]:
+        """GET `url`: its status, its body (the first `max_bytes`), and whether the body was
+        cut there. The whole exchange, the body's last byte included, ends within
+        `timeout_seconds`: a server that sends its answer a byte at a time, or without end,
+        holds it no longer (ProbeTimeout). The same connections and slots as the probes."""
+        host, port, request = _prepare("GET", url, headers, None)
+        sink = _Sink(max_bytes)
+        async with self._slots:
+            try:
+                async with asyncio.timeout(timeout_seconds):
+                    status = await self._send(url, host, port, request, False, sink)
+            except TimeoutError:
+                raise ProbeTimeout(f"no whole answer within {timeout_seconds:g} s") from None
+        return status, bytes(sink.data), sink.cut
+
+    async def _send(
+        self,
+        url: str,
+        host: str,
+        port: int,
+        request: bytes,
+        head_only: bool,
+        sink: _Sink | None = None,
+    ) -> int:
         key = (host, port)
         conn = self._idle.pop(key, None)
         if conn is not None:
             try:
-                return await self._exchange(key, conn, request, head_only, reused=True)
+                return await self._exchange(key, conn, request, head_only, reused=True, sink=sink)
             except _Stale:
                 pass  # closed while idle: the request was not read, send it on a new one
         reason = self.check_listener(url)
@@ -216,7 +245,7 @@ class ProbeClient:
             raise ProbeConnectError(str(e) or type(e).__name__) from None
         self.connects += 1
         try:
-            return await self._exchange(key, _Conn(reader, writer), request, head_only)
+            return await self._exchange(key, _Conn(reader, writer), request, head_only, sink=sink)
         except _Stale:
             raise ProbeReadError("") from None
 
@@ -227,13 +256,14 @@ class ProbeClient:
         request: bytes,
         head_only: bool,
         reused: bool = False,
+        sink: _Sink | None = None,
     ) -> int:
         keep = False
         try:
             conn.writer.write(request)
             try:
                 await conn.writer.drain()
-                status, keep = await self._read_answer(conn.reader, head_only)
+                status, keep = await self._read_answer(conn.reader, head_only, sink)
             except (asyncio.IncompleteReadError, ConnectionError) as e:
                 partial = isinstance(e, asyncio.IncompleteReadError) and bool(e.partial)
                 if not partial:
@@ -248,8 +278,11 @@ class ProbeClient:
                 conn.close()
         return status
 
-    async def _read_answer(self, reader: asyncio.StreamReader, head_only: bool) -> tuple[int, bool]:
-        """The status of the answer, and whether the connection may carry another request."""
+    async def _read_answer(
+        self, reader: asyncio.StreamReader, head_only: bool, sink: _Sink | None = None
+    ) -> tuple[int, bool]:
+        """The status of the answer, and whether the connection may carry another request;
+        the body goes to `sink` when one is given (up to its limit: past it, closed)."""
         for _ in range(5):  # a few informational (1xx) answers may come first
             head = await reader.readuntil(b"\r\n\r\n")
             status_line, _, rest = head.partition(b"\r\n")
@@ -268,23 +301,29 @@ class ProbeClient:
             if head_only or status in (204, 304):
                 return status, keep
             if b"chunked" in fields.get(b"transfer-encoding", b""):
-                return status, keep and await self._skip_chunked(reader)
+                return status, keep and await self._skip_chunked(reader, sink)
             length = fields.get(b"content-length")
             if length is not None:
                 if not length.isdigit():
                     raise ProbeProtocolError("a malformed Content-Length")
                 n = int(length)
+                if sink is not None:
+                    whole = n <= sink.limit
+                    sink.add(await reader.readexactly(min(n, sink.limit)))
+                    sink.cut = not whole
+                    return status, keep and whole
                 if n > MAX_BODY_BYTES:
                     return status, False  # not read: the connection is closed instead
                 await reader.readexactly(n)
                 return status, keep
-            await _read_to_end(reader)  # no length: the body ends with the connection
+            await _read_to_end(reader, sink)  # no length: the body ends with the connection
             return status, False
         raise ProbeProtocolError("too many informational (1xx) answers")
 
-    async def _skip_chunked(self, reader: asyncio.StreamReader) -> bool:
+    async def _skip_chunked(self, reader: asyncio.StreamReader, sink: _Sink | None = None) -> bool:
         """Read a chunked body to its end; False when it is too long to read (closed)."""
         total = 0
+        limit = MAX_BODY_BYTES if sink is None else sink.limit
         while True:
             line = await reader.readuntil(b"\r\n")
             size_text = line.split(b";", 1)[0].strip()
@@ -297,9 +336,14 @@ class ProbeClient:
                     pass  # trailers
                 return True
             total += size
-            if total > MAX_BODY_BYTES:
+            if total > limit:
+                if sink is not None:
+                    sink.add(await reader.readexactly(size - (total - limit)))
+                    sink.cut = True
                 return False
-            await reader.readexactly(size + 2)
+            chunk = await reader.readexactly(size + 2)
+            if sink is not None:
+                sink.add(chunk[:-2])
 
     def _keep(self, key: tuple[str, int], conn: _Conn) -> None:
         old = self._idle.pop(key, None)
@@ -324,11 +368,31 @@ class ProbeClient:
             conn.close()
 
 
-async def _read_to_end(reader: asyncio.StreamReader) -> None:
+class _Sink:
+    """A body read by `ProbeClient.get`, up to `limit` bytes."""
+
+    __slots__ = ("cut", "data", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = bytearray()
+        self.cut = False
+
+    def add(self, chunk: bytes) -> None:
+        room = self.limit - len(self.data)
+        if len(chunk) > room:
+            self.cut = True
+        self.data += chunk[:room]
+
+
+async def _read_to_end(reader: asyncio.StreamReader, sink: _Sink | None = None) -> None:
     total = 0
+    limit = MAX_BODY_BYTES if sink is None else sink.limit
     while chunk := await reader.read(65536):
         total += len(chunk)
-        if total > MAX_BODY_BYTES:
+        if sink is not None:
+            sink.add(chunk)
+        if total > limit:
             return
 
 
@@ -367,6 +431,36 @@ class HttpxProbes:
             error = ProbeReadError if isinstance(e, httpx.ReadError) else ProbeProtocolError
             raise error(str(e)) from None
         return resp.status_code
+
+    async def get(
+        self,
+        url: str,
+        headers: Mapping[str, str],
+        timeout_seconds: float,
+        max_bytes: int = MAX_BODY_BYTES,
+    ) -> tuple[int, bytes, bool]:
+        """`ProbeClient.get` through the httpx client."""
+        reason = self.check_listener(url)
+        if reason is not None:
+            raise ForeignListener(reason)
+        body = bytearray()
+        cut = False
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                async with self.client.stream("GET", url, headers=dict(headers)) as resp:
+                    async for chunk in resp.aiter_bytes():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            del body[max_bytes:]
+                            cut = True
+                            break
+        except (TimeoutError, httpx.TimeoutException):
+            raise ProbeTimeout(f"no whole answer within {timeout_seconds:g} s") from None
+        except httpx.ConnectError as e:
+            raise ProbeConnectError(str(e)) from None
+        except httpx.HTTPError as e:
+            raise ProbeReadError(str(e)) from None
+        return resp.status_code, bytes(body), cut
 
     async def aclose(self) -> None:
         return None  # the client is its owner's

@@ -21,6 +21,7 @@ from fleetserve.controller.logtail import log_tail, with_tail
 from fleetserve.controller.metrics import ControllerMetrics
 from fleetserve.controller.pools import PoolRunner
 from fleetserve.controller.prober import Prober
+from fleetserve.controller.replica_metrics import MetricsClient, MetricsTransport, ReplicaMetrics
 from fleetserve.controller.scaling import Scaler
 from fleetserve.controller.settings import Settings
 from fleetserve.controller.spot import DEFAULT_PLACER, SpotPlacement
@@ -42,7 +43,12 @@ from fleetserve.infra.zones import NoCapacity
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.messages import Canary
 from fleetserve.lb.wake import wake_token
-from fleetserve.policies.autoscaler import FallbackTargets, per_replica_qps
+from fleetserve.policies.autoscaler import (
+    FallbackTargets,
+    SignalReading,
+    metric_key,
+    per_replica_qps,
+)
 from fleetserve.policies.fleet import (
     Action,
     CreateReplicas,
@@ -146,6 +152,7 @@ class ServiceReconciler:
         clock: Clock,
         home_id: str = "",
         metrics: ControllerMetrics | None = None,
+        metrics_client: MetricsClient | None = None,
     ) -> None:
         self.name = name
         self.store = store
@@ -174,6 +181,11 @@ class ServiceReconciler:
         self.finished = asyncio.Event()
         self._specs: dict[int, ServiceTask] = {}
         self.scaler = Scaler(name, store, clock, settings.autoscale_interval)
+        # The READY replicas' own metrics, for a policy that scales on them (the controller's
+        # client is shared by every service; alone, one over this prober's connections).
+        self.replica_metrics = ReplicaMetrics(
+            name, metrics_client or MetricsClient(cast(MetricsTransport, prober.transport))
+        )
         self.history = History(step=settings.history_step)  # the dashboard's charts
         self._lb_checked: tuple[int, int | None] | None = None  # (version, LB pid) compared
         self.executor.inflight_of = self.scaler.inflight_of
@@ -195,6 +207,15 @@ class ServiceReconciler:
 
     # -- the loop ------------------------------------------------------------------------
 
+    async def _sleep_or_wake(self, delay: float) -> None:
+        """Until `wake` is set or `delay` seconds pass. asyncio.timeout, not wait_for: on
+        Python 3.11 a wait_for whose event fires as the task is cancelled swallows the
+        cancellation, and the loop went on while the controller waited for it to stop."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self.wake.wait()
+        self.wake.clear()
+
     async def run(self) -> None:
         failures = 0
         try:
@@ -211,9 +232,7 @@ class ServiceReconciler:
                             failure_text(e),
                         )
                     delay = self.settings.reconcile_interval * min(2**failures, 30)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), timeout=delay)
-                    self.wake.clear()
+                    await self._sleep_or_wake(delay)
             failures = 0
             while True:
                 started = self.metrics.timer()
@@ -237,15 +256,14 @@ class ServiceReconciler:
                     return  # the service is gone, its series with it
                 self.metrics.round(self.metrics.timer() - started, failed=failures > 0)
                 delay = self.settings.reconcile_interval * min(2**failures, 30)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), timeout=delay)
-                self.wake.clear()
+                await self._sleep_or_wake(delay)
         finally:
             self.finished.set()
 
     async def stop(self) -> None:
         await self.executor.cancel_all()
         self.prober.close()
+        self.replica_metrics.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -352,7 +370,11 @@ class ServiceReconciler:
         wanted = svc.lb_pid is not None and self._wants_load(spec)
         report = await self.lb.load(svc) if wanted else None
         self.scaler.observe(report)
-        target = self.scaler.target(spec) if pool is None else pool.target(spec, replicas)
+        if pool is None:
+            target = self.scaler.target(spec, self._replica_signals(spec, replicas))
+            self._show_signals(spec)
+        else:
+            target = pool.target(spec, replicas)
         self.history.observe(
             self.clock.now(),
             report,
@@ -413,6 +435,41 @@ class ServiceReconciler:
                 self.store.add_event(self.name, self.clock.now(), "service", plan.failure_reason)
         await self._push(svc, rows_after(plan.actions, replicas))
         return False
+
+    def _replica_signals(
+        self, spec: ServiceTask, replicas: list[ReplicaRecord]
+    ) -> dict[str, SignalReading] | None:
+        """Start a scrape of the READY replicas' metrics when one is due (in the background),
+        and what their latest scrapes said; None when the policy reads none."""
+        policy = spec.service.replica_policy
+        if policy is None or not policy.scrapes_replicas:
+            if self.replica_metrics.latest:
+                self.replica_metrics.close()
+            return None
+        ready = [
+            (r.replica_id, r.endpoint)
+            for r in replicas
+            if r.status is ReplicaStatus.READY and r.endpoint and not self._away(r)
+        ]
+        probe = spec.service.readiness_probe
+        now = self.clock.now()
+        self.replica_metrics.maybe_start(ready, policy, probe.headers if probe else {}, now)
+        return self.replica_metrics.readings([rid for rid, _ in ready], policy, now)
+
+    def _show_signals(self, spec: ServiceTask) -> None:
+        """The autoscaler's last readings in the controller's metrics (GET /metrics)."""
+        policy = spec.service.replica_policy
+        if policy is None:
+            return
+        for key, reading in self.scaler.signals.items():
+            metric = next(
+                (m for i, m in enumerate(policy.target_metrics or ()) if metric_key(i) == key),
+                None,
+            )
+            peak = metric is not None and metric.aggregation == "max"
+            self.metrics.signal(key, reading.peak if peak else reading.mean, reading.answered)
+        if policy.latency_target_ms is not None:
+            self.metrics.signal("latency_ms", self.scaler.latency_ms)
 
     def _wants_load(self, spec: ServiceTask) -> bool:
         """Whether this round reads the LB's load report: every round when a decision rests on

@@ -5,17 +5,21 @@ decision so that a restarted controller carries on where it stopped."""
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Mapping
 
+from fleetserve.controller.history import window_percentile_ms
 from fleetserve.core.clock import Clock
 from fleetserve.lb.messages import LoadReport
 from fleetserve.policies.autoscaler import (
     AutoscalerState,
     Decision,
     LoadObservation,
+    SignalReading,
     autoscale,
     initial_state,
 )
-from fleetserve.spec.models import ServiceTask
+from fleetserve.spec.models import ReplicaPolicy, ServiceTask
 from fleetserve.store import Store
 
 log = logging.getLogger("fleetserve.controller")
@@ -33,6 +37,11 @@ class Scaler:
         self._last_total: int | None = None
         self._pending = 0  # requests seen since the last decision
         self._decided_at = float("-inf")
+        # (when, report) of the last `qps_window_seconds` and one before: the latency window.
+        self._reports: deque[tuple[float, LoadReport]] = deque()
+        self._latency_window = 0.0  # seconds of reports kept: none past the last two without
+        self.signals: Mapping[str, SignalReading] = {}  # the replicas' last readings
+        self.latency_ms: float | None = None  # the last latency measured
 
     def inflight_of(self, replica_id: int) -> int:
         replica = self.load.replicas.get(str(replica_id)) if self.load is not None else None
@@ -42,14 +51,37 @@ class Scaler:
         if report is None:
             return
         self.load = report
+        now = self.clock.now()
+        self._reports.append((now, report))
+        while len(self._reports) > 2 and self._reports[1][0] <= now - self._latency_window:
+            self._reports.popleft()
         total = report.total_requests
         if self._last_total is not None:
             # A restarted load balancer counts from zero again.
             self._pending += total - self._last_total if total >= self._last_total else total
         self._last_total = total
 
-    def target(self, spec: ServiceTask) -> int:
-        """Replicas wanted now: min_replicas for a fixed fleet, else the autoscaler's."""
+    def latency(self, policy: ReplicaPolicy) -> float | None:
+        """The latency percentile the LB measured over the last `qps_window_seconds` (between
+        the newest report and the last one at least that old; the oldest kept before that)."""
+        if policy.latency_target_ms is None:
+            self._latency_window = 0.0
+            return None
+        self._latency_window = policy.qps_window_seconds
+        if not self._reports:
+            return None
+        _at, cur = self._reports[-1]
+        prev = self._reports[0][1] if len(self._reports) > 1 else None
+        return window_percentile_ms(
+            prev,
+            cur,
+            policy.latency_percentile / 100,
+            first_byte=policy.target_ttft_ms is not None,
+        )
+
+    def target(self, spec: ServiceTask, signals: Mapping[str, SignalReading] | None = None) -> int:
+        """Replicas wanted now: min_replicas for a fixed fleet, else the autoscaler's.
+        `signals`: what the READY replicas reported (fleetserve.controller.replica_metrics)."""
         policy = spec.service.replica_policy
         lo, _hi = spec.service.replica_bounds()
         if policy is None or not policy.autoscaled:
@@ -62,9 +94,12 @@ class Scaler:
         raw = self.store.get_policy_state(self.service, STATE_KEY)
         state = AutoscalerState.from_json(raw) if raw else initial_state(policy)
         inflight = sum(r.inflight for r in report.replicas.values())
-        decision = autoscale(
-            policy, state, LoadObservation(self._pending, inflight, queued), now, spec.accelerator()
+        self.signals = signals or {}
+        self.latency_ms = self.latency(policy)
+        load = LoadObservation(
+            self._pending, inflight, queued, signals=self.signals, latency_ms=self.latency_ms
         )
+        decision = autoscale(policy, state, load, now, spec.accelerator())
         self._pending = 0
         self._decided_at = now
         self.last = decision

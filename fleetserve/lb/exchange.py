@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fleetserve.lb.http import HIGH_WATER, PEEK_BYTES, error_response, prompt_prefix
@@ -22,6 +23,7 @@ from fleetserve.policies.lb import NO_KEY, RequestKey
 if TYPE_CHECKING:
     from fleetserve.lb.client import ClientConn
     from fleetserve.lb.upstream import UpstreamConn
+    from fleetserve.policies.cache_aware_precise import PromptTokens
 
 # Policies that read the request body before choosing a replica.
 BODY_POLICIES = ("prefix_affinity", "cache_aware")
@@ -44,8 +46,12 @@ class Exchange:
     The common case runs without a task: the request is written to an idle pooled connection
     as soon as its head is parsed, and the response's end settles the exchange from the
     replica connection's callback. Anything that must wait (a new connection, a body to peek
-    at, holding for a first replica, a retry) continues in a task (`run`).
+    at, a long prompt to tokenize, holding for a first replica, a retry) continues in a task
+    (`run`).
     """
+
+    # cache_aware's precise mode: a body whose tokens the task makes off the event loop.
+    _untokenized: tuple[PromptTokens, bytes] | None = None
 
     def __init__(self, client: ClientConn, method: bytes, head: bytes, has_body: bool) -> None:
         self.client = client
@@ -338,7 +344,8 @@ class Exchange:
             # started after its body came (pipelined behind another) chooses at once.
             limit = self._body_limit()
             if self.body_complete or self.body_size >= limit:
-                return self._send_now(self._key_of_body())
+                key = self._key_of_body()
+                return self._untokenized is None and self._send_now(key)
             self.choose_at = limit
             self.body_seen = proxy.clock
             return True
@@ -346,7 +353,8 @@ class Exchange:
 
     def _choose_with_body(self) -> None:
         self._stop_waiting_for_body()
-        if not self._send_now(self._key_of_body()):
+        key = self._key_of_body()
+        if self._untokenized is not None or not self._send_now(key):
             self.task = asyncio.get_running_loop().create_task(self.run())
 
     def body_stalled(self) -> None:
@@ -500,8 +508,23 @@ class Exchange:
         if self._reads_body():
             if self._request_key is None:
                 await self._read_body(self._body_limit())
-            return self._key_of_body()
+            key = self._key_of_body()
+            if self._untokenized is not None:
+                key = self._request_key = await self._with_tokens(key, *self._untokenized)
+            return key
         return self._header_key()
+
+    async def _with_tokens(
+        self, key: RequestKey, tokenizer: PromptTokens, body: bytes
+    ) -> RequestKey:
+        """The key with its prompt's tokens, made off the event loop (a long prompt)."""
+        self._untokenized = None
+        try:
+            tokens = await tokenizer.tokens_off_loop(body)
+        except Exception:
+            self.proxy.replicas.policy_failed("tokenizing a request's prompt failed")
+            return key
+        return replace(key, tokens=tokens)
 
     def _key_of_body(self) -> RequestKey:
         """The body policy's key, made once (a task that takes over reuses it)."""
@@ -530,14 +553,16 @@ class Exchange:
         text = prompt_text(body) if self.body_complete else prompt_prefix(body, 1 << 20)
         if text is None:
             return NO_KEY
-        tokenize = getattr(selector, "tokenize", None)  # precise mode: the engine's tokens
-        tokens = tokenize(body) if tokenize is not None and self.body_complete else ()
-        return RequestKey(
-            prefix=text[: selector.block_chars],
-            blocks=selector.keys(text),
-            tokens=tokens,
-            text_chars=len(text),
+        key = RequestKey(
+            prefix=text[: selector.block_chars], blocks=selector.keys(text), text_chars=len(text)
         )
+        tokenizer = getattr(selector, "tokenizer", None)  # precise mode: the engine's tokens
+        if tokenizer is None or not self.body_complete:
+            return key
+        if tokenizer.inline(body):
+            return replace(key, tokens=tokenizer.tokens(body))
+        self._untokenized = (tokenizer, body)  # a long prompt: the task tokenizes it (`_key`)
+        return key
 
     async def _attempt(self, upstream: Upstream) -> int:
         proxy = self.proxy

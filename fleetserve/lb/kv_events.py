@@ -35,7 +35,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from fleetserve.core.sockets import held_by_me, loopback_port
@@ -48,6 +48,9 @@ from fleetserve.policies.kv_index import (
     KvIndex,
     Trust,
 )
+
+if TYPE_CHECKING:
+    from fleetserve.lb.prompt_tokens import LoopTokenizer
 
 log = logging.getLogger("fleetserve.lb.kv_events")
 
@@ -519,11 +522,16 @@ class KvEventsCollector:
 
 def precise_mode(
     options: Any, service: str
-) -> tuple[KvIndex, KvEventsSettings, Callable[[bytes], tuple[int, ...]]] | None:
+) -> tuple[KvIndex, KvEventsSettings, LoopTokenizer] | None:
     """What cache_aware's precise mode needs, from `service.load_balancer` (its kv_events and
     tokenizer); None, with an error logged that says why, when it cannot run here (the LB then
     runs cache_aware on its approximate index)."""
-    from fleetserve.lb.prompt_tokens import MISSING, PromptTokenizer, TokenizerError
+    from fleetserve.lb.prompt_tokens import (
+        MISSING,
+        LoopTokenizer,
+        PromptTokenizer,
+        TokenizerError,
+    )
 
     kv = options.kv_events
     try:
@@ -553,4 +561,4 @@ def precise_mode(
         max_message_bytes=kv.max_message_bytes,
         max_blocks_per_second=kv.max_blocks_per_second,
     )
-    return KvIndex(kv.max_blocks), settings, tokenizer.tokens
+    return KvIndex(kv.max_blocks), settings, LoopTokenizer(tokenizer)

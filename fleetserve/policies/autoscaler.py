@@ -8,24 +8,56 @@ Delays are seconds of sustained demand, never loop ticks: the fleet grows only a
 demand has stayed above the current target for `upscale_delay_seconds`, and shrinks only after
 it has stayed below for `downscale_delay_seconds`. From zero, the first request scales up at
 once; to zero, only after a whole downscale delay without a request.
+
+Demand is the largest of what each configured signal asks for: the request rate, requests in
+flight, what the replicas report (engine queue, KV cache use, any gauge) and the latency the
+load balancer measures. A replica-reported signal that no replica answered holds the current
+size: a replica that does not answer is never read as an idle one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetserve.spec.models import ReplicaPolicy
+from fleetserve.spec.models import MetricTarget, ReplicaPolicy
+
+QUEUE = "queue"
+KV_CACHE = "kv_cache"
+# The latency rule's band: shrink only below LATENCY_LOW x target, and only when one replica
+# fewer is predicted (latency x n / (n - 1)) to stay under LATENCY_PREDICTED x target.
+LATENCY_LOW = 0.5
+LATENCY_PREDICTED = 0.8
+
+
+def metric_key(index: int) -> str:
+    """The `LoadObservation.signals` key of `target_metrics[index]`."""
+    return f"metric:{index}"
+
+
+@dataclass(frozen=True)
+class SignalReading:
+    """One replica-reported signal this round, over the READY replicas."""
+
+    mean: float | None  # mean over the replicas that answered; None: none answered
+    peak: float | None  # max over those
+    answered: int  # replicas whose value was read
+    ready: int  # READY replicas asked
 
 
 @dataclass(frozen=True)
 class LoadObservation:
-    """What the load balancer reported this round."""
+    """What the load balancer (and the replicas) reported this round."""
 
     new_requests: int  # requests since the previous observation
     inflight: int  # requests in flight now, all replicas together
     queued: int = 0  # requests held while nothing is ready (scale from zero)
+    # keys: QUEUE, KV_CACHE, metric_key(i) (index into target_metrics)
+    signals: Mapping[str, SignalReading] = field(default_factory=dict)
+    # The LB-measured percentile over the last window; None: no request measured.
+    latency_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +96,8 @@ class Decision:
     inflight: int
     reason: str
     state: AutoscalerState = field(repr=False)
+    # Which signal set the demand, and its value, e.g. "engine queue 7.5/replica, target 2".
+    signal: str = ""
 
 
 def initial_state(policy: ReplicaPolicy) -> AutoscalerState:
@@ -98,6 +132,127 @@ def needed_replicas(
     return need
 
 
+def _metric_label(m: MetricTarget) -> str:
+    labels = ",".join(f'{k}="{v}"' for k, v in sorted(m.labels.items()))
+    return f"{m.name}{{{labels}}}" if labels else m.name
+
+
+def _proportional(
+    name: str,
+    reading: SignalReading | None,
+    target: float,
+    peak: bool,
+    current: int,
+    show: Callable[[float], str],
+    unit: str = "",
+) -> tuple[int, str]:
+    """Replicas a replica-reported signal asks for: enough that each carries `target`, the
+    replicas that did not answer counted as the mean of those that did. No answer: hold."""
+    if reading is None or reading.answered == 0 or reading.mean is None:
+        asked = 0 if reading is None else reading.ready
+        return current, f"{name}: no replica answered (0 of {asked}), holding {current}"
+    value = reading.peak if peak and reading.peak is not None else reading.mean
+    need = math.ceil(reading.ready * value / target - 1e-9) if reading.ready else current
+    part = (
+        f" ({reading.answered} of {reading.ready} replicas answered)"
+        if reading.answered < reading.ready
+        else ""
+    )
+    return max(need, 0), f"{name} {show(value)}{unit}{part}, target {show(target)}"
+
+
+def _latency(policy: ReplicaPolicy, load: LoadObservation, current: int) -> tuple[int, str] | None:
+    target = policy.latency_target_ms
+    if target is None:
+        return None
+    what = f"p{policy.latency_percentile:g} {'TTFT' if policy.target_ttft_ms else 'latency'}"
+    latency = load.latency_ms
+    if latency is None:
+        if load.inflight > 0:
+            # Requests running, none ended in the window: no news is not good news.
+            return current, f"{what}: no request ended in the window, holding {current}"
+        return None
+    text = f"{what} {latency:.0f} ms, target {target:g} ms"
+    if latency > target:
+        up = max(current + 1, math.ceil(current * latency / target - 1e-9))
+        return min(up, max(2 * current, 1)), text
+    if (
+        latency < LATENCY_LOW * target
+        and current > 1
+        and latency * current / (current - 1) < LATENCY_PREDICTED * target
+    ):
+        return current - 1, text
+    return current, text
+
+
+def signal_demands(
+    policy: ReplicaPolicy,
+    load: LoadObservation,
+    qps: float,
+    current: int,
+    accelerator: str | None = None,
+) -> list[tuple[int, str]]:
+    """What each configured signal asks for (replicas, and what it read), in the policy's
+    order: request rate, in flight, engine queue, KV cache, target_metrics, latency."""
+    out: list[tuple[int, str]] = []
+    per_qps = per_replica_qps(policy, accelerator)
+    if per_qps is not None:
+        out.append(
+            (
+                math.ceil(qps / per_qps - 1e-9),
+                f"request rate {qps:.2f} req/s, target {per_qps:g}/replica",
+            )
+        )
+    per_inflight = policy.target_ongoing_requests_per_replica
+    if per_inflight is not None:
+        out.append(
+            (
+                math.ceil(load.inflight / per_inflight - 1e-9),
+                f"{load.inflight} in flight, target {per_inflight:g}/replica",
+            )
+        )
+    signals = load.signals
+    if policy.target_queue_per_replica is not None:
+        out.append(
+            _proportional(
+                "engine queue",
+                signals.get(QUEUE),
+                policy.target_queue_per_replica,
+                False,
+                current,
+                lambda v: f"{v:.3g}",
+                "/replica",
+            )
+        )
+    if policy.target_kv_cache_usage is not None:
+        out.append(
+            _proportional(
+                "KV cache use",
+                signals.get(KV_CACHE),
+                policy.target_kv_cache_usage,
+                False,
+                current,
+                lambda v: f"{100 * v:.0f}%",
+            )
+        )
+    for i, m in enumerate(policy.target_metrics or ()):
+        peak = m.aggregation == "max"
+        out.append(
+            _proportional(
+                f"{_metric_label(m)} ({'max' if peak else 'mean'})",
+                signals.get(metric_key(i)),
+                m.target,
+                peak,
+                current,
+                lambda v: f"{v:.4g}",
+            )
+        )
+    latency = _latency(policy, load, current)
+    if latency is not None:
+        out.append(latency)
+    return out
+
+
 def autoscale(
     policy: ReplicaPolicy,
     state: AutoscalerState,
@@ -117,13 +272,14 @@ def autoscale(
     asked = load.new_requests > 0 or load.queued > 0 or load.inflight > 0
     last_request_at = now if asked else state.last_request_at
     hi = policy.effective_max
-    demand = min(
-        max(needed_replicas(policy, qps, load.inflight, accelerator), policy.min_replicas), hi
-    )
     current = max(state.target - (policy.num_overprovision or 0), 0)
     # The bounds are the policy's as it is now: an update that raised min_replicas or lowered
     # max_replicas applies at once, not after a scaling delay.
     current = min(max(current, policy.min_replicas), hi)
+    needs = signal_demands(policy, load, qps, current, accelerator)
+    # The largest need names the signal; on a tie a signal that was read beats one that holds.
+    need, signal = max(needs, key=lambda x: (x[0], "holding" not in x[1])) if needs else (0, "")
+    demand = min(max(need, policy.min_replicas), hi)
     if asked and demand == 0 and hi > 0:
         demand = 1  # a request is a reason for one replica, however low the rate
     if demand > 0 and current == 0 and load.queued > 0:
@@ -134,7 +290,9 @@ def autoscale(
         below = None
         if now - above >= policy.upscale_delay_seconds:
             new_current, above = demand, None
-            reason = f"demand {demand} above {current} for {policy.upscale_delay_seconds:g} s"
+            reason = (
+                f"{signal}: demand {demand} above {current} for {policy.upscale_delay_seconds:g} s"
+            )
         else:
             new_current, reason = (
                 current,
@@ -148,7 +306,10 @@ def autoscale(
             new_current, reason = current, "requests came within the downscale delay: not to zero"
         elif now - below >= policy.downscale_delay_seconds:
             new_current, below = demand, None
-            reason = f"demand {demand} below {current} for {policy.downscale_delay_seconds:g} s"
+            reason = (
+                f"{signal}: demand {demand} below {current} "
+                f"for {policy.downscale_delay_seconds:g} s"
+            )
         else:
             new_current, reason = (
                 current,
@@ -164,7 +325,7 @@ def autoscale(
         below_since=below,
         last_request_at=last_request_at,
     )
-    return Decision(target, demand, qps, load.inflight, reason, new_state)
+    return Decision(target, demand, qps, load.inflight, reason, new_state, signal)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ recorded), so a replica whose events stop falls back to a warm index, not an emp
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from fleetserve.policies.cache_aware import (
     DEFAULT_BLOCK_CHARS,
@@ -20,6 +21,20 @@ from fleetserve.policies.cache_aware import (
 )
 from fleetserve.policies.kv_index import KvIndex
 from fleetserve.policies.lb import NO_KEY, RequestKey
+
+
+class PromptTokens(Protocol):
+    """The engine's token ids of a request body (fleetserve.lb.prompt_tokens.LoopTokenizer):
+    the same from either method; () when there are none to vouch for."""
+
+    def inline(self, body: bytes) -> bool:
+        """Whether to tokenize this body on the event loop (`tokens`), as cheaper than
+        `tokens_off_loop`."""
+        ...
+
+    def tokens(self, body: bytes) -> tuple[int, ...]: ...
+
+    async def tokens_off_loop(self, body: bytes) -> tuple[int, ...]: ...
 
 
 class BlendedIndex(PrefixIndex):
@@ -58,20 +73,20 @@ class BlendedIndex(PrefixIndex):
 
 
 class PreciseCacheAware(CacheAware):
-    """cache_aware with a precise index (see the module's docstring). `tokenize` is the LB's
-    capability hook: the exchange calls it on a complete body."""
+    """cache_aware with a precise index (see the module's docstring). `tokenizer` is the LB's
+    capability hook: the exchange tokenizes a complete body with it."""
 
     def __init__(
         self,
         precise: KvIndex,
-        tokenize: Callable[[bytes], tuple[int, ...]],
+        tokenizer: PromptTokens,
         max_extra_load: int = CacheAware.DEFAULT_MAX_EXTRA_LOAD,
         block_chars: int = DEFAULT_BLOCK_CHARS,
         blocks: int = DEFAULT_BLOCKS,
     ) -> None:
         super().__init__(max_extra_load, block_chars, blocks)
         self.precise = precise
-        self.tokenize = tokenize
+        self.tokenizer = tokenizer
         self.index = self.blended = BlendedIndex(blocks, block_chars, precise)
 
     def forget(self, replica: int) -> None:

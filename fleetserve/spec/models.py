@@ -192,6 +192,53 @@ class ReadinessProbe(_Strict):
         return "GET" if self.post_data is None else "POST"
 
 
+# Prometheus' metric and label name rules (the exposition format).
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+MAX_METRIC_TARGETS = 8
+MAX_METRIC_LABELS = 8
+MAX_LATENCY_TARGET_MS = 3_600_000
+# Metrics path: a URL path, no control characters, no whitespace (it goes into a request line).
+_METRICS_PATH = re.compile(r"/[^\x00-\x20\x7f]{0,255}")
+
+
+class MetricTarget(_Strict):
+    """`replica_policy.target_metrics[i]`: a gauge the replicas export in Prometheus text
+    (docs/autoscaling.md). The samples of `name` whose labels include all of `labels` are
+    summed per replica; `target` is the value one replica should carry; `aggregation` says
+    whether the fleet's mean or its busiest replica is held to it."""
+
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    labels: dict[str, Annotated[str, Field(max_length=200)]] = Field(default_factory=dict)
+    target: PositiveFloat
+    aggregation: Literal["mean", "max"] = "mean"
+
+    @field_validator("name")
+    @classmethod
+    def _metric_name(cls, v: str) -> str:
+        if not _METRIC_NAME.fullmatch(v):
+            raise ValueError(
+                f"{v[:60]!r} is not a Prometheus metric name (letters, digits, '_' and ':', "
+                "not starting with a digit), e.g. vllm:num_requests_running"
+            )
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _label_names(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > MAX_METRIC_LABELS:
+            raise ValueError(f"at most {MAX_METRIC_LABELS} labels to match (got {len(v)})")
+        for key, value in v.items():
+            if not _LABEL_NAME.fullmatch(key):
+                raise ValueError(
+                    f"{key[:60]!r} is not a Prometheus label name (letters, digits and '_', "
+                    "not starting with a digit)"
+                )
+            if _not_text(value) or any(ord(c) < 0x20 for c in value):
+                raise ValueError(f"the value of label {key!r} holds control characters")
+        return v
+
+
 class ReplicaPolicy(_Strict):
     min_replicas: ReplicaCount
     max_replicas: ReplicaCount | None = None
@@ -207,6 +254,48 @@ class ReplicaPolicy(_Strict):
     dynamic_ondemand_fallback: StrictBool = False
     # SkyServe's placer; `adaptive` is fleetserve's (docs/spot.md).
     spot_placer: Literal["dynamic_fallback", "adaptive"] | None = None
+    # fleetserve: scale on what the replicas report (docs/autoscaling.md). The controller reads
+    # `metrics_path` of each READY replica every `metrics_scrape_seconds`.
+    target_queue_per_replica: PositiveFloat | None = None  # requests waiting in the engine
+    target_kv_cache_usage: FiniteFloat | None = None  # the engine's KV cache use, in (0, 1]
+    target_metrics: list[MetricTarget] | None = None
+    metrics_scrape_seconds: Annotated[FiniteFloat, Field(ge=1, le=300)] = 5.0
+    metrics_path: str = "/metrics"
+    # ... and on the latency the load balancer measures, at `latency_percentile`: time to the
+    # first byte of the answer (a streaming LLM server's TTFT), or the whole answer's.
+    target_ttft_ms: Annotated[PositiveFloat, Field(le=MAX_LATENCY_TARGET_MS)] | None = None
+    target_latency_ms: Annotated[PositiveFloat, Field(le=MAX_LATENCY_TARGET_MS)] | None = None
+    latency_percentile: Annotated[FiniteFloat, Field(ge=50, le=99.9)] = 90.0
+
+    @field_validator("target_kv_cache_usage")
+    @classmethod
+    def _kv_fraction(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
+            raise ValueError(
+                f"is the fraction of the KV cache in use, in (0, 1] (0.8 for 80%); got {v:g}"
+            )
+        return v
+
+    @field_validator("target_metrics")
+    @classmethod
+    def _metric_targets(cls, v: list[MetricTarget] | None) -> list[MetricTarget] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("name at least one metric, or leave target_metrics out")
+            if len(v) > MAX_METRIC_TARGETS:
+                raise ValueError(f"at most {MAX_METRIC_TARGETS} metrics (got {len(v)})")
+        return v
+
+    @field_validator("metrics_path")
+    @classmethod
+    def _metrics_path(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"must start with '/' (got {v[:60]!r})")
+        if not _METRICS_PATH.fullmatch(v):
+            raise ValueError(
+                "must be a URL path of at most 256 characters without spaces or control characters"
+            )
+        return v
 
     @field_validator("target_qps_per_replica")
     @classmethod
@@ -227,31 +316,60 @@ class ReplicaPolicy(_Strict):
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
             )
+        if self.target_ttft_ms is not None and self.target_latency_ms is not None:
+            raise ValueError(
+                "set one latency target: target_ttft_ms (time to the first byte, for streaming "
+                "answers) or target_latency_ms (the whole answer), not both"
+            )
         if self.autoscaled:
             if self.max_replicas is None:
                 raise ValueError(
-                    "max_replicas is required when target_qps_per_replica or "
-                    "target_ongoing_requests_per_replica is set"
+                    f"max_replicas is required when {', '.join(self.targets_set())} is set"
                 )
         elif self.max_replicas is not None and self.max_replicas != self.min_replicas:
             raise ValueError(
-                "without target_qps_per_replica (or target_ongoing_requests_per_replica) there "
-                "is nothing to autoscale on: "
-                f"max_replicas ({self.max_replicas}) must equal min_replicas "
+                f"without a target ({', '.join(AUTOSCALING_TARGETS)}) there is nothing to "
+                f"autoscale on: max_replicas ({self.max_replicas}) must equal min_replicas "
                 f"({self.min_replicas}) or be left out"
             )
         return self
 
+    def targets_set(self) -> list[str]:
+        """The autoscaling targets this policy sets, by key."""
+        return [k for k in AUTOSCALING_TARGETS if getattr(self, k) is not None]
+
     @property
     def autoscaled(self) -> bool:
+        return bool(self.targets_set())
+
+    @property
+    def scrapes_replicas(self) -> bool:
+        """Whether the controller reads the replicas' metrics for this policy."""
         return (
-            self.target_qps_per_replica is not None
-            or self.target_ongoing_requests_per_replica is not None
+            self.target_queue_per_replica is not None
+            or self.target_kv_cache_usage is not None
+            or self.target_metrics is not None
         )
+
+    @property
+    def latency_target_ms(self) -> float | None:
+        return self.target_ttft_ms if self.target_ttft_ms is not None else self.target_latency_ms
 
     @property
     def effective_max(self) -> int:
         return self.min_replicas if self.max_replicas is None else self.max_replicas
+
+
+# The keys that make a replica_policy autoscaled (any one of them needs max_replicas).
+AUTOSCALING_TARGETS = (
+    "target_qps_per_replica",
+    "target_ongoing_requests_per_replica",
+    "target_queue_per_replica",
+    "target_kv_cache_usage",
+    "target_metrics",
+    "target_ttft_ms",
+    "target_latency_ms",
+)
 
 
 class Tls(_Strict):

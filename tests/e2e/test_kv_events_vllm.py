@@ -127,9 +127,11 @@ async def test_the_index_tracks_what_vllm_holds(vllm: tuple[str, str]) -> None:
         for turn in range(24):
             msgs = conversation(turn % 6, 150 + 50 * (turn % 6))
             body = {"model": "tiny", "messages": msgs, "max_tokens": 4}
-            tokens = tokenizer.tokens(json.dumps(body).encode())
+            raw = json.dumps(body).encode()
+            tokens = tokenizer.tokens(raw)
             engine = await asyncio.to_thread(post, base + "/tokenize", body)
             assert list(tokens) == engine["tokens"]  # the LB tokenizes as vLLM does
+            assert tokenizer.tokens(raw, unlocked=True) == tokens  # and so does its thread
             # What the index says vLLM holds of this prompt (a hit covers at most all but the
             # last token, in whole blocks), against what vLLM then reports it reused.
             bs = index.block_size(1) or 16  # (nothing stored yet: nothing held, any size)

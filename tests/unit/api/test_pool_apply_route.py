@@ -43,3 +43,16 @@ def test_resizing_a_pool_answers_the_new_size(api: tuple[TestClient, Controller]
         assert body["action"] == "resized in place"
         assert body["pool"]["target_replicas"] == workers
         assert body["pool"]["min_replicas"] == body["pool"]["max_replicas"] == workers
+        assert body["note"] is None  # a fixed pool stays fixed: nothing to say
+
+
+def test_fixing_an_autoscaling_pools_size_says_what_it_ended(
+    api: tuple[TestClient, Controller],
+) -> None:
+    client, _ctl = api
+    ranged = "pool:\n  min_workers: 1\n  max_workers: 4\nsetup: echo ready\n"
+    assert client.put("/api/v1/pools/batch", json={"yaml": ranged}).status_code == 200
+    resized = client.put("/api/v1/pools/batch", json={"workers": 2}).json()
+    assert resized["action"] == "resized in place"
+    assert resized["pool"]["min_replicas"] == resized["pool"]["max_replicas"] == 2
+    assert "no longer autoscales between 1 and 4 workers" in resized["note"]

@@ -321,3 +321,22 @@ def test_a_standby_reports_only_that_it_is_one(store: Store, clock: FakeClock) -
     acting[0] = True  # it took the lease
     assert value(metrics, "fleetserve_controller_active") == 1
     assert value(metrics, "fleetserve_controller_services") == 1
+
+
+def test_the_autoscalers_last_readings_are_gauges_and_go_with_the_service() -> None:
+    metrics = ControllerMetrics()
+    svc = metrics.service("llm")
+    svc.signal("queue", 7.5, answered=2)
+    svc.signal("latency_ms", None)
+    samples = {
+        (s.name, s.labels.get("signal")): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.labels.get("service") == "llm"
+    }
+    assert samples[("fleetserve_controller_autoscaler_signal", "queue")] == 7.5
+    assert samples[("fleetserve_controller_autoscaler_signal_replicas", "queue")] == 2
+    latency = samples[("fleetserve_controller_autoscaler_signal", "latency_ms")]
+    assert latency != latency  # NaN: nothing measured
+    metrics.forget("llm")
+    assert b'service="llm"' not in metrics.render()

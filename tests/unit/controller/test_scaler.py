@@ -147,3 +147,71 @@ def test_an_update_that_lowers_max_replicas_applies_at_once(store: Store, clock:
     assert scaler.target(AUTOSCALED) == 5
     clock.advance(2)
     assert scaler.target(parse_spec(autoscaled_yaml(max_replicas=2))) == 2
+
+
+def signals_yaml(extra: str) -> str:
+    return (
+        "service:\n"
+        "  readiness_probe: /health\n"
+        "  replica_policy:\n"
+        "    min_replicas: 1\n"
+        "    max_replicas: 5\n"
+        f"{extra}"
+        "    qps_window_seconds: 10\n"
+        "    upscale_delay_seconds: 0\n"
+        "    downscale_delay_seconds: 60\n"
+        "run: python3 server.py\n"
+    )
+
+
+def test_replica_signals_reach_the_autoscaler_and_the_event_names_them(
+    store: Store, clock: FakeClock
+) -> None:
+    from fleetserve.policies.autoscaler import QUEUE, SignalReading
+
+    yaml_text = signals_yaml("    target_queue_per_replica: 2\n")
+    scaler = scaler_for(store, clock, "q", yaml_text)
+    spec = parse_spec(yaml_text)
+    scaler.observe(report(0))
+    clock.advance(1)
+    assert scaler.target(spec, {QUEUE: SignalReading(7.5, 8.0, 2, 2)}) == 5  # ceil(15/2) -> max
+    events = [e.message for e in store.list_events("q")]
+    assert any(
+        "autoscaler: target 1 -> 5 (engine queue 7.5/replica, target 2: demand 5 above 1" in e
+        for e in events
+    ), events
+    # No answer at all: held, however long
+    for _ in range(120):
+        clock.advance(1)
+        assert scaler.target(spec, {QUEUE: SignalReading(None, None, 0, 5)}) == 5
+    assert scaler.signals[QUEUE].answered == 0
+
+
+def latency_report(total: int, first_byte: list[int], latency: list[int]) -> LoadReport:
+    bounds = [0.1, 0.5, 1.0]
+    return LoadReport.model_validate(
+        {
+            "total_requests": total,
+            "latency_bounds": bounds,
+            "replicas": {"1": {"inflight": 1}},
+            "totals": {"1": {"requests": total, "latency": latency, "first_byte": first_byte}},
+        }
+    )
+
+
+def test_latency_is_measured_over_the_window_and_drives_the_target(
+    store: Store, clock: FakeClock
+) -> None:
+    yaml_text = signals_yaml("    target_ttft_ms: 200\n    latency_percentile: 50\n")
+    scaler = scaler_for(store, clock, "lat", yaml_text)
+    spec = parse_spec(yaml_text)
+    # 10 old requests all fast; then 10 more, all between 0.5 s and 1 s to the first byte
+    scaler.observe(latency_report(10, [10, 10, 10, 10], [10, 10, 10, 10]))
+    clock.advance(1)
+    scaler.target(spec)
+    assert scaler.latency_ms is not None and scaler.latency_ms <= 100
+    clock.advance(11)  # past the window: the fast ones are out of it
+    scaler.observe(latency_report(20, [10, 10, 20, 20], [10, 10, 10, 20]))
+    target = scaler.target(spec)
+    assert scaler.latency_ms is not None and 500 <= scaler.latency_ms <= 1000
+    assert target == 2  # 1 replica, p50 TTFT above 200 ms: one more (at most twice)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from fleetserve.infra.local import free_port, port_free
 from fleetserve.lb.build import make_proxy
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.messages import RoutableReplica
-from fleetserve.lb.prompt_tokens import PromptTokenizer
+from fleetserve.lb.prompt_tokens import LoopTokenizer, PromptTokenizer
 from fleetserve.policies.cache_aware_precise import PreciseCacheAware
 from fleetserve.policies.kv_index import Trust
 from fleetserve.spec.models import LoadBalancerOptions
@@ -123,6 +124,64 @@ async def test_the_lb_routes_to_the_engine_that_holds_the_prompt(
         assert seen == [2, 2, 2]
         names = {m.name for m in proxy.metrics.registry.collect()}
         assert "fleetserve_lb_kv_events_replicas" in names
+    finally:
+        await proxy.close(0.1)
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop_and_routed_the_same(
+    fleet: tuple[list[int], list[int], list[PortPublisher]], tmp_path: Path
+) -> None:
+    """While a 240 KB prompt is tokenized (slowed to 1.5 s here), the LB proxies another
+    request at once; the long one then goes where the engine holds it, as it would have."""
+    ports, seen, pubs = fleet
+    folder = make_tokenizer(tmp_path)
+    proxy = make_proxy(config(ports, folder))
+    selector = proxy.replicas.selector
+    assert isinstance(selector, PreciseCacheAware)
+    tokenizer = selector.tokenizer
+    assert isinstance(tokenizer, LoopTokenizer)
+    engine = tokenizer.tokenizer
+    fast, fast_unlocked = engine._encode, engine._encode_unlocked
+
+    def slow(text: str, add_special: bool) -> list[int]:
+        if len(text) > 1000:
+            time.sleep(1.5)  # a loaded machine's tokenizer, on a long prompt
+        return fast(text, add_special)
+
+    def slow_unlocked(text: str, add_special: bool) -> list[int]:
+        if len(text) > 1000:
+            time.sleep(1.5)  # (it leaves the GIL to the event loop, as encode_batch does)
+        return fast_unlocked(text, add_special)
+
+    engine._encode, engine._encode_unlocked = slow, slow_unlocked
+    await proxy.serve("127.0.0.1", proxy.config.port)
+    try:
+        assert proxy.kv_events is not None
+        index = proxy.kv_events.index
+        await until(lambda: index.trusts() == {1: Trust.LIVE, 2: Trust.LIVE})
+        long = {"messages": [{"role": "user", "content": "hello world " * 20_000}]}
+        tokens = PromptTokenizer.load(folder).tokens(json.dumps(long).encode())
+        held = tokens[: 64 * 16]  # replica 2's engine holds its first 64 blocks
+        await pubs[1].send(batch(stored(list(range(64)), list(held))))
+        await until(lambda: index.match(tokens, [2]) == {2: len(held)})
+        url = f"http://127.0.0.1:{proxy.config.port}/v1/chat/completions"
+        short = {"messages": [{"role": "user", "content": "a short one"}]}
+        async with aiohttp.ClientSession() as s:
+
+            async def post(doc: dict[str, object]) -> int:
+                async with s.post(url, json=doc) as r:
+                    return r.status
+
+            slow_one = asyncio.ensure_future(post(long))
+            await asyncio.sleep(0.3)  # sent, and being tokenized
+            start = time.monotonic()
+            assert await asyncio.wait_for(post(short), 5) == 200
+            took = time.monotonic() - start
+            assert not slow_one.done(), "the short one waited for the long one"
+            assert took < 0.5
+            assert await asyncio.wait_for(slow_one, 10) == 200
+        assert seen[-1] == 2  # the long prompt: where the engine holds it
+        assert len(seen) == 2
     finally:
         await proxy.close(0.1)
 

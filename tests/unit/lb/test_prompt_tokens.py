@@ -3,13 +3,16 @@ here; tests/e2e/test_kv_events_vllm.py checks the same against vLLM's own /token
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from fleetserve.lb.prompt_tokens import PromptTokenizer, TokenizerError
+from fleetserve.lb.prompt_tokens import LoopTokenizer, PromptTokenizer, TokenizerError
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n"
@@ -88,6 +91,7 @@ def test_what_it_cannot_vouch_for_gets_no_tokens(folder: Path) -> None:
         b'{"messages": [{"role": "user", "content": "\\udfff x"}]}',
     ):
         assert pt.tokens(doc) == ()
+        assert pt.tokens(doc, unlocked=True) == ()
 
 
 def test_a_folder_without_a_tokenizer_is_named(tmp_path: Path) -> None:
@@ -100,3 +104,77 @@ def test_a_broken_template_is_named(folder: Path, tmp_path: Path) -> None:
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
     with pytest.raises(TokenizerError, match="chat template"):
         PromptTokenizer.load(tmp_path)
+
+
+def long_chat(chars: int) -> bytes:
+    return body(
+        messages=[{"role": "user", "content": ("hello world, the prompt says hi " * chars)[:chars]}]
+    )
+
+
+def test_the_unlocked_tokens_are_the_same_and_leave_the_gil_to_other_threads(
+    folder: Path,
+) -> None:
+    """What the tokenizer thread makes is what the event loop would have made, and while it
+    works, another thread (the event loop) runs: tokenizers' encode holds the GIL throughout,
+    its encode_batch does not."""
+    pt = PromptTokenizer.load(folder)
+    for doc in (body(prompt="hello world"), body(messages=[{"role": "user", "content": "hi"}])):
+        assert pt.tokens(doc, unlocked=True) == pt.tokens(doc)
+    doc = long_chat(250_000)
+
+    def longest_stall(unlocked: bool) -> tuple[float, float]:
+        gaps: list[float] = []
+        done = threading.Event()
+
+        def tick() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                time.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        time.sleep(0.01)
+        start = time.perf_counter()
+        tokens = pt.tokens(doc, unlocked=unlocked)
+        took = time.perf_counter() - start
+        done.set()
+        ticker.join()
+        assert len(tokens) > 10_000
+        return took, max(gaps)
+
+    took, stall = longest_stall(unlocked=False)
+    assert stall > 0.8 * took  # the GIL held: the other thread waited it all
+    took, stall = longest_stall(unlocked=True)
+    assert stall < 0.5 * took, (took, stall)
+
+
+async def test_the_loop_tokenizer_takes_short_bodies_inline_and_bounds_what_waits(
+    folder: Path,
+) -> None:
+    lt = LoopTokenizer(PromptTokenizer.load(folder), inline_bytes=2048, max_queued_bytes=300_000)
+    short, long = long_chat(1000), long_chat(200_000)
+    assert lt.inline(short) and not lt.inline(long)
+    assert await lt.tokens_off_loop(long) == lt.tokens(long) != ()
+    assert lt.queued_bytes == 0
+    # Two long bodies at once exceed the bound: the second goes without tokens (approximate).
+    first = asyncio.ensure_future(lt.tokens_off_loop(long))
+    await asyncio.sleep(0)
+    assert lt.queued_bytes == len(long)
+    assert await lt.tokens_off_loop(long) == () and lt.skipped == 1
+    assert await first == lt.tokens(long)
+    # A request that leaves while its prompt is tokenized: its bytes count until the thread is
+    # done with them (a client cannot pile up work by leaving).
+    gone = asyncio.ensure_future(lt.tokens_off_loop(long))
+    await asyncio.sleep(0.01)
+    gone.cancel()
+    await asyncio.sleep(0)
+    assert lt.queued_bytes == len(long)
+    for _ in range(500):
+        if not lt.queued_bytes:
+            break
+        await asyncio.sleep(0.01)
+    assert lt.queued_bytes == 0

@@ -18,9 +18,22 @@ def key() -> RequestKey:
     )
 
 
+class NoTokens:
+    """The exchange's tokenizer hook; these tests give the keys' tokens themselves."""
+
+    def inline(self, body: bytes) -> bool:
+        return True
+
+    def tokens(self, body: bytes) -> tuple[int, ...]:
+        return ()
+
+    async def tokens_off_loop(self, body: bytes) -> tuple[int, ...]:
+        return ()
+
+
 def policy() -> tuple[PreciseCacheAware, KvIndex]:
     kv = KvIndex()
-    return PreciseCacheAware(kv, lambda body: ()), kv
+    return PreciseCacheAware(kv, NoTokens()), kv
 
 
 def store(kv: KvIndex, replica: int, blocks: int) -> None:
