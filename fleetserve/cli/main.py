@@ -938,6 +938,7 @@ def down(
 
 @app.command()
 def simulate(
+    ctx: typer.Context,
     trace: Annotated[
         str | None, typer.Option(help="CSV of time_s,qps (or 'Time (min),Requests'); maf1: MAF")
     ] = None,
@@ -947,7 +948,12 @@ def simulate(
     duration: Annotated[float | None, typer.Option(help="Seconds of the trace to replay")] = None,
     scale: Annotated[float, typer.Option(help="Multiply the trace's rates")] = 1.0,
     policies: Annotated[
-        str, typer.Option("--policy", help="Comma-separated: request_rate,in_flight,skyserve")
+        str,
+        typer.Option(
+            "--policy",
+            help="Comma-separated: request_rate,in_flight,skyserve (with --engine: "
+            "request_rate,in_flight,queue,kv_cache,ttft, all by default)",
+        ),
     ] = "request_rate,in_flight,skyserve",
     target_qps: Annotated[float, typer.Option(help="Requests/s per replica (its capacity)")] = 5.0,
     target_inflight: Annotated[float, typer.Option(help="For in_flight")] = 5.0,
@@ -981,18 +987,80 @@ def simulate(
     seeds: Annotated[
         int, typer.Option(help="With --spot-trace: runs of a placer with random ties, averaged")
     ] = 5,
-    start: Annotated[float, typer.Option(help="With --spot-trace: seconds to skip")] = 0.0,
+    start: Annotated[
+        float, typer.Option(help="With --spot-trace or --engine: seconds of the trace to skip")
+    ] = 0.0,
+    engine: Annotated[
+        bool,
+        typer.Option(
+            "--engine",
+            help="Serve the trace with LLM engine models (batch, queue, KV cache, prefill and "
+            "decode) and compare request_rate,in_flight,queue,kv_cache,ttft on TTFT",
+        ),
+    ] = False,
+    ttft_target_ms: Annotated[
+        float, typer.Option(help="With --engine: a request above this TTFT is over target")
+    ] = 1000.0,
+    percentile: Annotated[
+        float, typer.Option(help="With --engine: the TTFT percentile the targets are set at")
+    ] = 90.0,
+    utilization: Annotated[
+        float,
+        typer.Option(help="With --engine: the share of a replica's capacity targets are set at"),
+    ] = 0.8,
+    seed: Annotated[int, typer.Option(help="With --engine: requests and lengths")] = 0,
+    engine_param: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --engine: NAME=VALUE of the engine model or the workload "
+            "(docs/autoscaling.md), repeatable"
+        ),
+    ] = None,
+    engine_target: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --engine: POLICY=VALUE, a target of your choice instead of the rule's "
+            "(e.g. queue=2), repeatable"
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The same as -o json")] = False,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Replay a request trace through autoscaling policies on a virtual clock and compare them:
-    replicas over time, requests over capacity, replica-hours. With --spot-trace, compare spot
-    placers on a spot-capacity trace instead: cost, availability, preemptions. `-o json|yaml`
-    prints the result as data (docs/output.md)."""
+    replicas over time, requests over capacity, replica-hours. With --engine, each replica is
+    an LLM engine model and policies are compared on time to first token. With --spot-trace,
+    compare spot placers on a spot-capacity trace instead: cost, availability, preemptions.
+    `-o json|yaml` prints the result as data (docs/output.md)."""
     try:
         output = json_alias(as_json, output)
     except InvalidSpec as e:
         raise _fail(e) from None
+    if engine:
+        _simulate_engine(
+            ctx,
+            trace,
+            burst,
+            duration,
+            scale,
+            policies,
+            min_replicas,
+            max_replicas,
+            upscale_delay,
+            downscale_delay,
+            window,
+            cold_start,
+            ttft_target_ms,
+            percentile,
+            utilization,
+            seed,
+            engine_param or [],
+            engine_target or [],
+            start,
+            plot_file,
+            spot_trace,
+            output,
+        )
+        return
     if spot_trace is not None:
         _simulate_spot(
             spot_trace,
@@ -1098,6 +1166,169 @@ def simulate(
         )
     out.print(samples)
     _plot_autoscaling(runs, tr, target_qps, plot_file, out)
+
+
+ENGINE_IGNORES = ("target_qps", "target_inflight", "latency", "step", "target", "overprovision")
+
+
+def _simulate_engine(
+    ctx: typer.Context,
+    trace: str | None,
+    burst: str | None,
+    duration: float | None,
+    scale: float,
+    policies: str,
+    min_replicas: int,
+    max_replicas: int,
+    upscale_delay: float,
+    downscale_delay: float,
+    window: float,
+    cold_start: float | None,
+    ttft_target_ms: float,
+    percentile: float,
+    utilization: float,
+    seed: int,
+    engine_param: list[str],
+    engine_target: list[str],
+    start: float,
+    plot_file: Path | None,
+    spot_trace: str | None,
+    output: OutputFormat,
+) -> None:
+    from fleetserve.cli.engine_sim import parse_params, parse_targets, run_engine, show
+    from fleetserve.sim.engine_sim import POLICIES
+    from fleetserve.sim.results import engine_simulation
+
+    try:
+        for name in ENGINE_IGNORES:
+            # typer carries its own click: its ParameterSource, compared by name.
+            source = ctx.get_parameter_source(name)
+            if getattr(source, "name", None) == "COMMANDLINE":
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} does not apply with --engine: the targets come from the engine "
+                    "model's capacity (docs/autoscaling.md)"
+                )
+        if spot_trace is not None or plot_file is not None:
+            raise ValueError("--engine compares autoscalers: no --spot-trace, no --plot")
+        if (trace is None) == (burst is None):
+            raise ValueError("give --trace FILE (or maf1) or --burst BASE:PEAK:PERIOD:LENGTH")
+        if not (math.isfinite(ttft_target_ms) and 0 < ttft_target_ms <= 3_600_000):
+            raise ValueError(f"--ttft-target-ms {ttft_target_ms:g}: in (0, 3600000]")
+        if not 50 <= percentile <= 99.9:
+            raise ValueError(f"--percentile {percentile:g}: in [50, 99.9]")
+        if not 1 <= min_replicas <= max_replicas <= 100:
+            raise ValueError("with --engine: 1 <= --min <= --max <= 100")
+        cold = 60.0 if cold_start is None else cold_start
+        if not (math.isfinite(cold) and cold >= 0):
+            raise ValueError(f"--cold-start {cold:g}: seconds, >= 0")
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        if names == ["request_rate", "in_flight", "skyserve"]:  # the default without --engine
+            names = list(POLICIES)
+        names = list(dict.fromkeys(names))
+        engine, workload = parse_params(engine_param)
+        given = parse_targets(engine_target)
+        if not (math.isfinite(start) and start >= 0):
+            raise ValueError(f"--start {start:g}: seconds, >= 0")
+        if burst is not None:
+            tr = _burst(burst, duration)
+        else:
+            assert trace is not None
+            from fleetserve.sim.simulator import load_trace
+
+            tr = load_trace(trace, scale, None if duration is None else start + duration)
+        tr = _skip(tr, start)
+        cal, runs = run_engine(
+            tr,
+            names,
+            engine,
+            workload,
+            ttft_target_ms,
+            percentile,
+            utilization,
+            min_replicas,
+            max_replicas,
+            upscale_delay,
+            downscale_delay,
+            window,
+            cold,
+            seed,
+            given,
+            _engine_progress(tr) if err.is_terminal else None,
+        )
+    except ValueError as e:
+        raise _fail(InvalidSpec(str(e))) from None
+    if output is not OutputFormat.table:
+        emit(
+            engine_simulation(
+                tr,
+                runs,
+                cal,
+                seed,
+                percentile,
+                cold,
+                upscale_delay,
+                downscale_delay,
+                dataclasses.asdict(engine),
+                dataclasses.asdict(workload),
+            ),
+            output,
+        )
+        return
+    show(
+        out,
+        tr,
+        cal,
+        runs,
+        engine,
+        workload,
+        percentile,
+        cold,
+        upscale_delay,
+        downscale_delay,
+        seed,
+    )
+
+
+def _skip(tr: Trace, start: float) -> Trace:
+    """The trace from `start` seconds on (a held-out stretch of a long trace)."""
+    if start <= 0:
+        return tr
+    from fleetserve.sim.simulator import Trace
+
+    first = int(start // tr.step)
+    if first >= len(tr.qps):
+        raise ValueError(f"--start {start:g}: the trace lasts {tr.seconds:g} s")
+    return Trace(f"{tr.name} from {start:g} s", tr.step, tr.qps[first:])
+
+
+def _burst(burst: str, duration: float | None) -> Trace:
+    from fleetserve.sim.simulator import burst_trace
+
+    try:
+        base, peak, period, length = (float(x) for x in burst.split(":"))
+    except ValueError:
+        raise ValueError(f"--burst {burst!r}: expected BASE:PEAK:PERIOD:LENGTH") from None
+    return burst_trace(base, peak, period, length, duration or 3600)
+
+
+def _engine_progress(tr: Trace) -> Callable[[str, int, int], None]:
+    """Progress on a terminal's stderr: a day of trace takes tens of seconds."""
+    began = time.monotonic()
+
+    def progress(what: str, done: int, total: int) -> None:
+        if done == 0:
+            err.print(
+                f"Simulating {total - 1} policies on {tr.name} ({tr.seconds / 3600:.1f} h) "
+                "with the engine model...",
+                highlight=False,
+            )
+        err.print(
+            f"  [{done + 1}/{total}] {what} ({time.monotonic() - began:.0f} s so far)",
+            highlight=False,
+        )
+
+    return progress
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -1,9 +1,10 @@
 """What `fleetserve simulate` and `fleetserve pool simulate` print with `-o json|yaml`.
 
 One document per run, told apart by `kind`: `autoscaling` (request-rate autoscalers on a request
-trace), `spot` (spot placers on a spot-capacity trace), `pool` (pool autoscalers on job
-arrivals). Schema: docs/schema/v1/simulation.json (docs/output.md); within v1 fields may be
-added, never renamed or removed.
+trace), `engine` (autoscalers on a request trace served by LLM engine models), `spot` (spot
+placers on a spot-capacity trace), `pool` (pool autoscalers on job arrivals). Schema:
+docs/schema/v1/simulation.json (docs/output.md); within v1 fields may be added, never renamed
+or removed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
+from fleetserve.sim.engine_sim import Calibration, EngineRun
 from fleetserve.sim.pools import PoolRun
 from fleetserve.sim.simulator import Run, Trace, intervals
 from fleetserve.sim.spot import SpotRun, SpotTrace
@@ -55,6 +57,52 @@ class AutoscaleSimulation(BaseModel):
     )
 
 
+class EnginePolicyResult(BaseModel):
+    policy: str
+    target: str = Field(description="The policy's replica_policy key and its value.")
+    requests: int
+    over_target: int = Field(
+        description="Requests whose TTFT was above the target, or that got no first token."
+    )
+    over_target_share: float = Field(description="Their share of all requests, 0..1.")
+    timed_out: int = Field(description="Requests given up by the load balancer's timeouts.")
+    ttft_p50_s: float | None = Field(description="Of the requests that got a first token.")
+    ttft_p99_s: float | None
+    replica_hours: float = Field(description="Replica-hours launched (billed from launch).")
+    max_replicas: int = Field(description="The most replicas launched at once.")
+    scale_events: int = Field(description="Changes of the autoscaler's target.")
+
+
+class EngineTargets(BaseModel):
+    capacity_qps: float = Field(
+        description="One replica's highest steady rate with TTFT at the percentile <= target."
+    )
+    utilization: float = Field(description="The share of capacity the targets are set at.")
+    target_qps: float
+    target_inflight: float
+    target_queue: float
+    target_kv_cache_usage: float
+    target_ttft_ms: float
+
+
+class EngineSimulation(BaseModel):
+    kind: Literal["engine"] = "engine"
+    trace: str
+    seconds: float = Field(description="Seconds replayed.")
+    mean_qps: float
+    peak_qps: float
+    seed: int
+    ttft_target_ms: float = Field(description="A request above it counts as over target.")
+    latency_percentile: float
+    cold_start_s: float
+    upscale_delay_s: float
+    downscale_delay_s: float
+    engine: dict[str, int | float] = Field(description="The engine model's parameters.")
+    workload: dict[str, int | float] = Field(description="The prompt and output lengths' model.")
+    targets: EngineTargets
+    policies: list[EnginePolicyResult]
+
+
 class SpotPolicyResult(BaseModel):
     policy: str
     relative_cost: float = Field(description="Cost relative to all on-demand.")
@@ -93,7 +141,8 @@ class PoolSimulation(BaseModel):
 
 
 Simulation = Annotated[
-    AutoscaleSimulation | SpotSimulation | PoolSimulation, Field(discriminator="kind")
+    AutoscaleSimulation | EngineSimulation | SpotSimulation | PoolSimulation,
+    Field(discriminator="kind"),
 ]
 SIMULATION = TypeAdapter(Simulation)
 
@@ -139,6 +188,63 @@ def autoscale_simulation(
                 mean_ready={r.policy: round(sum(r.ready[a:b]) / (b - a), 4) for r in runs},
             )
             for a, b in intervals(n, SAMPLES)
+        ],
+    )
+
+
+def engine_simulation(
+    trace: Trace,
+    runs: list[tuple[EngineRun, str]],
+    cal: Calibration,
+    seed: int,
+    percentile: float,
+    cold_start: float,
+    upscale_delay: float,
+    downscale_delay: float,
+    engine: dict[str, int | float],
+    workload: dict[str, int | float],
+) -> EngineSimulation:
+    def p(run: EngineRun, q: float) -> float | None:
+        v = run.ttft_percentile(q)
+        return None if v is None else round(v, 4)
+
+    return EngineSimulation(
+        trace=trace.name,
+        seconds=trace.seconds,
+        mean_qps=round(sum(trace.qps) / len(trace.qps), 4),
+        peak_qps=round(max(trace.qps), 4),
+        seed=seed,
+        ttft_target_ms=cal.ttft_ms,
+        latency_percentile=percentile,
+        cold_start_s=cold_start,
+        upscale_delay_s=upscale_delay,
+        downscale_delay_s=downscale_delay,
+        engine=engine,
+        workload=workload,
+        targets=EngineTargets(
+            capacity_qps=round(cal.capacity_qps, 4),
+            utilization=cal.utilization,
+            target_qps=round(cal.qps, 4),
+            target_inflight=round(cal.inflight, 4),
+            target_queue=round(cal.queue, 4),
+            target_kv_cache_usage=round(cal.kv_cache, 4),
+            target_ttft_ms=cal.ttft_ms,
+        ),
+        policies=[
+            EnginePolicyResult(
+                policy=r.policy,
+                target=target,
+                requests=r.requests,
+                over_target=r.over_target,
+                over_target_share=round(r.over_target_share, 4),
+                timed_out=r.timed_out,
+                ttft_p50_s=p(r, 50),
+                ttft_p99_s=p(r, 99),
+                replica_hours=round(r.replica_hours, 4),
+                max_replicas=r.max_replicas,
+                scale_events=r.scale_events,
+            )
+            for r, target in runs
         ],
     )
 

@@ -91,6 +91,7 @@ def test_a_renamed_or_missing_field_does_not_validate() -> None:
     "args",
     [
         ["simulate", "--burst", "2:30:900:300", "--duration", "1800", "-o", "json"],
+        ["simulate", "--burst", "0.5:3:900:300", "--duration", "900", "--engine", "-o", "json"],
         ["simulate", "--spot-trace", "GCP1", "--duration", "21600", "--seeds", "1", "--json"],
         ["pool", "simulate", "--burst-jobs", "5", "-o", "json"],
     ],
