@@ -5,24 +5,22 @@ controller home, `up`, the service's own load balancer, `down`): vLLM's OpenAI s
 testbed's small model (scripts/llm/setup.sh), `least_load` routing, min 1 and max
 `--max-replicas` replicas. The same load runs through each fleet:
 
-1. calibration: a few requests of each kind, one at a time, on the one replica: the unloaded
-   time of a light request (a short prompt, 4 tokens out) and of a heavy one (a long,
-   conversation-specific prompt, `--heavy-tokens` out).
-2. light burst (`--light-seconds`): many cheap requests; a rate-based policy sees a high rate.
+1. calibration (once, on the first fleet while it has one idle replica): a few requests of
+   each kind, one at a time: the unloaded time of a light request (a short prompt, 4 tokens
+   out) and of a heavy one (a long prompt of its own, `--heavy-tokens` out).
+2. light burst (`--light-seconds`): cheap requests at 2.5x the request-rate target.
 3. a pause (`--gap-seconds`) with no traffic: the fleet may scale back.
-4. heavy burst (`--heavy-seconds`): multi-turn chats with long prompts at a modest rate that
-   one replica cannot keep up with: requests queue inside the engine.
+4. heavy burst (`--heavy-seconds`): chats of `--turns` turns on long prompts, new turns at
+   `--heavy-load` (1.5) times what one replica serves of first turns unloaded: more than one
+   replica can take, at a rate well under the request-rate target.
 5. a tail with no traffic (`--tail-seconds`): the fleet scales back to one.
 
-The targets follow one stated rule from the calibration, not per-policy tuning:
-- request_rate: `target_qps_per_replica` = 0.7 / (mean unloaded time of a light and a heavy
-  request), what an operator sizing on an average request would set;
-- in_flight: `target_ongoing_requests_per_replica` = `--inflight-target` (2);
-- engine_queue: `target_queue_per_replica` = `--queue-target` (1): requests waiting in vLLM;
-- ttft: `target_ttft_ms` = the TTFT target itself.
-The light burst's rate is 2.5x the request-rate target; the heavy burst's is 1.3x what one
-replica serves unloaded (1 / its unloaded time), held below the request-rate target so that
-the scenario shows what a rate cannot see: the size of the requests.
+The targets: request_rate `target_qps_per_replica` = `--qps-target` (1 req/s, an operator's
+round figure); in_flight `target_ongoing_requests_per_replica` = `--inflight-target` (2);
+engine_queue `target_queue_per_replica` = `--queue-target` (1 request waiting in vLLM);
+ttft `target_ttft_ms` = the TTFT target (`--ttft-target-ms`). The scenario is built to show
+what a request rate cannot see (the size of the requests); it says nothing of a workload
+whose requests are all alike.
 
 Figures per policy: TTFT p50/p99 of each burst, requests over the TTFT target, failed
 requests, replica-seconds (every replica row that is not terminal, from launch to its end,
@@ -316,31 +314,21 @@ async def run_policy(policy: str, args: argparse.Namespace, log: Any) -> dict[st
     run = Run(policy)
     try:
         with fleetserve.Client(settings=settings) as client:
-            # First a fixed fleet of one to calibrate (the rule needs the unloaded times).
-            targets: dict[str, float] = {"qps": 1.0}
+            targets: dict[str, float] = {"qps": args.qps_target}
             spec = home / "service.yaml"
             spec.write_text(service_yaml(policy, targets, args))
-            log(f"[{policy}] calibrating on one replica (a vLLM start takes minutes) ...")
             name = f"autoscale-{policy.replace('_', '-')}"
-            if policy == "request_rate":
-                cal_spec = home / "calibrate.yaml"
-                cal_spec.write_text(service_yaml("fixed", targets, args))
-                svc = client.up_file(cal_spec, name=name + "-cal", wait=True, timeout=1200)
-                cal = await calibrate(svc.endpoint or "", args)
-                client.down(svc.name)
-                client.wait_gone(svc.name, timeout=300)
-            else:
-                cal = args.calibration
-            targets["qps"] = 0.7 / ((cal["light"] + cal["heavy"]) / 2)
-            args.calibration = cal
-            spec.write_text(service_yaml(policy, targets, args))
+            log(f"[{policy}] starting the fleet (a vLLM start takes minutes) ...")
             svc = client.up_file(spec, name=name, wait=True, timeout=1200)
+            if not args.calibration:  # the first fleet, still at one idle replica
+                args.calibration = await calibrate(svc.endpoint or "", args)
+            cal = args.calibration
             url = svc.endpoint or ""
             light_rate = 2.5 * targets["qps"]
-            heavy_rate = min(1.3 / cal["heavy"], 0.9 * targets["qps"]) / args.turns
+            heavy_rate = args.heavy_load / cal["heavy"] / args.turns
             log(
                 f"[{policy}] unloaded light {cal['light']:.2f} s, heavy {cal['heavy']:.2f} s; "
-                f"request-rate target {targets['qps']:.2f} req/s; light burst "
+                f"request-rate target {targets['qps']:.2f} req/s/replica; light burst "
                 f"{light_rate:.2f} req/s, heavy burst {heavy_rate * args.turns:.2f} req/s "
                 f"({heavy_rate:.3f} chats/s of {args.turns} turns)"
             )
@@ -376,6 +364,14 @@ async def run_policy(policy: str, args: argparse.Namespace, log: Any) -> dict[st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="request_rate,engine_queue")
+    p.add_argument("--qps-target", type=float, default=1.0, help="request_rate's target")
+    p.add_argument(
+        "--heavy-load",
+        type=float,
+        default=1.5,
+        help="the heavy burst's new chats x turns per second, in units of one replica's "
+        "unloaded heavy-request rate",
+    )
     p.add_argument("--max-replicas", type=int, default=2)
     p.add_argument("--ttft-target-ms", type=float, default=2000)
     p.add_argument("--queue-target", type=float, default=1)
@@ -400,11 +396,9 @@ def main() -> None:
     bad = [x for x in policies if x not in POLICIES]
     if bad:
         p.error(f"unknown policies {bad}: choose from {', '.join(POLICIES)}")
-    if "request_rate" in policies:  # it calibrates; the others reuse its figures
+    if "request_rate" in policies:  # the base of the ratios
         policies.remove("request_rate")
         policies.insert(0, "request_rate")
-    else:
-        p.error("request_rate must be among --policies: its run calibrates the targets")
 
     def log(msg: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
