@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from fleetserve.core.histogram import quantile
 from fleetserve.lb.messages import LoadReport, ReplicaTotals
 
 SERVICE = 0  # the series key of the service as a whole (replica ids start at 1)
@@ -43,26 +44,6 @@ class _Totals:
     requests: int = 0
     errors: int = 0
     latency: tuple[int, ...] = ()  # cumulative count per bound, +Inf last
-
-
-def quantile(bounds: Sequence[float], cumulative: Sequence[int], q: float) -> float | None:
-    """The q-quantile of a histogram step (cumulative counts per upper bound, +Inf last),
-    interpolated linearly inside its bucket; None with no observation. One that falls in
-    the +Inf bucket is the largest finite bound (as Prometheus answers)."""
-    if not cumulative or cumulative[-1] <= 0:
-        return None
-    rank = q * cumulative[-1]
-    below, lower = 0, 0.0
-    for i, count in enumerate(cumulative):
-        if count >= rank:
-            if i >= len(bounds):
-                return float(bounds[-1]) if bounds else None
-            upper = float(bounds[i])
-            inside = count - below
-            return lower + (upper - lower) * ((rank - below) / inside if inside else 1.0)
-        below = count
-        lower = float(bounds[i]) if i < len(bounds) else lower
-    return float(bounds[-1]) if bounds else None
 
 
 def window_percentile_ms(

@@ -25,9 +25,10 @@ import bisect
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fleetserve.core.histogram import quantile
 from fleetserve.lb.metrics import LATENCY_BUCKETS
 from fleetserve.policies.autoscaler import (
     AutoscalerState,
@@ -149,27 +150,6 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def bucket_quantile(bounds: Sequence[float], cumulative: Sequence[int], q: float) -> float | None:
-    """The q-quantile of a histogram (cumulative counts per upper bound, +Inf last),
-    interpolated linearly inside its bucket, as the controller reads the load balancer's
-    (fleetserve.controller.history.quantile, which the layers keep the simulator from
-    importing; a unit test holds the two to the same answers)."""
-    if not cumulative or cumulative[-1] <= 0:
-        return None
-    rank = q * cumulative[-1]
-    below, lower = 0, 0.0
-    for i, count in enumerate(cumulative):
-        if count >= rank:
-            if i >= len(bounds):
-                return float(bounds[-1]) if bounds else None
-            upper = float(bounds[i])
-            inside = count - below
-            return lower + (upper - lower) * ((rank - below) / inside if inside else 1.0)
-        below = count
-        lower = float(bounds[i]) if i < len(bounds) else lower
-    return float(bounds[-1]) if bounds else None
-
-
 class _LatencyWindow:
     """The TTFTs of the requests whose first token came in the window, counted in the load
     balancer's histogram buckets (LATENCY_BUCKETS), so that latency_ms is the percentile the
@@ -193,7 +173,7 @@ class _LatencyWindow:
         for c in self.counts:
             total += c
             cumulative.append(total)
-        value = bucket_quantile(LATENCY_BUCKETS, cumulative, q / 100)
+        value = quantile(LATENCY_BUCKETS, cumulative, q / 100)
         return None if value is None else value * 1000.0
 
 
