@@ -37,6 +37,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -165,9 +166,8 @@ async def one_request(
                         if rec.ttft is None:
                             rec.ttft = time.monotonic() - t0
                         reply.append(piece)
-        rec.ok = rec.ttft is not None
-        if not rec.ok:
-            rec.error = "no token"
+        rec.ok = True  # answered in full (a random-weight model may answer only tokens
+        # that decode to nothing: no TTFT then, counted apart as `empty`)
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
         rec.error = type(e).__name__
     return "".join(reply)
@@ -292,11 +292,17 @@ def summary(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         ttft = [r.ttft for r in rs if r.ttft is not None]
         out[f"{phase}_requests"] = len(rs)
         out[f"{phase}_failed"] = sum(1 for r in rs if not r.ok)
+        out[f"{phase}_empty"] = sum(1 for r in rs if r.ok and r.ttft is None)
         out[f"{phase}_ttft_p50_ms"] = pct(ttft, 50) * 1e3
         out[f"{phase}_ttft_p99_ms"] = pct(ttft, 99) * 1e3
         out[f"{phase}_over_target"] = sum(
-            1 for r in rs if r.ttft is None or r.ttft * 1e3 > args.ttft_target_ms
+            1 for r in rs if not r.ok or (r.ttft is not None and r.ttft * 1e3 > args.ttft_target_ms)
         )
+    errors: dict[str, int] = {}
+    for r in run.results:
+        if not r.ok:
+            errors[f"{r.phase}: {r.error}"] = errors.get(f"{r.phase}: {r.error}", 0) + 1
+    out["errors"] = errors
     steps = run.fleet
     out["replica_seconds"] = sum(
         a * (steps[i + 1][0] - t) for i, (t, a, _r) in enumerate(steps[:-1])
@@ -350,6 +356,9 @@ async def run_policy(policy: str, args: argparse.Namespace, log: Any) -> dict[st
                 for e in client.events(name, limit=200)
                 if e.kind == "autoscaler"
             ]
+            keep = Path(args.keep_logs) / policy if args.keep_logs else None
+            if keep is not None:  # `down` removes the service's logs: copied before
+                shutil.copytree(settings.logs_dir / name, keep, dirs_exist_ok=True)
             client.down(name)
             client.wait_gone(name, timeout=300)
     finally:
@@ -390,6 +399,7 @@ def main() -> None:
     p.add_argument("--api-port", type=int, default=46990)
     p.add_argument("--seed", type=int, default=26)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--keep-logs", help="copy each fleet's logs (LB, replicas) into this folder")
     args = p.parse_args()
     args.calibration = {}
     policies = [x for x in args.policies.split(",") if x]
