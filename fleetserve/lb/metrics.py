@@ -55,9 +55,10 @@ class Metrics:
         )
         self.first_byte = Histogram(
             "fleetserve_lb_time_to_first_byte_seconds",
-            "Time from sending a request to a replica to the first byte of its answer "
-            "(for a streaming LLM server: time to first token); of a retried request, the "
-            "attempt that was answered.",
+            "Time from sending a request to a replica to the first byte of its answer's "
+            "body (for a streaming LLM server: time to first token; the head, which such a "
+            "server sends at once, does not count); of a retried request, the attempt that "
+            "was answered.",
             labels,
             buckets=LATENCY_BUCKETS,
             registry=self.registry,

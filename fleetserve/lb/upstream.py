@@ -59,11 +59,9 @@ class UpstreamConn(asyncio.Protocol):
         if self.tunnel:
             ex.to_client(data)
             return
+        head_seen = self.status != 0  # the head came in an earlier piece: this one is body
         if not self.got_bytes:
             self.got_bytes = True
-            # The answer's first byte (its status line; an interim 100 Continue counts): a
-            # retry only follows an attempt that got none, so this is the answered attempt's.
-            ex.first_byte = time.monotonic() - ex.sent_at
             # plain_response_head, inlined: this runs for every response.
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None
@@ -83,6 +81,12 @@ class UpstreamConn(asyncio.Protocol):
             self.close()
             ex.upstream_failed(f"invalid response: {e}")
             return
+        if ex.first_byte is None and (head_seen or self.done or self.tunnel):
+            # The answer's first body byte (or its end, or its upgrade): a streaming LLM
+            # server sends its head at once and its first token later, so the head alone
+            # does not count. A retry only follows an attempt that got no byte at all, so
+            # this is the answered attempt's.
+            ex.first_byte = time.monotonic() - ex.sent_at
         if self.rewriter is None:
             ex.to_client(data)
         ex.activity = time.monotonic()

@@ -337,6 +337,35 @@ async def test_a_retried_requests_first_byte_counts_from_the_attempt_that_answer
     assert totals["1"].first_byte == [0] * (len(bounds) + 1)  # it never answered
 
 
+async def test_first_byte_is_the_bodys_not_the_head_sent_at_once(start: Start) -> None:
+    """A streaming LLM server (vLLM) sends its head as soon as it takes the request and its
+    first token after the prefill: time to first byte is the body's (0.4 s here), not the
+    head's (at once), or a TTFT target would never see a slow prefill."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # the head, now
+        await asyncio.sleep(0.4)  # the prefill
+        for i in range(3):
+            await resp.write(b"data: %d\n\n" % i)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", stream)
+    replica = await start(app)
+    lb, _, proxy = await make_lb_proxy(
+        start, "least_load", [Upstream(1, f"http://127.0.0.1:{replica}", 1)]
+    )
+    async with aiohttp.ClientSession() as s, s.get(f"{lb}/") as r:
+        assert r.status == 200
+        assert (await r.read()).count(b"data:") == 3
+    totals = proxy.metrics.totals()["1"]
+    bounds = list(LATENCY_BUCKETS)
+    assert totals.first_byte[bounds.index(0.25)] == 0  # the head's ~0 s would count here
+    assert totals.first_byte[-1] == 1
+
+
 async def test_a_response_cut_short_is_not_passed_off_as_complete(start: Start) -> None:
     async def half(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
