@@ -295,6 +295,12 @@ class ReplicaPolicy(_Strict):
             raise ValueError(
                 "must be a URL path of at most 256 characters without spaces or control characters"
             )
+        # It goes into the request line as it is: a character past ASCII cannot be sent (every
+        # scrape would fail, the replicas read as missing forever), and a fragment is never sent.
+        if not v.isascii():
+            raise ValueError(f"must be ASCII; percent-encode other characters (got {v[:60]!r})")
+        if "#" in v:
+            raise ValueError(f"a URL fragment ('#') is never sent to the server (got {v[:60]!r})")
         return v
 
     @field_validator("target_qps_per_replica")

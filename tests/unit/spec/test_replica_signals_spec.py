@@ -85,3 +85,20 @@ def test_bad_values_are_named(kw: dict[str, object], error: str) -> None:
 def test_without_any_target_max_must_equal_min_and_the_error_lists_the_new_keys() -> None:
     with pytest.raises(ValidationError, match="target_queue_per_replica, target_kv_cache_usage"):
         validate()
+
+
+@pytest.mark.parametrize("path", ["/\U0001f600", "/metrics\u00fc", "/metrics#x"])
+def test_metrics_path_that_cannot_be_sent_is_refused(path: str) -> None:
+    # atk26: '/😀' validated and then every scrape failed with UnicodeEncodeError ('/ü' went
+    # out as a raw latin-1 byte; '#x' was silently dropped).
+    from fleetserve.spec.models import ReplicaPolicy
+
+    with pytest.raises(ValueError, match="metrics_path|ASCII|fragment"):
+        ReplicaPolicy.model_validate(
+            {
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target_queue_per_replica": 2,
+                "metrics_path": path,
+            }
+        )
