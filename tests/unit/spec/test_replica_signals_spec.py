@@ -91,9 +91,7 @@ def test_without_any_target_max_must_equal_min_and_the_error_lists_the_new_keys(
 def test_metrics_path_that_cannot_be_sent_is_refused(path: str) -> None:
     # atk26: '/😀' validated and then every scrape failed with UnicodeEncodeError ('/ü' went
     # out as a raw latin-1 byte; '#x' was silently dropped).
-    from fleetserve.spec.models import ReplicaPolicy
-
-    with pytest.raises(ValueError, match="metrics_path|ASCII|fragment"):
+    with pytest.raises(ValueError, match=r"ASCII|fragment"):
         ReplicaPolicy.model_validate(
             {
                 "min_replicas": 1,
