@@ -3,10 +3,12 @@ conftest.py): migrations, ids never reused, events, policy state, identity."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect, text
+from sqlalchemy import Connection, inspect, text
 
 from fleetserve.core.errors import Conflict, NotFound
 from fleetserve.core.status import ReplicaStatus
@@ -85,8 +87,10 @@ def test_policy_state_round_trip_and_delete_service_removes_everything(store: St
             assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0
 
 
-def test_a_database_of_the_first_schema_is_upgraded_in_place(backend: Backend) -> None:
-    """A store written before migration 0002 opens with its rows intact and the new columns."""
+@contextlib.contextmanager
+def at_revision(backend: Backend, revision: str, down: bool = False) -> Iterator[Connection]:
+    """A connection to the backend's database in a transaction, after Alembic has taken it up
+    (or, `down`, back down) to `revision`: a store of an older fleetserve, to open."""
     from alembic import command
     from alembic.config import Config
     from sqlalchemy import create_engine
@@ -98,16 +102,24 @@ def test_a_database_of_the_first_schema_is_upgraded_in_place(backend: Backend) -
     engine = create_engine(url)
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0001")
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            (command.downgrade if down else command.upgrade)(cfg, revision)
+            yield conn
+    finally:
+        engine.dispose()
+
+
+def test_a_database_of_the_first_schema_is_upgraded_in_place(backend: Backend) -> None:
+    """A store written before migration 0002 opens with its rows intact and the new columns."""
+    with at_revision(backend, "0001") as conn:
         conn.execute(
             text(
                 "INSERT INTO services (name, phase, active_version, created_at, updated_at, "
                 "next_replica_id, purge) VALUES ('old', 'ACTIVE', 1, 1.0, 1.0, 3, false)"
             )
         )
-    engine.dispose()
     store = backend.open()
     svc = store.service("old")
     assert svc.next_replica_id == 3 and svc.stable_version is None and svc.serving_version == 1
@@ -124,20 +136,7 @@ def test_a_database_of_revision_0006_gains_the_hosts_with_its_rows_intact(
 ) -> None:
     """Migration 0007: services.lb_host and replicas.host, NULL for the rows already there
     (recorded before hosts were: this host's), written and read back afterwards."""
-    from alembic import command
-    from alembic.config import Config
-    from sqlalchemy import create_engine
-
-    from fleetserve.store.db import _MIGRATIONS
-    from fleetserve.store.url import is_postgres, normalize_db_url
-
-    url = normalize_db_url(backend.url) if is_postgres(backend.url) else backend.url
-    engine = create_engine(url)
-    cfg = Config()
-    cfg.set_main_option("script_location", str(_MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0006")
+    with at_revision(backend, "0006") as conn:
         conn.execute(
             text(
                 "INSERT INTO services (name, phase, active_version, created_at, updated_at, "
@@ -152,7 +151,6 @@ def test_a_database_of_revision_0006_gains_the_hosts_with_its_rows_intact(
                 "('old', 1, 1, 'READY', 'local', 'tok', 1.0, 1.0, false, false, false)"
             )
         )
-    engine.dispose()
     store = backend.open()
     svc, rep = store.service("old"), store.replica("old", 1)
     assert (svc.lb_pid, svc.lb_port, svc.lb_host) == (4242, 30001, None)
@@ -164,13 +162,9 @@ def test_a_database_of_revision_0006_gains_the_hosts_with_its_rows_intact(
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
     store.close()
     # and back down: 0007 (and 0008) are reversible on both
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, "0006")
+    with at_revision(backend, "0006", down=True) as conn:
         columns = {c["name"] for c in inspect(conn).get_columns("replicas")}
         assert "host" not in columns and "zone" in columns
-    engine.dispose()
 
 
 def test_a_database_of_revision_0007_sorts_its_failure_reasons_into_typed_faults(
@@ -178,26 +172,13 @@ def test_a_database_of_revision_0007_sorts_its_failure_reasons_into_typed_faults
 ) -> None:
     """Migration 0008: services.failure_reason held three facts; each row's goes to its own
     column (by the prefix the old code wrote), and the downgrade puts it back."""
-    from alembic import command
-    from alembic.config import Config
-    from sqlalchemy import create_engine
-
-    from fleetserve.store.db import _MIGRATIONS
-    from fleetserve.store.url import is_postgres, normalize_db_url
-
     reasons = {
         "lb": "load balancer: port 30001 is taken",
         "gone": "could not terminate replicas 2 (stuck); `fleetserve down gone --purge` ...",
         "loop": "3 replicas of version 1 in a row failed before ever becoming READY",
         "fine": None,
     }
-    url = normalize_db_url(backend.url) if is_postgres(backend.url) else backend.url
-    engine = create_engine(url)
-    cfg = Config()
-    cfg.set_main_option("script_location", str(_MIGRATIONS))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0007")
+    with at_revision(backend, "0007") as conn:
         for name, reason in reasons.items():
             conn.execute(
                 text(
@@ -207,7 +188,6 @@ def test_a_database_of_revision_0007_sorts_its_failure_reasons_into_typed_faults
                 ),
                 {"n": name, "r": reason},
             )
-    engine.dispose()
     store = backend.open()
     faults = {
         n: (s.lb_error, s.cleanup_error, s.launch_stop) for n in reasons for s in [store.service(n)]
@@ -220,13 +200,9 @@ def test_a_database_of_revision_0007_sorts_its_failure_reasons_into_typed_faults
     }
     assert {n: store.service(n).failure_reason for n in reasons} == reasons
     store.close()
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, "0007")
+    with at_revision(backend, "0007", down=True) as conn:
         back = dict(conn.execute(text("SELECT name, failure_reason FROM services")).all())
         columns = {c["name"] for c in inspect(conn).get_columns("services")}
-    engine.dispose()
     assert back == reasons
     assert not columns & {"launch_stop", "lb_error", "cleanup_error"}
 
