@@ -900,7 +900,7 @@ _LB_METRIC = re.compile(
 
 def max_extra_load(policy: str, options: dict[str, Any]) -> int | None:
     """The threshold the balancer of `policy` runs with (its default when not given)."""
-    from fleetserve.policies.lb import make_selector
+    from fleetserve.policies.factory import make_selector
 
     selector = make_selector(policy, max_extra_load=options.get("max_extra_load"))
     value = getattr(selector, "max_extra_load", None)

@@ -26,8 +26,6 @@ from fleetserve.lb.proxy import listening_sockets
 from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
 from fleetserve.lb.rotation import SharedCounter
 from fleetserve.lb.workers import Supervisor
-from fleetserve.policies.cache_aware import CacheAware
-from fleetserve.policies.lb import LeastLoad, RoundRobin
 
 log = logging.getLogger("fleetserve.lb")
 LINGER_SECONDS = 5.0  # a worker whose primary was killed serves this long more
@@ -52,16 +50,19 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     # workers, and a load balancer with new settings starts beside the old one before the old
     # one stops (no refused connection).
     listeners = {i: listening_sockets(config.host, config.port) for i in range(count)}
-    selector = proxy.replicas.selector
+    caps = proxy.replicas.caps
     supervisor = None
     sharing: asyncio.Task[None] | None = None
     if count > 1:
-        # cache_aware: one index for all the processes, its keys under one secret.
-        key = os.urandom(32) if isinstance(selector, CacheAware) else None
-        # round_robin (and least_load's ties): one turn for all the processes, not one each.
-        rotation = SharedCounter.create() if isinstance(selector, RoundRobin | LeastLoad) else None
-        if rotation is not None and isinstance(selector, RoundRobin | LeastLoad):
-            selector.shared = rotation.take
+        # A policy with an index (cache_aware): one for all the processes, keyed by one secret.
+        shares = caps.shares_index
+        key = os.urandom(32) if shares is not None else None
+        # A policy that takes turns (round_robin, least_load's ties): one turn for all the
+        # processes, not one each.
+        turns = caps.takes_turns
+        rotation = SharedCounter.create() if turns is not None else None
+        if rotation is not None and turns is not None:
+            turns.share_turns(rotation.take)
         supervisor = Supervisor(
             config_path,
             count,
@@ -71,9 +72,9 @@ async def serve(config: LbConfig, config_path: Path) -> None:
             proxy,
             tls,
         )
-        if isinstance(selector, CacheAware) and key is not None:
-            selector.share_keys(key)
-            share = IndexShare(selector, proxy.replicas, 0, supervisor.broadcast)
+        if shares is not None and key is not None:
+            shares.share_keys(key)
+            share = IndexShare(shares, proxy.replicas, 0, supervisor.broadcast)
             supervisor.share_index(share)
             sharing = asyncio.get_running_loop().create_task(share.run())
     admin = web.AppRunner(make_admin_app(proxy, supervisor), access_log=None)
@@ -116,21 +117,21 @@ async def serve_worker(
     from prometheus_client import generate_latest
 
     proxy = make_proxy(config, worker)
-    selector = proxy.replicas.selector
-    key = os.environ.get(KEY_ENV)  # set by the primary: cache_aware shares its index
-    cache_aware = selector if isinstance(selector, CacheAware) and key else None
-    rotation_fd = os.environ.get(ROTATION_FD_ENV)  # set by the primary: round_robin's turn
-    if rotation_fd is not None and isinstance(selector, RoundRobin | LeastLoad):
-        selector.shared = SharedCounter(int(rotation_fd)).take
-    if cache_aware is not None and key:
-        cache_aware.share_keys(bytes.fromhex(key))
+    caps = proxy.replicas.caps
+    key = os.environ.get(KEY_ENV)  # set by the primary: the policy shares its index
+    shares = caps.shares_index if key else None
+    rotation_fd = os.environ.get(ROTATION_FD_ENV)  # set by the primary: the shared turn
+    if rotation_fd is not None and caps.takes_turns is not None:
+        caps.takes_turns.share_turns(SharedCounter(int(rotation_fd)).take)
+    if shares is not None and key:
+        shares.share_keys(bytes.fromhex(key))
     reader, writer = await asyncio.open_connection(
         sock=socket.socket(fileno=control_fd), limit=CHANNEL_LIMIT
     )
     loop = asyncio.get_running_loop()
     share: IndexShare | None = None
     sharing: asyncio.Task[None] | None = None
-    if cache_aware is not None:
+    if shares is not None:
 
         def send(line: bytes) -> None:
             if not channel_full(writer):
@@ -138,7 +139,7 @@ async def serve_worker(
             elif share is not None:
                 share.dropped_batches += 1
 
-        share = IndexShare(cache_aware, proxy.replicas, worker, send)
+        share = IndexShare(shares, proxy.replicas, worker, send)
         sharing = loop.create_task(share.run())
     tls = tls_context(config)
     own = [socket.socket(fileno=fd) for fd in listen_fds or []]

@@ -17,9 +17,7 @@ from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.proxy import DEFAULT_MAX_CONNECTIONS, Proxy
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.wake import may_send_to
-from fleetserve.policies.cache_aware import CacheAware
-from fleetserve.policies.cache_aware_precise import PreciseCacheAware
-from fleetserve.policies.lb import LeastLoad, RoundRobin, make_selector
+from fleetserve.policies.factory import PreciseParts, make_selector, selector_for
 from fleetserve.spec.models import LoadBalancerOptions
 
 log = logging.getLogger("fleetserve.lb")
@@ -77,31 +75,16 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
     replicas = ReplicaSet(make_selector("least_load"))
     # instance_aware_least_load reads the per-replica weights that each push installs.
     opts = config.options
-    replicas.selector = make_selector(
-        config.policy,
-        weights=replicas.weights,
-        max_extra_load=opts.max_extra_load,
-        cache_block_chars=opts.cache_block_chars,
-        cache_blocks=opts.cache_blocks,
-    )
-    precise = None
-    if config.policy == "cache_aware" and opts.kv_events is not None:
-        precise = precise_mode(opts, config.service)
-    if precise is not None:
-        replicas.selector = PreciseCacheAware(
-            precise[0],
-            precise[2],
-            opts.max_extra_load or CacheAware.DEFAULT_MAX_EXTRA_LOAD,
-            opts.cache_block_chars,
-            opts.cache_blocks,
-        )
+    # The engines' KV cache events (the spec allows them with cache_aware only: its precise mode).
+    precise = None if opts.kv_events is None else precise_mode(opts, config.service)
+    parts = None if precise is None else PreciseParts(precise[0], precise[2])
+    replicas.selector = selector_for(config.policy, opts, replicas.weights, parts)
+    caps = replicas.caps
     # Workers take connections independently: each starts its tie-break (and round_robin,
     # until the primary hands it the shared rotation, fleetserve.lb.rotation) at another
     # replica, so that a few requests on new connections still spread.
-    if isinstance(replicas.selector, RoundRobin):
-        replicas.selector.next_index = worker
-    elif isinstance(replicas.selector, LeastLoad):
-        replicas.selector.tie_break = worker
+    if caps.takes_turns is not None:
+        caps.takes_turns.start_turn_at(worker)
     last_wake = 0.0
     wake_session: aiohttp.ClientSession | None = None
 
@@ -135,8 +118,8 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
     replicas.apply(ReplicaPush(replicas=config.replicas))
     limit = connection_limit(config.options, raise_fd_limit())
     proxy = Proxy(config, replicas, wake=wake, max_connections=limit)
-    if isinstance(replicas.selector, CacheAware):
-        replicas.selector.on_choice = proxy.metrics.prompt_blocks
+    if caps.reports_choices is not None:
+        caps.reports_choices.on_choice = proxy.metrics.prompt_blocks
     if precise is not None:
         upstreams = replicas  # its set is replaced by each push: read it each round
         proxy.kv_events = KvEventsFollower(

@@ -10,23 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from fleetserve.lb.http import HIGH_WATER, PEEK_BYTES, error_response, prompt_prefix
+from fleetserve.lb.http import HIGH_WATER, error_response
 from fleetserve.lb.replica_set import Upstream
-from fleetserve.policies.cache_aware import CacheAware, prompt_text
 from fleetserve.policies.lb import NO_KEY, RequestKey
 
 if TYPE_CHECKING:
     from fleetserve.lb.client import ClientConn
     from fleetserve.lb.upstream import UpstreamConn
-    from fleetserve.policies.cache_aware_precise import PromptTokens
 
-# Policies that read the request body before choosing a replica.
-BODY_POLICIES = ("prefix_affinity", "cache_aware")
 SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
@@ -50,8 +44,9 @@ class Exchange:
     (`run`).
     """
 
-    # cache_aware's precise mode: a body whose tokens the task makes off the event loop.
-    _untokenized: tuple[PromptTokens, bytes] | None = None
+    # A body whose key the policy completes off the event loop, in the task
+    # (CompletesKeyOffLoop: cache_aware's precise mode tokenizes a long prompt).
+    _key_later: bytes | None = None
 
     def __init__(self, client: ClientConn, method: bytes, head: bytes, has_body: bool) -> None:
         self.client = client
@@ -68,8 +63,9 @@ class Exchange:
         self.body_size = 0
         self.body_complete = not has_body
         self.body_event: asyncio.Event | None = None  # made when a policy waits for the body
-        # A body policy chooses when this much of the body (or all of it) is here, without a
-        # task if it can (0: not waiting); a late body gets a task that answers 408.
+        # A policy that reads the body (ReadsBody) chooses when this much of the body (or all
+        # of it) is here, without a task if it can (0: not waiting); a late body gets a task
+        # that answers 408.
         self.choose_at = 0
         # When the last body bytes came (or the wait began), on the proxy's sweep clock: the
         # sweep gives a silent body a 408 (ClientConn.check_deadline), no timer per request.
@@ -345,7 +341,7 @@ class Exchange:
             limit = self._body_limit()
             if self.body_complete or self.body_size >= limit:
                 key = self._key_of_body()
-                return self._untokenized is None and self._send_now(key)
+                return self._key_later is None and self._send_now(key)
             self.choose_at = limit
             self.body_seen = proxy.clock
             return True
@@ -354,7 +350,7 @@ class Exchange:
     def _choose_with_body(self) -> None:
         self._stop_waiting_for_body()
         key = self._key_of_body()
-        if self._untokenized is not None or not self._send_now(key):
+        if self._key_later is not None or not self._send_now(key):
             self.task = asyncio.get_running_loop().create_task(self.run())
 
     def body_stalled(self) -> None:
@@ -459,25 +455,12 @@ class Exchange:
         return int(msg[9:12]), "none"
 
     def _header_key(self) -> RequestKey:
-        proxy = self.proxy
-        if proxy.config.policy != "sticky":
-            return NO_KEY
-        opts = proxy.opts
-        session = None
-        if opts.session_header:
-            session = self.headers.get(opts.session_header.lower().encode())
-        if session is None and opts.session_cookie:
-            cookie = self.headers.get(b"cookie", b"")
-            name = re.escape(opts.session_cookie.encode())
-            m = re.search(rb"(?:^|;\s*)" + name + rb"=([^;]*)", cookie)
-            session = m.group(1) if m else None
-        return RequestKey(session=session.decode(errors="replace") if session else None)
+        read = self.proxy.replicas.caps.header_key
+        return NO_KEY if read is None else read(self.headers)
 
     def _body_limit(self) -> int:
         """How much of the body the policy reads (at most HIGH_WATER, where reading pauses)."""
-        if self.proxy.config.policy == "cache_aware":
-            return self.proxy.opts.cache_max_body_bytes
-        return PEEK_BYTES
+        return min(self.proxy.replicas.caps.body_limit, HIGH_WATER)
 
     async def _read_body(self, limit: int) -> bytes:
         """The body, or its first `limit` bytes when it is longer (it is held, not sent, until
@@ -499,7 +482,7 @@ class Exchange:
         waits for `100 Continue` before sending it (the replica answers that; waiting for the
         body here would stall both until the client gives up waiting)."""
         return (
-            self.proxy.config.policy in BODY_POLICIES
+            self.proxy.replicas.caps.body_key is not None
             and self.has_body
             and self.headers.get(b"expect", b"").lower() != b"100-continue"
         )
@@ -509,59 +492,46 @@ class Exchange:
             if self._request_key is None:
                 await self._read_body(self._body_limit())
             key = self._key_of_body()
-            if self._untokenized is not None:
-                key = self._request_key = await self._with_tokens(key, *self._untokenized)
+            if self._key_later is not None:
+                key = self._request_key = await self._complete_key(key, self._key_later)
             return key
         return self._header_key()
 
-    async def _with_tokens(
-        self, key: RequestKey, tokenizer: PromptTokens, body: bytes
-    ) -> RequestKey:
-        """The key with its prompt's tokens, made off the event loop (a long prompt)."""
-        self._untokenized = None
-        try:
-            tokens = await tokenizer.tokens_off_loop(body)
-        except Exception:
-            self.proxy.replicas.policy_failed("tokenizing a request's prompt failed")
+    async def _complete_key(self, key: RequestKey, body: bytes) -> RequestKey:
+        """The key with its slow part, made off the event loop (a long prompt's tokens)."""
+        self._key_later = None
+        replicas = self.proxy.replicas
+        off_loop = replicas.caps.off_loop
+        if off_loop is None:
             return key
-        return replace(key, tokens=tokens)
+        try:
+            return await off_loop.complete_key(key, body)
+        except Exception:
+            replicas.policy_failed("completing a request's key off the event loop failed")
+            return key
 
     def _key_of_body(self) -> RequestKey:
         """The body policy's key, made once (a task that takes over reuses it)."""
         if self._request_key is None:
-            self._request_key = self._body_key(b"".join(self.body)[: self._body_limit()])
+            body, limit = b"".join(self.body), self._body_limit()
+            whole = self.body_complete and len(body) <= limit
+            self._request_key = self._body_key(body[:limit], whole)
         return self._request_key
 
-    def _body_key(self, body: bytes) -> RequestKey:
-        """What a body policy keys on; a body it cannot read (a bug some input reaches) has no
-        key and goes by load, never fails the request (the replica set logs and counts)."""
+    def _body_key(self, body: bytes, complete: bool) -> RequestKey:
+        """What a body policy keys on (`complete`: `body` is the whole body); a body it cannot
+        read (a bug some input reaches) has no key and goes by load, never fails the request
+        (the replica set logs and counts)."""
+        replicas = self.proxy.replicas
+        caps = replicas.caps
+        assert caps.body_key is not None  # (only asked when the policy reads the body)
         try:
-            return self._body_key_of(body)
+            key = caps.body_key(body, complete)
+            if caps.off_loop is not None and caps.off_loop.completes_later(key, body, complete):
+                self._key_later = body  # the task completes it (`_key`)
         except Exception:
-            self.proxy.replicas.policy_failed("reading a request's prompt failed")
+            replicas.policy_failed("reading a request's body for its key failed")
             return NO_KEY
-
-    def _body_key_of(self, body: bytes) -> RequestKey:
-        """What a body policy keys on: the prompt's start (prefix_affinity) or its blocks
-        (cache_aware: a whole body is parsed; of a longer one, its first prompt field's start)."""
-        proxy = self.proxy
-        if proxy.config.policy == "prefix_affinity":
-            return RequestKey(prefix=prompt_prefix(body[:PEEK_BYTES], proxy.opts.prefix_chars))
-        selector = proxy.replicas.selector
-        if not isinstance(selector, CacheAware):
-            return NO_KEY
-        text = prompt_text(body) if self.body_complete else prompt_prefix(body, 1 << 20)
-        if text is None:
-            return NO_KEY
-        key = RequestKey(
-            prefix=text[: selector.block_chars], blocks=selector.keys(text), text_chars=len(text)
-        )
-        tokenizer = getattr(selector, "tokenizer", None)  # precise mode: the engine's tokens
-        if tokenizer is None or not self.body_complete:
-            return key
-        if tokenizer.inline(body):
-            return replace(key, tokens=tokenizer.tokens(body))
-        self._untokenized = (tokenizer, body)  # a long prompt: the task tokenizes it (`_key`)
         return key
 
     async def _attempt(self, upstream: Upstream) -> int:

@@ -1,5 +1,5 @@
 """The load balancer's pure HTTP/1.1 helpers: client limits, error responses, the headers
-that are connection-specific, response heads made fit for a client, the prompt in a body."""
+that are connection-specific, response heads made fit for a client."""
 
 from __future__ import annotations
 
@@ -33,8 +33,6 @@ HOP_BY_HOP = frozenset(
 FRAMING = frozenset({b"content-length", b"transfer-encoding", b"host"})
 # A response's connection-specific headers (the replica's keep-alive is not the client's).
 RESPONSE_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection"})
-_PROMPT = re.compile(rb'"(?:prompt|content|input)"\s*:\s*"((?:[^"\\]|\\.){1,4096})')
-PEEK_BYTES = 16 * 1024  # how much of a body prefix_affinity reads for its prompt
 # The write-buffer high-water mark of both sides' sockets (flow control), and how much of a
 # request body is buffered while no replica is attached.
 HIGH_WATER = 256 * 1024
@@ -66,19 +64,6 @@ class Limits:
             head_bytes=opts.max_header_bytes + opts.max_url_bytes + 4096,
             small_read=(opts.max_pipelined_requests - 1) * MIN_HEAD_BYTES,
         )
-
-
-def prompt_prefix(head: bytes, chars: int) -> str | None:
-    """The first `chars` characters of the prompt in a JSON body's head (OpenAI-style
-    `prompt`, the first message's `content`, or `input`), or None."""
-    m = _PROMPT.search(head)
-    if m is None:
-        return None
-    try:
-        text = json.loads(b'"' + m.group(1) + b'"')
-    except ValueError:
-        text = m.group(1).decode(errors="replace")
-    return str(text)[:chars] or None
 
 
 def error_response(

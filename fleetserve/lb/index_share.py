@@ -1,4 +1,5 @@
-"""One cache_aware index for all the processes of a load balancer (fleetserve.lb.workers).
+"""One prefix index for all the processes of a load balancer (fleetserve.lb.workers), for a
+policy that shares one (SharesIndex in fleetserve.policies.capabilities: cache_aware).
 
 The kernel spreads connections over the processes, so a conversation's turns land on
 processes that did not see its earlier turns. Each process therefore tells the others what it
@@ -20,7 +21,7 @@ unsent bytes pass `MAX_BUFFERED`. A process applies others' records at a fractio
 same prompts cost the process that parsed and hashed them.
 
 A worker that starts (or restarts) gets the primary's index and the in-flight counts it knows
-(`snapshot_lines`). Only cache_aware with several processes pays for any of this: the other
+(`snapshot_lines`). Only such a policy with several processes pays for any of this: the other
 policies never queue, send or apply anything.
 """
 
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from fleetserve.lb.replica_set import ReplicaSet
-from fleetserve.policies.cache_aware import CacheAware
+from fleetserve.policies.capabilities import SharesIndex
 
 log = logging.getLogger("fleetserve.lb")
 
@@ -57,7 +58,7 @@ class IndexShare:
 
     def __init__(
         self,
-        selector: CacheAware,
+        selector: SharesIndex,
         replicas: ReplicaSet,
         source: int,
         send: Send,

@@ -29,7 +29,6 @@ from fleetserve.lb.metrics import LoadTracker, Metrics
 from fleetserve.lb.replica_load import ReplicaLoadPoller
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.upstream import Pool
-from fleetserve.policies.cache_aware import CacheAware
 
 DEFAULT_MAX_CONNECTIONS = 10_000
 
@@ -110,8 +109,8 @@ class Proxy:
         self.clients: set[ClientConn] = set()  # open client connections (drained on close)
         self._wake_task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
-        self._load_poller: ReplicaLoadPoller | None = None  # cache_aware's replica metrics
-        self.kv_events: KvEventsFollower | None = None  # cache_aware's precise mode
+        self._load_poller: ReplicaLoadPoller | None = None  # ReadsReportedLoad's
+        self.kv_events: KvEventsFollower | None = None  # the engines' KV cache events
         self._kv_events_started = False
         # Timeouts are checked by one sweep over the connections, not a timer per request,
         # and connections stamp their times with the clock the sweep reads (no clock read
@@ -203,18 +202,18 @@ class Proxy:
         if self.kv_events is not None and not self._kv_events_started:
             self._kv_events_started = True
             self.kv_events.start()
-        selector = self.replicas.selector
+        reported = self.replicas.caps.reported  # a policy that reads the replicas' load
         every = self.opts.replica_metrics_seconds
-        if isinstance(selector, CacheAware) and every and self._load_poller is None:
+        if reported is not None and every and self._load_poller is None:
             replicas = self.replicas  # its set is replaced by each push: read it each round
             self._load_poller = ReplicaLoadPoller(
                 every,
                 self.opts.replica_metrics_path,
                 lambda: [(rid, u.url) for rid, u in replicas.upstreams.items()],
-                selector.reported,
+                reported,
             )
             self._load_poller.start()
-            self.metrics.watch_reported(selector.reported)
+            self.metrics.watch_reported(reported)
         return self._server
 
     async def listen_on(

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from fleetserve.lb.messages import ReplicaPush
+from fleetserve.policies.capabilities import Capabilities, capabilities
 from fleetserve.policies.lb import NO_KEY, LeastLoad, RequestKey, Selector
 
 log = logging.getLogger("fleetserve.lb")
@@ -24,6 +25,9 @@ class Upstream:
 
 
 class ReplicaSet:
+    """`selector` chooses among the replicas; its capabilities (`caps`) are found when it is
+    installed, never per request."""
+
     def __init__(self, selector: Selector) -> None:
         self.selector = selector
         self.upstreams: dict[int, Upstream] = {}
@@ -40,6 +44,15 @@ class ReplicaSet:
         self.policy_errors = 0
         self._policy_error_logged = -60.0
 
+    @property
+    def selector(self) -> Selector:
+        return self._selector
+
+    @selector.setter
+    def selector(self, selector: Selector) -> None:
+        self._selector = selector
+        self.caps: Capabilities = capabilities(selector)
+
     def replace(
         self, upstreams: list[Upstream], canary: tuple[int, int] | None = None
     ) -> tuple[set[int], set[int]]:
@@ -48,7 +61,7 @@ class ReplicaSet:
         new = {u.replica_id: u for u in upstreams}
         added = set(new) - set(self.upstreams)
         removed = set(self.upstreams) - set(new)
-        forget = getattr(self.selector, "forget", None)  # cache_aware: their caches are gone
+        forget = self.caps.forget  # (a cache-aware policy: their caches are gone)
         if forget is not None:
             for rid in (removed | self._discarded) - set(new):
                 forget(rid)
@@ -105,7 +118,7 @@ class ReplicaSet:
         try:
             return self._pick(exclude, key)
         except Exception:
-            self.policy_failed(f"the {type(self.selector).__name__} policy failed on a request")
+            self.policy_failed(f"the {type(self._selector).__name__} policy failed on a request")
             rid = self._fallback.select(self.order, self.inflight, exclude, NO_KEY)
             return None if rid is None else self.upstreams[rid]
 
@@ -124,11 +137,11 @@ class ReplicaSet:
             # A canary: its share of requests goes to the new version, the rest to the old.
             new, old = self._sides
             first, second = (new, old) if self.rng.random() * 100 < self.canary[1] else (old, new)
-            rid = self.selector.select(first, self.inflight, exclude, key)
+            rid = self._selector.select(first, self.inflight, exclude, key)
             if rid is None:
-                rid = self.selector.select(second, self.inflight, exclude, key)
+                rid = self._selector.select(second, self.inflight, exclude, key)
             return None if rid is None else self.upstreams[rid]
-        rid = self.selector.select(candidates, self.inflight, exclude, key)
+        rid = self._selector.select(candidates, self.inflight, exclude, key)
         return None if rid is None else self.upstreams[rid]
 
     def discard(self, replica_id: int) -> None:

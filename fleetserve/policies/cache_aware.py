@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from fleetserve.policies.lb import NO_KEY, HashRing, LeastLoad, RequestKey
+from fleetserve.policies.prompt import prompt_prefix
 
 # ~64 tokens (4 of vLLM's 16-token blocks): finer would cost more hashing and index upkeep per
 # request (bench/lb/policies.py) for no better choice (bench/llm).
@@ -41,6 +42,7 @@ DEFAULT_BLOCK_CHARS = 256
 DEFAULT_BLOCKS = 2048  # per replica: ~512K characters, ~128K tokens of prompt
 MAX_PROMPT_CHARS = 4 * 1024 * 1024  # what one request may make the index hash
 MAX_MESSAGES = 4096  # messages (and content parts) read of one request; the rest is ignored
+DEFAULT_MAX_BODY_BYTES = 256 * 1024  # of a body read before choosing (cache_max_body_bytes)
 
 
 def _part_text(content: object) -> str:
@@ -209,7 +211,9 @@ class PrefixIndex:
 
 
 class CacheAware:
-    """The cache_aware selector (see the module's docstring)."""
+    """The cache_aware selector (see the module's docstring). Its capabilities
+    (fleetserve.policies.capabilities): it reads the body (its first `body_limit` bytes),
+    forgets replicas, reports each choice, shares its index and reads the replicas' load."""
 
     DEFAULT_MAX_EXTRA_LOAD = 8
 
@@ -218,9 +222,11 @@ class CacheAware:
         max_extra_load: int = DEFAULT_MAX_EXTRA_LOAD,
         block_chars: int = DEFAULT_BLOCK_CHARS,
         blocks: int = DEFAULT_BLOCKS,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.max_extra_load = max_extra_load
         self.block_chars = block_chars
+        self.body_limit = max_body_bytes
         self.index = PrefixIndex(blocks)
         self._rings: dict[tuple[int, ...], HashRing] = {}  # by member set (a canary has two)
         self.fallback = LeastLoad()
@@ -248,6 +254,16 @@ class CacheAware:
         if self._keyed is not None:
             return keyed_block_keys(text, self.block_chars, self._keyed)
         return block_keys(text, self.block_chars)
+
+    def body_key(self, body: bytes, complete: bool) -> RequestKey:
+        """The prompt's blocks: of a whole body, parsed; of a longer one (its first
+        `body_limit` bytes), its first prompt field's start."""
+        text = prompt_text(body) if complete else prompt_prefix(body, 1 << 20)
+        if text is None:
+            return NO_KEY
+        return RequestKey(
+            prefix=text[: self.block_chars], blocks=self.keys(text), text_chars=len(text)
+        )
 
     def forget(self, replica: int) -> None:
         """A replica left the set (ReplicaSet.replace tells): its cache went with it. Not on

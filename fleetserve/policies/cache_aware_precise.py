@@ -11,11 +11,13 @@ recorded), so a replica whose events stop falls back to a warm index, not an emp
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from fleetserve.policies.cache_aware import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_BLOCKS,
+    DEFAULT_MAX_BODY_BYTES,
     CacheAware,
     PrefixIndex,
 )
@@ -73,8 +75,9 @@ class BlendedIndex(PrefixIndex):
 
 
 class PreciseCacheAware(CacheAware):
-    """cache_aware with a precise index (see the module's docstring). `tokenizer` is the LB's
-    capability hook: the exchange tokenizes a complete body with it."""
+    """cache_aware with a precise index (see the module's docstring). A whole body's key
+    carries its prompt's tokens: a short prompt is tokenized at once (`body_key`), a long
+    one by the load balancer off the event loop (CompletesKeyOffLoop: `complete_key`)."""
 
     def __init__(
         self,
@@ -83,11 +86,25 @@ class PreciseCacheAware(CacheAware):
         max_extra_load: int = CacheAware.DEFAULT_MAX_EXTRA_LOAD,
         block_chars: int = DEFAULT_BLOCK_CHARS,
         blocks: int = DEFAULT_BLOCKS,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
-        super().__init__(max_extra_load, block_chars, blocks)
+        super().__init__(max_extra_load, block_chars, blocks, max_body_bytes)
         self.precise = precise
         self.tokenizer = tokenizer
         self.index = self.blended = BlendedIndex(blocks, block_chars, precise)
+
+    def body_key(self, body: bytes, complete: bool) -> RequestKey:
+        key = super().body_key(body, complete)
+        if complete and key.text_chars and self.tokenizer.inline(body):
+            return replace(key, tokens=self.tokenizer.tokens(body))
+        return key
+
+    def completes_later(self, key: RequestKey, body: bytes, complete: bool) -> bool:
+        """A whole body with a prompt too long to tokenize on the event loop."""
+        return complete and key.text_chars > 0 and not self.tokenizer.inline(body)
+
+    async def complete_key(self, key: RequestKey, body: bytes) -> RequestKey:
+        return replace(key, tokens=await self.tokenizer.tokens_off_loop(body))
 
     def forget(self, replica: int) -> None:
         super().forget(replica)

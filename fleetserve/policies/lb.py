@@ -3,6 +3,9 @@
 A selector sees the candidate replica ids (in a stable order), the in-flight count of each, the
 ids to avoid (already tried for this request) and what the request offers for affinity (a
 session key, a prompt prefix). Selectors that need randomness get an injected `random.Random`.
+What a selector reads of a request, and what else the load balancer does for it, are its
+capabilities (fleetserve.policies.capabilities); `make_selector` is in
+fleetserve.policies.factory.
 """
 
 from __future__ import annotations
@@ -10,13 +13,12 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, get_args
+from typing import Protocol
 
-from fleetserve.spec.models import LbPolicy
-
-POLICIES: tuple[str, ...] = get_args(LbPolicy)  # the names the YAML accepts
+from fleetserve.policies.prompt import PEEK_BYTES, prompt_prefix
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class RoundRobin:
         self.next_index = 0
         self.shared = shared
 
+    def start_turn_at(self, offset: int) -> None:
+        self.next_index = offset
+
+    def share_turns(self, take: Callable[[], int]) -> None:
+        self.shared = take
+
     def select(
         self,
         candidates: Sequence[int],
@@ -85,6 +93,12 @@ class LeastLoad:
         self.weights: Mapping[int, float] = weights or {}
         # As RoundRobin's: the LB's processes break ties in one turn (taken on a tie only).
         self.shared: Callable[[], int] | None = None
+
+    def start_turn_at(self, offset: int) -> None:
+        self.tie_break = offset
+
+    def share_turns(self, take: Callable[[], int]) -> None:
+        self.shared = take
 
     def select(
         self,
@@ -171,11 +185,27 @@ class HashRing:
 
 class Sticky:
     """Requests with the same session key go to the same replica (consistent hashing);
-    requests without a key are spread by least load."""
+    requests without a key are spread by least load. The key is the `session_header`'s value,
+    else the `session_cookie`'s (ReadsHeaders)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, session_header: str | None = "X-Session-Id", session_cookie: str | None = None
+    ) -> None:
         self.ring = HashRing()
         self.fallback = LeastLoad()
+        self._header = session_header.lower().encode() if session_header else None
+        self._cookie = (
+            re.compile(rb"(?:^|;\s*)" + re.escape(session_cookie.encode()) + rb"=([^;]*)")
+            if session_cookie
+            else None
+        )
+
+    def header_key(self, headers: Mapping[bytes, bytes]) -> RequestKey:
+        session = headers.get(self._header) if self._header is not None else None
+        if session is None and self._cookie is not None:
+            m = self._cookie.search(headers.get(b"cookie", b""))
+            session = m.group(1) if m else None
+        return RequestKey(session=session.decode(errors="replace") if session else None)
 
     def select(
         self,
@@ -192,14 +222,22 @@ class Sticky:
 class PrefixAffinity:
     """Requests whose prompts share a prefix go to the same replica (its KV cache likely holds
     that prefix), unless that replica has `max_extra_load` more requests in flight than the
-    least loaded one: then least load wins."""
+    least loaded one: then least load wins. The prefix is the prompt's first `prefix_chars`
+    characters, from the body's first PEEK_BYTES (ReadsBody)."""
 
     DEFAULT_MAX_EXTRA_LOAD = 4
+    body_limit = PEEK_BYTES
 
-    def __init__(self, max_extra_load: int = DEFAULT_MAX_EXTRA_LOAD) -> None:
+    def __init__(
+        self, max_extra_load: int = DEFAULT_MAX_EXTRA_LOAD, prefix_chars: int = 256
+    ) -> None:
         self.ring = HashRing()
         self.fallback = LeastLoad()
         self.max_extra_load = max_extra_load
+        self.prefix_chars = prefix_chars
+
+    def body_key(self, body: bytes, complete: bool) -> RequestKey:
+        return RequestKey(prefix=prompt_prefix(body[:PEEK_BYTES], self.prefix_chars))
 
     def select(
         self,
@@ -217,33 +255,3 @@ class PrefixAffinity:
         if inflight.get(preferred, 0) - inflight.get(least, 0) >= self.max_extra_load:
             return least
         return preferred
-
-
-def make_selector(
-    policy: str,
-    weights: Mapping[int, float] | None = None,
-    rng: random.Random | None = None,
-    max_extra_load: int | None = None,
-    cache_block_chars: int = 256,
-    cache_blocks: int = 2048,
-) -> Selector:
-    """The selector for a `load_balancing_policy` name."""
-    if policy == "round_robin":
-        return RoundRobin()
-    if policy == "least_load":
-        return LeastLoad()
-    if policy == "instance_aware_least_load":
-        return LeastLoad(weights)
-    if policy == "power_of_two":
-        return PowerOfTwo(rng)
-    if policy == "sticky":
-        return Sticky()
-    if policy == "prefix_affinity":
-        return PrefixAffinity(max_extra_load or PrefixAffinity.DEFAULT_MAX_EXTRA_LOAD)
-    if policy == "cache_aware":
-        from fleetserve.policies.cache_aware import CacheAware  # it builds on this module
-
-        return CacheAware(
-            max_extra_load or CacheAware.DEFAULT_MAX_EXTRA_LOAD, cache_block_chars, cache_blocks
-        )
-    raise ValueError(f"unknown load_balancing_policy {policy!r}; use one of {', '.join(POLICIES)}")

@@ -18,10 +18,10 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import tls_context
 from fleetserve.lb.config import LbConfig
-from fleetserve.lb.http import prompt_prefix
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
-from fleetserve.policies.lb import make_selector
+from fleetserve.policies.factory import make_selector
+from fleetserve.policies.prompt import prompt_prefix
 from fleetserve.spec.models import LoadBalancerOptions
 from tests.unit.lb.test_proxy import Start, make_lb, make_lb_proxy, start, upstream_app
 

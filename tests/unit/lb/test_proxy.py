@@ -18,7 +18,7 @@ from fleetserve.lb.config import LbConfig
 from fleetserve.lb.metrics import LATENCY_BUCKETS
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
-from fleetserve.policies.lb import make_selector
+from fleetserve.policies.factory import make_selector, selector_for
 from fleetserve.spec.models import LoadBalancerOptions
 
 Start = Callable[[web.Application | Proxy], Awaitable[int]]
@@ -104,10 +104,11 @@ async def make_lb(
 async def make_lb_proxy(
     start: Start, policy: str, upstreams: list[Upstream], **options: Any
 ) -> tuple[str, ReplicaSet, Proxy]:
+    cfg = config(policy, **options)
     replicas = ReplicaSet(make_selector("least_load"))
-    replicas.selector = make_selector(policy, weights=replicas.weights)
+    replicas.selector = selector_for(policy, cfg.options, replicas.weights)
     replicas.replace(upstreams)
-    proxy = Proxy(config(policy, **options), replicas)
+    proxy = Proxy(cfg, replicas)
     port = await start(proxy)
     return f"http://127.0.0.1:{port}", replicas, proxy
 

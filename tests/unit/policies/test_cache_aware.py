@@ -15,7 +15,8 @@ from fleetserve.policies.cache_aware import (
     keyed_block_keys,
     prompt_text,
 )
-from fleetserve.policies.lb import RequestKey, make_selector
+from fleetserve.policies.factory import make_selector
+from fleetserve.policies.lb import RequestKey
 
 SYSTEM = "You are a careful assistant. " * 20
 

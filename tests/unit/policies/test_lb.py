@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from fleetserve.policies.factory import make_selector
 from fleetserve.policies.lb import (
     HashRing,
     LeastLoad,
@@ -15,7 +16,6 @@ from fleetserve.policies.lb import (
     RequestKey,
     RoundRobin,
     Sticky,
-    make_selector,
 )
 
 

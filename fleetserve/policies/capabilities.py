@@ -1,0 +1,156 @@
+"""What a selector may do besides choosing, and what the load balancer then does for it.
+
+A selector (fleetserve.policies.lb.Selector) only chooses. It may also have any of the
+capabilities below, each a small protocol; the load balancer asks once, when it installs the
+selector (`capabilities`), and from then on calls what is there. It never names a policy: a new
+one that implements, say, `ReadsBody` is handed each request's body without any change to
+fleetserve.lb.
+
+- `ReadsHeaders`: asks it for each request's key from the request's headers.
+- `ReadsBody`: holds a request with a body until `body_limit` bytes of it (or all of it) came,
+  and asks it for the key from them.
+- `CompletesKeyOffLoop`: for a body where it says so, awaits `complete_key` in the request's
+  task (cache_aware's precise mode tokenizes a long prompt off the event loop).
+- `ForgetsReplicas`: tells it of each replica that left the routable set.
+- `ReportsChoices`: gives it a callback for each choice's prefix match (the LB's metrics).
+- `TakesTurns`: starts each LB process's turn at another offset, and shares one counter
+  among the processes.
+- `SharesIndex`: keeps one index across the LB's processes (fleetserve.lb.index_share).
+- `ReadsReportedLoad`: polls the replicas' own load metrics into `reported`.
+
+A key reader that fails on some input (a bug) never fails the request: the load balancer
+routes it without a key, and logs and counts the failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from fleetserve.policies.lb import RequestKey, Selector
+
+
+@runtime_checkable
+class ReadsHeaders(Protocol):
+    def header_key(self, headers: Mapping[bytes, bytes]) -> RequestKey:
+        """The key of a request from its headers (names lowercased)."""
+        ...
+
+
+@runtime_checkable
+class ReadsBody(Protocol):
+    @property
+    def body_limit(self) -> int:
+        """How many bytes of a body the key needs: the load balancer chooses once this much
+        (or the whole body, when shorter) is here."""
+        ...
+
+    def body_key(self, body: bytes, complete: bool) -> RequestKey:
+        """The key of a request from its body's first `body_limit` bytes (`complete`: that
+        is the whole body)."""
+        ...
+
+
+@runtime_checkable
+class CompletesKeyOffLoop(Protocol):
+    """A body key with a slow part that must not hold the event loop (cache_aware's precise
+    mode tokenizes a long prompt in a thread)."""
+
+    def completes_later(self, key: RequestKey, body: bytes, complete: bool) -> bool:
+        """Whether `complete_key` must still run for this key (cheap: called inline)."""
+        ...
+
+    async def complete_key(self, key: RequestKey, body: bytes) -> RequestKey: ...
+
+
+@runtime_checkable
+class ForgetsReplicas(Protocol):
+    def forget(self, replica: int) -> None:
+        """A replica left the routable set (not a mere exclusion: a retry, a canary's side)."""
+        ...
+
+
+# (blocks of the prompt matched, blocks of the prompt, how many more requests the chosen
+# replica had in flight than the least loaded one)
+ChoiceReport = Callable[[int, int, int], None]
+
+
+@runtime_checkable
+class ReportsChoices(Protocol):
+    on_choice: ChoiceReport | None
+
+
+@runtime_checkable
+class TakesTurns(Protocol):
+    def start_turn_at(self, offset: int) -> None:
+        """Begin the rotation at `offset` (each LB process at another replica)."""
+        ...
+
+    def share_turns(self, take: Callable[[], int]) -> None:
+        """Take each turn from `take`, a counter all the LB's processes share."""
+        ...
+
+
+class SharedIndex(Protocol):
+    def record(self, replica: int, keys: Sequence[int]) -> None: ...
+
+    def replicas(self) -> list[int]: ...
+
+    def snapshot(self, most: int) -> dict[int, list[int]]: ...
+
+
+@runtime_checkable
+class SharesIndex(Protocol):
+    """An index that the LB's processes keep as one: each hears the others' choices
+    (`index.record`) and in-flight counts (`peer_inflight`), and tells its own (`on_record`)."""
+
+    on_record: Callable[[int, tuple[int, ...]], None] | None
+    peer_inflight: dict[int, int]
+
+    @property
+    def index(self) -> SharedIndex: ...
+
+    def share_keys(self, secret: bytes) -> None:
+        """Key the index with the LB's secret, which all its processes hold, so they agree."""
+        ...
+
+
+@runtime_checkable
+class ReadsReportedLoad(Protocol):
+    @property
+    def reported(self) -> dict[int, int]:
+        """The replicas' own running + waiting counts, filled in by the load balancer."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a selector can do besides choosing, found once (`capabilities`)."""
+
+    header_key: Callable[[Mapping[bytes, bytes]], RequestKey] | None = None
+    body_limit: int = 0
+    body_key: Callable[[bytes, bool], RequestKey] | None = None
+    off_loop: CompletesKeyOffLoop | None = None
+    forget: Callable[[int], None] | None = None
+    reports_choices: ReportsChoices | None = None
+    takes_turns: TakesTurns | None = None
+    shares_index: SharesIndex | None = None
+    reported: dict[int, int] | None = None
+
+
+def capabilities(selector: Selector) -> Capabilities:
+    """The capabilities of `selector` (called when it is installed, never per request)."""
+    body = selector if isinstance(selector, ReadsBody) else None
+    later = selector if body is not None and isinstance(selector, CompletesKeyOffLoop) else None
+    return Capabilities(
+        header_key=selector.header_key if isinstance(selector, ReadsHeaders) else None,
+        body_limit=body.body_limit if body is not None else 0,
+        body_key=body.body_key if body is not None else None,
+        off_loop=later,
+        forget=selector.forget if isinstance(selector, ForgetsReplicas) else None,
+        reports_choices=selector if isinstance(selector, ReportsChoices) else None,
+        takes_turns=selector if isinstance(selector, TakesTurns) else None,
+        shares_index=selector if isinstance(selector, SharesIndex) else None,
+        reported=selector.reported if isinstance(selector, ReadsReportedLoad) else None,
+    )
