@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 import httptools
 
-from fleetserve.lb.exchange import Exchange
+from fleetserve.lb.exchange import Exchange, Shared
 from fleetserve.lb.http import (
     FRAMING,
     HIGH_WATER,
@@ -27,8 +27,34 @@ from fleetserve.lb.http import (
 )
 from fleetserve.lb.metrics import Rejection
 
-if TYPE_CHECKING:
-    from fleetserve.lb.proxy import Proxy
+
+class Listener(Shared, Protocol):
+    """What a client connection needs of the process that accepted it (fleetserve.lb.proxy):
+    what its exchanges share, and the connection limits and keys."""
+
+    @property
+    def clients(self) -> set[ClientConn]: ...
+
+    @property
+    def max_connections(self) -> int: ...
+
+    @property
+    def busy(self) -> bytes: ...
+
+    @property
+    def per_client(self) -> dict[bytes, int]: ...
+
+    @property
+    def per_client_limit(self) -> int | None: ...
+
+    @property
+    def busy_client(self) -> bytes: ...
+
+    @property
+    def keys(self) -> list[bytes]: ...
+
+    def authorized(self, header: bytes | None) -> bool: ...
+
 
 # While a connection's queue is full its requests wait unparsed, up to this much; past it the
 # socket is not read (reading on until then shows a client that leaves at once).
@@ -49,7 +75,7 @@ class _Refused(Exception):
 class ClientConn(asyncio.Protocol):
     """One client connection: parses its requests (within `Limits`), answers them in order."""
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: Listener) -> None:
         self.proxy = proxy
         self.limits = proxy.limits
         self.transport: asyncio.Transport | None = None

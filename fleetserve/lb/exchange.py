@@ -11,19 +11,74 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from fleetserve.lb.http import HIGH_WATER, error_response
-from fleetserve.lb.replica_set import Upstream
+from fleetserve.lb.config import LbConfig
+from fleetserve.lb.http import HIGH_WATER, Limits, error_response
+from fleetserve.lb.metrics import LoadTracker, Metrics
+from fleetserve.lb.replica_set import ReplicaSet, Upstream
+from fleetserve.lb.upstream import Pool, UpstreamConn
 from fleetserve.policies.lb import NO_KEY, RequestKey
-
-if TYPE_CHECKING:
-    from fleetserve.lb.client import ClientConn
-    from fleetserve.lb.upstream import UpstreamConn
+from fleetserve.spec.models import LoadBalancerOptions
 
 SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
+
+
+class Shared(Protocol):
+    """What the exchanges of one load balancer process share (fleetserve.lb.proxy.Proxy)."""
+
+    @property
+    def config(self) -> LbConfig: ...
+
+    @property
+    def opts(self) -> LoadBalancerOptions: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def replicas(self) -> ReplicaSet: ...
+
+    @property
+    def pool(self) -> Pool: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def load(self) -> LoadTracker: ...
+
+    @property
+    def clock(self) -> float:
+        """The sweep's clock: monotonic seconds, at most one sweep old."""
+        ...
+
+    async def hold(self) -> bytes | None:
+        """Wait for a first routable replica; the refusal to send, or None."""
+        ...
+
+
+class ClientSide(Protocol):
+    """The client connection an exchange answers (fleetserve.lb.client.ClientConn)."""
+
+    closed: bool
+
+    @property
+    def proxy(self) -> Shared: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+    def tunnel_to(self, ex: Exchange) -> None: ...
+
+    def exchange_done(self, ex: Exchange) -> None: ...
 
 
 class _NotSent(Exception):
@@ -48,7 +103,7 @@ class Exchange:
     # (CompletesKeyOffLoop: cache_aware's precise mode tokenizes a long prompt).
     _key_later: bytes | None = None
 
-    def __init__(self, client: ClientConn, method: bytes, head: bytes, has_body: bool) -> None:
+    def __init__(self, client: ClientSide, method: bytes, head: bytes, has_body: bool) -> None:
         self.client = client
         self.proxy = client.proxy
         self.method = method
@@ -148,6 +203,12 @@ class Exchange:
     def to_client(self, data: bytes) -> None:
         self.sent_to_client = True
         self.client.write(data)
+
+    def pause_client(self) -> None:
+        self.client.pause_reading()
+
+    def resume_client(self) -> None:
+        self.client.resume_reading()
 
     def response_complete(self, upstream_keep_alive: bool) -> None:
         conn, self.conn = self.conn, None

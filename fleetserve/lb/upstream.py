@@ -6,15 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import httptools
 
+from fleetserve.lb.context import ExchangeSide
 from fleetserve.lb.http import HIGH_WATER, RESPONSE_HOP_PATTERN, response_head
 from fleetserve.lb.replica_set import Upstream
-
-if TYPE_CHECKING:
-    from fleetserve.lb.exchange import Exchange
 
 IDLE_PER_REPLICA = 256
 
@@ -26,7 +23,7 @@ class UpstreamConn(asyncio.Protocol):
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.exchange: Exchange | None = None
+        self.exchange: ExchangeSide | None = None
         self.parser: httptools.HttpResponseParser | None = None
         self.got_bytes = False
         self.done = False
@@ -40,7 +37,7 @@ class UpstreamConn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
 
-    def start(self, exchange: Exchange) -> None:
+    def start(self, exchange: ExchangeSide) -> None:
         self.exchange = exchange
         self.parser = httptools.HttpResponseParser(self)
         self.rewriter = None
@@ -112,11 +109,11 @@ class UpstreamConn(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.client.pause_reading()
+            self.exchange.pause_client()
 
     def resume_writing(self) -> None:
         if self.exchange is not None:
-            self.exchange.client.resume_reading()
+            self.exchange.resume_client()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -135,7 +132,7 @@ class ResponseRewriter:
     its way (see `response_head`) is written to the client from the parser's callbacks. An
     HTTP/1.0 client gets no interim (1xx) response."""
 
-    def __init__(self, conn: UpstreamConn, ex: Exchange) -> None:
+    def __init__(self, conn: UpstreamConn, ex: ExchangeSide) -> None:
         self.conn = conn
         self.ex = ex
         self.reason = b""
