@@ -7,10 +7,10 @@ import logging
 import os
 import resource
 import ssl
-import time
 
 import aiohttp
 
+from fleetserve.core.clock import Monotonic, SystemClock
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.kv_events import KvEventsCollector, KvEventsFollower, precise_mode
 from fleetserve.lb.messages import ReplicaPush
@@ -71,8 +71,10 @@ def connection_limit(options: LoadBalancerOptions, fd_limit: int) -> int:
     return wanted
 
 
-def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
-    replicas = ReplicaSet(make_selector("least_load"))
+def make_proxy(config: LbConfig, worker: int = 0, clock: Monotonic | None = None) -> Proxy:
+    clock = clock or SystemClock()
+    monotonic = clock.monotonic
+    replicas = ReplicaSet(make_selector("least_load"), monotonic)
     # instance_aware_least_load reads the per-replica weights that each push installs.
     opts = config.options
     # The engines' KV cache events (the spec allows them with cache_aware only: its precise mode).
@@ -91,9 +93,9 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
     async def wake() -> None:
         # Tell the controller at once that a request waits (at most once a second).
         nonlocal last_wake, wake_session
-        if config.wake_url is None or time.monotonic() - last_wake < 1.0:
+        if config.wake_url is None or monotonic() - last_wake < 1.0:
             return
-        last_wake = time.monotonic()
+        last_wake = monotonic()
         if not may_send_to(config.wake_url):
             log.warning("not waking the controller: its port is not held by this user")
             return
@@ -117,7 +119,7 @@ def make_proxy(config: LbConfig, worker: int = 0) -> Proxy:
 
     replicas.apply(ReplicaPush(replicas=config.replicas))
     limit = connection_limit(config.options, raise_fd_limit())
-    proxy = Proxy(config, replicas, wake=wake, max_connections=limit)
+    proxy = Proxy(config, replicas, wake=wake, max_connections=limit, clock=clock)
     if caps.reports_choices is not None:
         caps.reports_choices.on_choice = proxy.metrics.prompt_blocks
     if precise is not None:

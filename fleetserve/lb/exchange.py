@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from collections.abc import Callable
 from typing import Protocol
 
 from fleetserve.lb.config import LbConfig
@@ -53,6 +53,11 @@ class Shared(Protocol):
     @property
     def clock(self) -> float:
         """The sweep's clock: monotonic seconds, at most one sweep old."""
+        ...
+
+    @property
+    def monotonic(self) -> Callable[[], float]:
+        """The load balancer's clock (fleetserve.core.clock: injected, fake in tests)."""
         ...
 
     async def hold(self) -> bytes | None:
@@ -131,7 +136,7 @@ class Exchange:
         self.replica: Upstream | None = None
         self.status = 0
         self.sent_to_client = False
-        self.started = time.monotonic()
+        self.started = self.proxy.monotonic()
         self.activity = self.started
         self.sent_at = self.started  # when the current attempt was sent to its replica
         self.first_byte: float | None = None  # seconds from sent_at to the answer's first byte
@@ -287,7 +292,8 @@ class Exchange:
         if self._reported:
             return
         self._reported = True
-        self.proxy.metrics.done(replica, status, time.monotonic() - self.started, self.first_byte)
+        proxy = self.proxy
+        proxy.metrics.done(replica, status, proxy.monotonic() - self.started, self.first_byte)
         self.client.exchange_done(self)
 
     # sending and settling ------------------------------------------------------------------------
@@ -310,7 +316,7 @@ class Exchange:
             self.body = []
             self.body_size = 0
             self.client.resume_reading()
-        self.activity = self.sent_at = time.monotonic()
+        self.activity = self.sent_at = self.proxy.monotonic()
         self._timer = asyncio.get_running_loop().call_later(
             self.proxy.opts.read_timeout_seconds, self._check_timeout
         )
@@ -325,7 +331,7 @@ class Exchange:
         if self._settled:
             return
         limit = self.proxy.opts.read_timeout_seconds
-        idle = time.monotonic() - self.activity
+        idle = self.proxy.monotonic() - self.activity
         if self.upgrade or idle < limit:
             delay = limit if self.upgrade else limit - idle
             self._timer = asyncio.get_running_loop().call_later(delay, self._check_timeout)

@@ -17,10 +17,10 @@ import asyncio
 import hmac
 import socket
 import ssl
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from fleetserve.core.clock import Monotonic, SystemClock
 from fleetserve.lb.client import ClientConn
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.http import Limits, error_response
@@ -70,7 +70,11 @@ class Proxy:
         load: LoadTracker | None = None,
         wake: Callable[[], Coroutine[Any, Any, None]] | None = None,
         max_connections: int | None = None,
+        clock: Monotonic | None = None,
     ) -> None:
+        # Durations and deadlines read this (fleetserve.core.clock; a fake one in tests); the
+        # event loop's timers run on real time.
+        self.monotonic = (clock or SystemClock()).monotonic
         self.config = config
         self.opts = config.options
         self.limits = Limits.of(self.opts)
@@ -101,7 +105,7 @@ class Proxy:
         self.wake = wake
         self.queued = 0
         self.keys = [k.encode() for k in self.opts.api_keys]
-        self.pool = Pool(self.opts.connect_timeout_seconds)
+        self.pool = Pool(self.opts.connect_timeout_seconds, self.monotonic)
         self._server: asyncio.Server | None = None
         # More listening sockets served by this process: a worker's second address family,
         # or another worker's sockets while that worker is down (fleetserve.lb.workers).
@@ -118,10 +122,10 @@ class Proxy:
         # more, never less.
         shortest = min(self.limits.header_timeout, self.limits.idle_timeout)
         self.sweep_seconds = min(1.0, max(0.05, shortest / 4))
-        self.clock = time.monotonic()
+        self.clock = self.monotonic()
 
     def _sweep(self) -> None:
-        now = self.clock = time.monotonic()
+        now = self.clock = self.monotonic()
         head_since = now - self.sweep_seconds - self.limits.header_timeout
         idle_since = now - self.sweep_seconds - self.limits.idle_timeout
         for client in list(self.clients):
@@ -262,8 +266,9 @@ class Proxy:
         if self.kv_events is not None and self._kv_events_started:
             self._kv_events_started = False
             await self.kv_events.stop()
-        deadline = time.monotonic() + drain_seconds
-        while time.monotonic() < deadline and any(c.queue for c in self.clients):
+        loop = asyncio.get_running_loop()  # (real time: this waits for real)
+        deadline = loop.time() + drain_seconds
+        while loop.time() < deadline and any(c.queue for c in self.clients):
             await asyncio.sleep(0.05)
         for client in list(self.clients):
             client.close()

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fleetserve.lb.messages import ReplicaPush
@@ -28,8 +29,9 @@ class ReplicaSet:
     """`selector` chooses among the replicas; its capabilities (`caps`) are found when it is
     installed, never per request."""
 
-    def __init__(self, selector: Selector) -> None:
+    def __init__(self, selector: Selector, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.selector = selector
+        self.monotonic = monotonic  # the load balancer's clock (fleetserve.core.clock)
         self.upstreams: dict[int, Upstream] = {}
         self.order: tuple[int, ...] = ()
         self.inflight: dict[int, int] = {}
@@ -126,7 +128,7 @@ class ReplicaSet:
         """Count a policy's failure on a request (its key, or its choice) and log it with its
         traceback, at most once a minute: a client may repeat the input that reaches it."""
         self.policy_errors += 1
-        now = time.monotonic()
+        now = self.monotonic()
         if now - self._policy_error_logged >= 60:
             self._policy_error_logged = now
             log.exception("%s (routed by least load; %d so far)", what, self.policy_errors)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 import httptools
 
@@ -83,10 +84,10 @@ class UpstreamConn(asyncio.Protocol):
             # server sends its head at once and its first token later, so the head alone
             # does not count. A retry only follows an attempt that got no byte at all, so
             # this is the answered attempt's.
-            ex.first_byte = time.monotonic() - ex.sent_at
+            ex.first_byte = self.pool.monotonic() - ex.sent_at
         if self.rewriter is None:
             ex.to_client(data)
-        ex.activity = time.monotonic()
+        ex.activity = self.pool.monotonic()
         if self.tunnel:
             ex.upgraded()
         elif self.done:
@@ -178,8 +179,11 @@ class ResponseRewriter:
 class Pool:
     """Idle keep-alive connections per replica URL."""
 
-    def __init__(self, connect_timeout: float) -> None:
+    def __init__(
+        self, connect_timeout: float, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
         self.connect_timeout = connect_timeout
+        self.monotonic = monotonic  # the load balancer's clock (fleetserve.core.clock)
         self.idle: dict[str, deque[UpstreamConn]] = {}
 
     def idle_conn(self, upstream: Upstream) -> UpstreamConn | None:

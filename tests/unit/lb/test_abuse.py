@@ -24,6 +24,7 @@ import aiohttp
 import psutil
 import pytest
 
+from fleetserve.core.clock import FakeClock
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import Upstream
@@ -172,6 +173,30 @@ async def test_slowloris_gets_408_and_idle_connections_are_closed(serve: Serve) 
     assert rejected(proxy, "header_timeout") == 2
     assert rejected(proxy, "idle_timeout") == 1
     assert "/slow" not in replica.paths()
+
+
+async def test_timeouts_run_on_the_load_balancers_clock(serve: Serve) -> None:
+    """The default timeouts (a head in 10 s, 75 s idle) without waiting for them: the load
+    balancer reads an injected clock (fleetserve.core.clock), here a fake one moved by hand;
+    its sweep (every second) closes what the fake time made late."""
+    clock = FakeClock()
+    _, proxy, port = await serve(clock=clock)
+    loop = asyncio.get_running_loop()
+    silent, idle = socket.socket(), socket.socket()
+    for sock in (silent, idle):
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(idle, b"GET /once HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert b" 200 " in await asyncio.wait_for(loop.sock_recv(idle, 1 << 16), 5)
+    clock.advance(12)  # past the head's 10 s (and a sweep): the silent one goes
+    await eventually(lambda: rejected(proxy, "header_timeout") == 1)
+    assert rejected(proxy, "idle_timeout") == 0  # 12 s of 75 idle
+    assert await asyncio.wait_for(loop.sock_recv(silent, 1), 5) == b""
+    clock.advance(65)  # 77 s idle
+    await eventually(lambda: rejected(proxy, "idle_timeout") == 1)
+    assert await asyncio.wait_for(loop.sock_recv(idle, 1), 5) == b""
+    silent.close()
+    idle.close()
 
 
 async def test_pipelined_requests_wait_in_the_socket_not_in_memory(serve: Serve) -> None:

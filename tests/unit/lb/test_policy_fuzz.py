@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from fleetserve.core.clock import FakeClock
 from tests.unit.lb import test_proxy
 from tests.unit.lb.test_features import two_upstreams
 from tests.unit.lb.test_proxy import Start, make_lb_proxy
@@ -99,7 +100,8 @@ async def test_a_failing_policy_never_fails_the_request(
     """A policy that raises (a bug some input reaches) is contained: the request goes by
     least load, the failure is counted and logged once, the connection is answered."""
     upstreams = await two_upstreams(start)
-    lb, replicas, _ = await make_lb_proxy(start, "cache_aware", upstreams)
+    clock = FakeClock()
+    lb, replicas, proxy = await make_lb_proxy(start, "cache_aware", upstreams, clock=clock)
     port = int(lb.rsplit(":", 1)[1])
 
     def broken(*_args: object, **_kwargs: object) -> int | None:
@@ -113,3 +115,21 @@ async def test_a_failing_policy_never_fails_the_request(
     assert replicas.policy_errors == 5
     logged = [r for r in caplog.records if "policy failed" in r.getMessage()]
     assert len(logged) == 1  # once a minute, not once a request
+
+    async def advance(seconds: float) -> None:
+        """Move the fake clock, and let the proxy's sweep see it before the next request
+        (a connection stamped with the sweep's older time would look a minute late)."""
+        clock.advance(seconds)
+        for _ in range(300):
+            if proxy.clock >= clock.monotonic():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the proxy's sweep did not run")
+
+    await advance(59)
+    await post_in_two_sends(port, b'{"prompt": "p"}')
+    await advance(1)  # a minute since the first: logged again
+    await post_in_two_sends(port, b'{"prompt": "p"}')
+    assert replicas.policy_errors == 7
+    logged = [r for r in caplog.records if "policy failed" in r.getMessage()]
+    assert len(logged) == 2
