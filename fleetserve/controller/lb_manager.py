@@ -47,10 +47,7 @@ LB_SERVICE_ENV = "FLEETSERVE_LB_SERVICE"
 
 def upstream_payload(endpoints: list[Endpoint]) -> list[RoutableReplica]:
     """The routable set as the load balancer's admin API (and its config file) take it."""
-    return [
-        RoutableReplica(replica_id=e.replica_id, url=e.url, version=e.version, weight=e.weight)
-        for e in endpoints
-    ]
+    return [RoutableReplica.of(e) for e in endpoints]
 
 
 def _ids(pushed: object) -> list[int]:

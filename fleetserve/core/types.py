@@ -115,7 +115,10 @@ class EventRecord:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A routable replica as the load balancer sees it."""
+    """A routable replica: the one record of it, from the controller's reconciler to the load
+    balancer's replica set (fleetserve.lb.replica_set.Upstream is this record). On the wire
+    (a push, the LB's config file) it is fleetserve.lb.messages.RoutableReplica, converted
+    there (`RoutableReplica.of`, `RoutableReplica.endpoint`)."""
 
     replica_id: ReplicaId
     url: str

@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleetserve.core.types import Endpoint
+
 # -- controller -> LB ---------------------------------------------------------------------------
 
 
@@ -25,6 +27,18 @@ class RoutableReplica(BaseModel):
     url: str = Field(pattern=r"^https?://")
     version: int = 1
     weight: float = Field(1.0, gt=0)  # instance_aware_least_load: the replica's target QPS
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> RoutableReplica:
+        return cls(
+            replica_id=endpoint.replica_id,
+            url=endpoint.url,
+            version=endpoint.version,
+            weight=endpoint.weight,
+        )
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.replica_id, self.url, self.version, self.weight)
 
 
 class Canary(BaseModel):

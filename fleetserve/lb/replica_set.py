@@ -8,8 +8,8 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from fleetserve.core.types import Endpoint
 from fleetserve.lb.messages import ReplicaPush
 from fleetserve.policies.capabilities import Capabilities, capabilities
 from fleetserve.policies.lb import NO_KEY, LeastLoad, RequestKey, Selector
@@ -17,12 +17,8 @@ from fleetserve.policies.lb import NO_KEY, LeastLoad, RequestKey, Selector
 log = logging.getLogger("fleetserve.lb")
 
 
-@dataclass(frozen=True)
-class Upstream:
-    replica_id: int
-    url: str
-    version: int
-    weight: float = 1.0  # instance_aware_least_load: the replica's target QPS
+# A routable replica: the same record the controller's reconciler makes.
+Upstream = Endpoint
 
 
 class ReplicaSet:
@@ -82,7 +78,7 @@ class ReplicaSet:
         """Install the set that the controller pushed (see `replace`)."""
         canary = push.canary
         return self.replace(
-            [Upstream(r.replica_id, r.url, r.version, r.weight) for r in push.replicas],
+            [r.endpoint() for r in push.replicas],
             (canary.version, canary.percent) if canary else None,
         )
 
