@@ -135,6 +135,7 @@ def start_server(settings: HomeSettings, wait: float = 30.0) -> int:
     env["FLEETSERVE_TLS_CERTFILE"] = settings.tls_certfile or ""
     env["FLEETSERVE_TLS_KEYFILE"] = settings.tls_keyfile or ""
     env["FLEETSERVE_ALLOWED_HOSTS"] = ",".join(settings.allowed_hosts)
+    env["FLEETSERVE_ADVERTISE_URL"] = settings.advertise_url or ""
     if settings.db_url:  # the store (docs/scaling.md); otherwise the environment's, if any
         env["FLEETSERVE_DB_URL"] = settings.db_url
     if settings.db_url_file:

@@ -165,7 +165,7 @@ class Controller:
         self.leadership = Leadership(
             self.store,
             self.clock,
-            f"{self.settings.api_scheme}://{self.settings.api_host}:{self.settings.api_port}",
+            self.settings.advertised_url,
             ttl=self.settings.lease_ttl,
         )
         self._leading = asyncio.create_task(

@@ -6,12 +6,15 @@ add the rest, which the controller checks when it starts."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from fleetserve.core.errors import InvalidSpec
 
@@ -73,6 +76,7 @@ def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> s
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
 def is_loopback(host: str) -> bool:
@@ -97,6 +101,9 @@ class HomeSettings:
     # High availability (docs/scaling.md): several controllers on one database, one active
     # through a lease, the others standbys that take over.
     ha: bool = False
+    # The API's address as others reach it (FLEETSERVE_ADVERTISE_URL): what an HA lease names
+    # for standbys to send clients to. Unset: derived from api_host (`advertised_url`).
+    advertise_url: str | None = None
 
     @classmethod
     def from_env(cls) -> HomeSettings:
@@ -135,6 +142,21 @@ class HomeSettings:
     def api_scheme(self) -> str:
         return "https" if self.tls_certfile else "http"
 
+    @property
+    def advertised_url(self) -> str:
+        """The API's URL for others (an HA lease names it): FLEETSERVE_ADVERTISE_URL, else
+        api_host, and for a wildcard host (0.0.0.0, ::), which nobody can connect to, the
+        first of allowed_hosts (names clients use, which the TLS certificate covers), else
+        this machine's fully qualified name."""
+        if self.advertise_url:
+            return self.advertise_url
+        host = self.api_host
+        if host in WILDCARD_HOSTS:
+            host = self.allowed_hosts[0] if self.allowed_hosts else socket.getfqdn()
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{self.api_scheme}://{host}:{self.api_port}"
+
     def check_exposure(self) -> None:
         """An API beyond loopback only with TLS: the token must not cross a network in clear."""
         if is_loopback(self.api_host):
@@ -165,4 +187,35 @@ def home_fields(env: Mapping[str, str]) -> dict[str, Any]:
         if env.get("FLEETSERVE_DB_URL_FILE")
         else None,
         "ha": env_flag(env, "FLEETSERVE_HA"),
+        "advertise_url": advertise_url(env.get("FLEETSERVE_ADVERTISE_URL", "")),
     }
+
+
+def advertise_url(raw: str) -> str | None:
+    """FLEETSERVE_ADVERTISE_URL checked: http(s)://HOST[:PORT], nothing else (it is handed
+    to clients as the active controller's address)."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    what = f"FLEETSERVE_ADVERTISE_URL={raw[:200]!r}"
+    if len(raw) > 300 or not raw.isascii() or not raw.isprintable():
+        raise InvalidSpec(f"{what}: use http(s)://HOST:PORT in ASCII, at most 300 characters")
+    try:
+        parts = urlsplit(raw)
+        port = parts.port
+    except ValueError as e:
+        raise InvalidSpec(f"{what}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidSpec(f"{what}: use http(s)://HOST:PORT")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise InvalidSpec(f"{what}: only a scheme, a host and a port (no path, query or user)")
+    host = parts.hostname
+    if host in WILDCARD_HOSTS:
+        raise InvalidSpec(f"{what}: {host} is every address, not one others can reach")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host):
+            raise InvalidSpec(f"{what}: {host!r} is not a host name or an IP address") from None
+    netloc = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{netloc}" + (f":{port}" if port is not None else "")
