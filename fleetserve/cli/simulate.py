@@ -35,10 +35,16 @@ class SimulateGroup(TyperGroup):
     """`simulate autoscale|spot ...`; `simulate --an-option ...` goes to the hidden command
     that takes the options of both, as `simulate` did before it had subcommands."""
 
+    @staticmethod
+    def route(args: list[str]) -> list[str]:
+        """The arguments with the hidden command's name first when they start with an option
+        (tests/docs/harness.py parses the documented commands through this too)."""
+        if args and args[0].startswith("-") and args[0] != "--help":
+            return [FLAGS, *args]
+        return args
+
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's own click Context
-        if args and args[0].startswith("-") and args[0] not in ctx.help_option_names:
-            args = [FLAGS, *args]
-        return super().parse_args(ctx, args)
+        return super().parse_args(ctx, self.route(args))
 
 
 simulate_app = typer.Typer(
