@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -13,15 +13,8 @@ from rich.markup import escape
 
 from fleetserve.cli.completion import complete_service
 from fleetserve.cli.envs import overrides
-from fleetserve.cli.output import (
-    OutputFormat,
-)
-from fleetserve.core.errors import (
-    FleetserveError,
-)
-
-if TYPE_CHECKING:
-    pass
+from fleetserve.cli.output import OutputFormat
+from fleetserve.core.errors import FleetserveError
 
 out = Console(width=None if sys.stdout.isatty() else 200)
 # Messages on stderr are never wrapped by rich: a long error keeps its `command` whole.

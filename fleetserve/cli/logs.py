@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
-from fleetserve.cli.common import (
-    fail,
-)
+from fleetserve.cli.common import fail
 from fleetserve.cli.completion import complete_service
-from fleetserve.cli.output import (
-    quiet_broken_pipe,
-)
-from fleetserve.client import (
-    Client,
-)
-from fleetserve.core.errors import (
-    FleetserveError,
-    InvalidSpec,
-)
-
-if TYPE_CHECKING:
-    pass
+from fleetserve.cli.output import quiet_broken_pipe
+from fleetserve.client import Client
+from fleetserve.core.errors import FleetserveError, InvalidSpec
 
 
 def logs(

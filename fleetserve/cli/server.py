@@ -6,15 +6,12 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import httpx
 import typer
 
-from fleetserve.cli.common import (
-    fail,
-    out,
-)
+from fleetserve.cli.common import fail, out
 from fleetserve.client import (
     BUSY_WAIT_SECONDS,
     Client,
@@ -23,14 +20,9 @@ from fleetserve.client import (
     start_server,
     stop_controllers,
 )
-from fleetserve.core.errors import (
-    FleetserveError,
-)
+from fleetserve.core.errors import FleetserveError
 from fleetserve.home.folder import RunningController, running_controllers
 from fleetserve.home.settings import HomeSettings, is_loopback
-
-if TYPE_CHECKING:
-    pass
 
 server_app = typer.Typer(help="Manage the background controller.", no_args_is_help=True)
 

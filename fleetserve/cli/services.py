@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -28,31 +28,17 @@ from fleetserve.cli.common import (
     print_warnings,
 )
 from fleetserve.cli.completion import complete_service
-from fleetserve.cli.output import (
-    OutputFormat,
-    emit,
-)
+from fleetserve.cli.output import OutputFormat, emit
 from fleetserve.cli.progress import Progress
-from fleetserve.cli.render import (
-    styled,
-)
-from fleetserve.client import (
-    Client,
-)
-from fleetserve.core.errors import (
-    FleetserveError,
-    InvalidSpec,
-    ServiceFailed,
-)
+from fleetserve.cli.render import styled
+from fleetserve.client import Client
+from fleetserve.core.errors import FleetserveError, InvalidSpec, ServiceFailed
 from fleetserve.oshelpers import netcaps
 from fleetserve.spec.admission import deploy_problems
 from fleetserve.spec.compat import compat_warnings
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import load_spec_file, require_values
 from fleetserve.spec.models import FLEETSERVE_INFRAS
-
-if TYPE_CHECKING:
-    pass
 
 
 def validate(

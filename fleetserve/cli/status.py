@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Group, RenderableType
@@ -12,12 +12,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from fleetserve.api.models import EventInfo, ServiceInfo
-from fleetserve.cli.common import (
-    ServiceArg,
-    err,
-    fail,
-    out,
-)
+from fleetserve.cli.common import ServiceArg, err, fail, out
 from fleetserve.cli.completion import complete_service
 from fleetserve.cli.output import (
     OutputFormat,
@@ -29,24 +24,9 @@ from fleetserve.cli.output import (
     to_data,
     write,
 )
-from fleetserve.cli.render import (
-    event_line,
-    events_table,
-    replicas_table,
-    services_table,
-)
-from fleetserve.client import (
-    Client,
-)
-from fleetserve.core.errors import (
-    FleetserveError,
-    InvalidSpec,
-    NotFound,
-    TransientError,
-)
-
-if TYPE_CHECKING:
-    pass
+from fleetserve.cli.render import event_line, events_table, replicas_table, services_table
+from fleetserve.client import Client
+from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound, TransientError
 
 
 def status(
