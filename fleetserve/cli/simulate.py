@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from fleetserve.cli.common import err, fail, out
 from fleetserve.cli.output import OutputFormat, OutputOption, emit
@@ -45,6 +45,18 @@ class SimulateGroup(TyperGroup):
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's own click Context
         return super().parse_args(ctx, self.route(args))
+
+
+class FlagsCommand(TyperCommand):
+    """The hidden command reads as `simulate` itself in its usage and errors (as before the
+    subcommands): its context hangs from the root's, under the group's name."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any
+    ) -> Any:
+        if parent is not None:
+            info_name, parent = parent.info_name, parent.parent
+        return super().make_context(info_name, args, parent=parent, **extra)
 
 
 simulate_app = typer.Typer(
@@ -276,7 +288,7 @@ def spot(
     )
 
 
-@simulate_app.command(FLAGS, hidden=True)
+@simulate_app.command(FLAGS, hidden=True, cls=FlagsCommand)
 def simulate(
     ctx: typer.Context,
     trace: TraceOption = None,

@@ -121,3 +121,9 @@ def test_the_help_of_the_group_and_of_each_subcommand() -> None:
 def test_simulate_alone_shows_the_subcommands() -> None:
     code, stdout, stderr = run("simulate")
     assert code == 2 and "autoscale" in stdout + stderr and "spot" in stdout + stderr
+
+
+def test_an_unknown_option_of_the_old_spelling_reads_as_simulate_s_own() -> None:
+    code, _, stderr = run("simulate", "--trace", "maf1", "--bogus")
+    assert code == 2 and "No such option: --bogus" in stderr
+    assert " simulate [OPTIONS]" in stderr and "flags" not in stderr  # the hidden command
