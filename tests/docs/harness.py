@@ -46,8 +46,8 @@ PARSE, RUN, FLEET, CHECK, SKIP = "parse", "run", "fleet", "check", "skip"
 # Commands run for real in process: quick (a few seconds at most) and needing no controller.
 QUICK = (
     re.compile(r"^fleetserve validate "),
-    re.compile(r"^fleetserve simulate --burst .* --duration (\d{1,4})\b"),
-    re.compile(r"^fleetserve simulate --spot-trace GCP1"),
+    re.compile(r"^fleetserve simulate (?:autoscale )?--burst .* --duration (\d{1,4})\b"),
+    re.compile(r"^fleetserve simulate (?:spot GCP1|--spot-trace GCP1)"),
     re.compile(r"^fleetserve pool simulate( --trace maf1 --max-workers \d+)?$"),
     re.compile(r"^fleetserve --show-completion"),
 )
@@ -60,7 +60,10 @@ FLEET_COMMANDS = (
 )
 # Why a fleetserve command is parsed but not run (the first pattern that matches).
 NOT_RUN = (
-    (re.compile(r"--spot-trace AWS3|--trace maf1 .*--plot|--duration 43200"), "a long run (>10 s)"),
+    (
+        re.compile(r"--spot-trace AWS3|spot AWS3|--trace maf1 .*--plot|--duration 43200"),
+        "a long run (>10 s)",
+    ),
     (re.compile(r"--infra ray|RAY_ADDRESS"), "needs a Ray cluster"),
     (re.compile(r"FLEETSERVE_DB_URL|FLEETSERVE_HA"), "needs PostgreSQL or a second controller"),
     (re.compile(r"--install-completion"), "writes the user's shell profile"),
@@ -380,7 +383,9 @@ def parse_error(words: list[str]) -> str | None:
         parser = cmd.make_parser(ctx)
         commands = getattr(cmd, "commands", None)
         if commands is not None:
-            # a group: its own options, then a subcommand (or nothing: `fleetserve --x`)
+            # a group: its own options, then a subcommand (or nothing: `fleetserve --x`); a
+            # group that sends some spellings to a hidden command says how (`simulate --x`)
+            args = getattr(cmd, "route", lambda a: a)(list(args))
             i = 0
             while i < len(args) and args[i].startswith("-"):
                 i += 1

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from fleetserve import client as sdk
 from fleetserve._version import __version__
 from fleetserve.api.models import Health, JobInfo, PoolApplied, ReplicaInfo, ServiceInfo
-from fleetserve.cli import main, pools
+from fleetserve.cli import logs, pools, services, status
 from fleetserve.cli.main import app
 from fleetserve.client import Client
 from fleetserve.core.errors import ServiceFailed
@@ -132,11 +132,12 @@ def job(job_id: int, status: str, reason: str | None = None) -> JobInfo:
 @pytest.fixture(autouse=True)
 def fake(monkeypatch: pytest.MonkeyPatch) -> None:
     Fake.views, Fake.calls, Fake.jobs = [], [], []
-    monkeypatch.setattr(main, "Client", Fake)
+    for module in (services, status, logs):  # the commands' modules (fleetserve/cli/main.py)
+        monkeypatch.setattr(module, "Client", Fake)
     monkeypatch.setattr(pools, "Client", Fake)
     monkeypatch.setattr(sdk, "WAIT_POLL", 0.0)
     monkeypatch.setattr(pools, "WAIT_POLL", 0.0)
-    monkeypatch.setattr(main.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(services.time, "sleep", lambda _s: None)
 
 
 @pytest.fixture

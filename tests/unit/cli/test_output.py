@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from fleetserve.api.models import EventInfo, Health, JobInfo, ReplicaInfo, ServiceInfo
-from fleetserve.cli import completion, main, pools
+from fleetserve.cli import completion, logs, pools, services, status
 from fleetserve.cli.main import app
 from fleetserve.cli.output import OutputFormat, check_interval, dumps, stream_item, to_data
 from fleetserve.cli.render import event_line, events_table, when
@@ -108,9 +108,10 @@ class FakeClient:
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeClient]]:
     FakeClient.script = []
     FakeClient.status_calls = 0
-    monkeypatch.setattr(main, "Client", FakeClient)
+    for module in (services, status, logs):  # the commands' modules (fleetserve/cli/main.py)
+        monkeypatch.setattr(module, "Client", FakeClient)
     monkeypatch.setattr(pools, "Client", FakeClient)
-    monkeypatch.setattr(main, "FOLLOW_POLL", 0.0)
+    monkeypatch.setattr(status, "FOLLOW_POLL", 0.0)
     yield FakeClient
 
 
@@ -314,7 +315,7 @@ def test_events_follow_ends_quietly_when_the_reader_goes_away(
     def gone(_text: str) -> None:
         raise BrokenPipeError
 
-    monkeypatch.setattr(main, "write", gone)
+    monkeypatch.setattr(status, "write", gone)
     FakeClient.script = [[event(1)]]
     res = run("events", "web", "-f", "-o", "json")
     assert res.exit_code == 0 and res.stderr == "", res.output
@@ -330,7 +331,7 @@ def test_status_watch_redraws_until_ctrl_c_and_exits_0(
     fake: type[FakeClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(main.time, "sleep", slept.append)
+    monkeypatch.setattr(status.time, "sleep", slept.append)
     res = run("status", "-w", "--interval", "0.5")
     assert res.exit_code == 0, res.output
     assert res.stdout.count("Every 0.5 s: fleetserve status") == 2

@@ -1,0 +1,61 @@
+"""The controller itself: its health (the one route open without the token), its Prometheus
+metrics and its own logs and the load balancers'."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from fastapi import APIRouter, Query
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from fleetserve._version import __version__
+from fleetserve.api.deps import ERRORS, PREFIX, Ctl
+from fleetserve.api.models import Health
+from fleetserve.core.errors import NotFound
+from fleetserve.infra.cgroups import Cgroups
+from fleetserve.oshelpers.files import lines_naming, read_lines
+
+router = APIRouter()
+
+
+@router.get(f"{PREFIX}/health", response_model=Health)
+async def health(ctl: Ctl) -> Health:
+    cgroups = getattr(ctl.infra, "cgroups", None)  # the local infra's (a fake has none)
+    processes = None
+    if isinstance(cgroups, Cgroups):
+        processes = await asyncio.to_thread(cgroups.describe)
+    return Health(
+        ok=True,
+        version=__version__,
+        pid=os.getpid(),
+        home=str(ctl.settings.home),
+        role=ctl.role,
+        processes=processes,
+    )
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(ctl: Ctl) -> Response:
+    """The controller's Prometheus metrics (docs/metrics.md), behind the API token."""
+    return Response(ctl.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@router.get(f"{PREFIX}/logs/{{which}}", responses=ERRORS)
+async def component_logs(
+    ctl: Ctl,
+    which: str,
+    service: str | None = Query(None, max_length=64),
+    follow: bool = False,
+    tail: int | None = Query(None, ge=1, le=10_000, description="Only the last N lines"),
+) -> StreamingResponse:
+    if which not in ("controller", "load-balancer"):
+        raise NotFound(f"no log called {which!r}: use controller or load-balancer")
+    path = ctl.log_file(which, service)
+    if which == "controller" and service is not None:
+        ctl.store.service(service)  # a name that is no service's is an error, not silence
+        lines = lines_naming(path, service, follow, tail)
+    else:
+        lines = read_lines(path, follow, tail)
+    return StreamingResponse(lines, media_type="text/plain")
