@@ -32,7 +32,14 @@ from fleetserve.core.clock import Clock, SystemClock
 from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby, StorageFull
 from fleetserve.core.service_status import service_status
 from fleetserve.core.status import ReplicaStatus, ServiceStatus
-from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
+from fleetserve.core.types import (
+    JobRecord,
+    JobStatus,
+    ReplicaRecord,
+    ServicePhase,
+    ServiceRecord,
+    TerminationCause,
+)
 from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.host import elsewhere, host_id
 from fleetserve.infra.jobs import JobRunner
@@ -518,7 +525,7 @@ class Controller:
             rec,
             rec.status,
             "terminated by user",
-            delete_row=True,
+            TerminationCause.USER,
             drain_seconds=self.settings.drain_seconds,
         )
         reconciler.wake.set()

@@ -34,6 +34,8 @@ from fleetserve.core.types import (
     ReplicaRecord,
     ServicePhase,
     ServiceRecord,
+    TerminationCause,
+    deletes_row,
 )
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.infra.host import elsewhere, host_of
@@ -285,7 +287,7 @@ class ServiceReconciler:
 
     def _worker_broken(self, worker: ReplicaRecord, why: str) -> None:
         self.prober.forget(self.key(worker.replica_id))
-        self.executor.terminate(worker, ReplicaStatus.FAILED, why, delete_row=False)
+        self.executor.terminate(worker, ReplicaStatus.FAILED, why, TerminationCause.FAILURE)
 
     def key(self, replica_id: int) -> ReplicaKey:
         return ReplicaKey(self.name, replica_id)
@@ -333,8 +335,11 @@ class ServiceReconciler:
                     port=None,
                 )
             elif r.status is ReplicaStatus.SHUTTING_DOWN:
-                final = ReplicaStatus.FAILED if not r.scale_down else r.status
-                self.executor.terminate(r, final, r.reason or "terminating", r.scale_down)
+                # Finish what the previous controller started, for the same cause (a row
+                # written before causes were recorded has one from migration 0009).
+                cause = r.termination_cause or TerminationCause.FAILURE
+                final = r.status if deletes_row(cause) else ReplicaStatus.FAILED
+                self.executor.terminate(r, final, r.reason or "terminating", cause)
             elif r.status in _RUNNING and r.handle and self._away(r):
                 continue  # another host's: lost (the first round replaces it)
             elif r.status in _RUNNING and r.handle:
@@ -667,13 +672,16 @@ class ServiceReconciler:
                     and not away  # a lost host, not a preempted zone
                 ):
                     self.spot.preempted(rec.replica_id, rec.zone)
+                cause = action.cause
+                if away and not deletes_row(cause):
+                    # Another host's replica: its row goes, so that its processes, if that
+                    # host's controller comes back, are orphans there and stopped.
+                    cause = TerminationCause.HOST_LOST
                 self.executor.terminate(
                     by_id[action.replica_id],
                     action.final_status,
                     action.reason,
-                    # Another host's replica: its row goes, so that its processes, if that
-                    # host's controller comes back, are orphans there and stopped.
-                    action.delete_row or away,
+                    cause,
                     action.exit_code,
                     drain_seconds=self.settings.drain_seconds if action.drain else 0.0,
                 )
@@ -908,7 +916,7 @@ class ServiceReconciler:
         for action in plan_shutdown(replicas):
             self.prober.forget(self.key(action.replica_id))
             self.executor.terminate(
-                by_id[action.replica_id], action.final_status, action.reason, True
+                by_id[action.replica_id], action.final_status, action.reason, action.cause
             )
         await self.executor.wait_idle()
         left = self.store.list_replicas(self.name)

@@ -20,6 +20,33 @@ class ReplicaKey(NamedTuple):
     replica_id: ReplicaId
 
 
+class TerminationCause(enum.StrEnum):
+    """Why the controller stops a replica: written on its row as it starts to (SHUTTING_DOWN),
+    read by the executor (does the row go?), a restarted controller (what to finish), the
+    crash-loop count and the metrics. Whether the row goes is derived from it: `deletes_row`."""
+
+    SCALE_DOWN = "scale_down"  # the fleet shrank (or a spot fleet retired an on-demand spare)
+    ROLLOUT = "rollout"  # replaced by a replica of a newer version
+    USER = "user"  # `fleetserve down NAME --replica-id N` (POST .../replicas/N/terminate)
+    SERVICE_DOWN = "service_down"  # `fleetserve down NAME`
+    HOST_LOST = "host_lost"  # its processes ran on another host, whose controller is gone
+    FAILURE = "failure"  # it failed: exited, failed its probe, never became READY, a broken worker
+    PREEMPTION = "preemption"  # its instance was lost (a spot preemption)
+
+
+# The causes whose replica leaves a row behind once stopped: how it ended, for `status` and
+# the crash-loop count. Every other cause removes the row.
+_KEEPS_ROW = frozenset({TerminationCause.FAILURE, TerminationCause.PREEMPTION})
+
+
+def deletes_row(cause: TerminationCause | None) -> bool:
+    """Whether a replica stopped for `cause` has its row deleted once stopped (None: it is not
+    being stopped, so no). A failure or a preemption keeps its row, in its failed status; a
+    replica the fleet no longer wants (scaled down, replaced, taken down by the user, another
+    host's) goes: its processes, if that host's controller comes back, are then orphans there."""
+    return cause is not None and cause not in _KEEPS_ROW
+
+
 class ServicePhase(enum.StrEnum):
     """What the user asked of the service as a whole (status is derived, this is intent)."""
 
@@ -47,7 +74,9 @@ class ReplicaRecord:
     probe_failing_since: float | None = None
     terminated_at: float | None = None
     updated_at: float = 0.0
-    scale_down: bool = False  # terminated because the fleet shrank: its row goes afterwards
+    # Why it is being (or was) stopped; None until it is. Its row goes afterwards unless the
+    # cause is a failure or a preemption (`deletes_row`).
+    termination_cause: TerminationCause | None = None
     purge: bool = False  # delete the row once terminated, even if it failed
     zone: str | None = None  # where it runs (set at launch), when the infra has zones
     spot: bool = False  # a spot instance: may be preempted

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetserve.core.status import FAILED_STATUSES, ReplicaStatus
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import ReplicaRecord, TerminationCause, deletes_row
 from fleetserve.policies.autoscaler import FallbackTargets
 from fleetserve.policies.rollout import RolloutSettings, RolloutStep, plan_rollout, scale_down_order
 
@@ -69,12 +69,13 @@ class SetStatus:
 
 @dataclass(frozen=True)
 class Terminate:
-    """Take the replica out of rotation, stop it, then mark it `final_status` (or drop the row)."""
+    """Take the replica out of rotation, stop it, then mark it `final_status`, or drop its row
+    if its `cause` says so (`deletes_row`)."""
 
     replica_id: int
     final_status: ReplicaStatus
     reason: str
-    delete_row: bool = False
+    cause: TerminationCause
     exit_code: int | None = None
     drain: bool = False  # wait (bounded) for its in-flight requests after leaving the LB set
 
@@ -114,11 +115,17 @@ def _lifecycle(
     inst = obs.instance
     if inst is not None and not inst.alive:
         if inst.lost:
-            return Terminate(r.replica_id, ReplicaStatus.PREEMPTED, f"instance lost: {inst.detail}")
+            return Terminate(
+                r.replica_id,
+                ReplicaStatus.PREEMPTED,
+                f"instance lost: {inst.detail}",
+                TerminationCause.PREEMPTION,
+            )
         return Terminate(
             r.replica_id,
             ReplicaStatus.FAILED,
             f"replica process {inst.detail}",
+            TerminationCause.FAILURE,
             exit_code=inst.exit_code,
         )
     if s.ready_when_alive and r.status is ReplicaStatus.STARTING and inst is not None:
@@ -148,6 +155,7 @@ def _lifecycle(
                 ReplicaStatus.FAILED_INITIAL_DELAY,
                 f"readiness probe did not pass within initial_delay_seconds="
                 f"{s.initial_delay_seconds:g} of launch (last probe: {probe.detail})",
+                TerminationCause.FAILURE,
             )
         return None
     if r.status is ReplicaStatus.READY:
@@ -175,6 +183,7 @@ def _lifecycle(
             ReplicaStatus.FAILED_PROBING,
             f"readiness probe failed for {now - since:.0f} s (window "
             f"{s.failure_window_seconds:g} s): {probe.detail}",
+            TerminationCause.FAILURE,
         )
     return None
 
@@ -192,7 +201,7 @@ def _never_ready_failures(
             r
             for r in of_version
             if (r.status.is_failed and r.status is not ReplicaStatus.FAILED_CLEANUP)
-            or (r.status is ReplicaStatus.SHUTTING_DOWN and not r.scale_down)
+            or (r.status is ReplicaStatus.SHUTTING_DOWN and not deletes_row(r.termination_cause))
             or r.replica_id in failing_now
         ),
         key=lambda r: r.replica_id,
@@ -288,13 +297,14 @@ def plan_fleet(
     for r in rs.retire:
         if r.replica_id in settings.protected:
             continue  # a busy worker: it goes (or rolls to the new version) once its job ends
+        cause = TerminationCause.SCALE_DOWN
         if r.version != settings.version:
-            why = f"replaced by version {settings.version}"
+            why, cause = f"replaced by version {settings.version}", TerminationCause.ROLLOUT
         elif settings.spot is not None and not r.spot:
             why = "on-demand fallback retired: enough spot replicas are READY"
         else:
             why = "scaled down"
-        actions.append(Terminate(r.replica_id, r.status, why, delete_row=True, drain=True))
+        actions.append(Terminate(r.replica_id, r.status, why, cause, drain=True))
         ending.add(r.replica_id)
 
     slots = settings.max_concurrent_launches - launching
@@ -351,7 +361,7 @@ def _spot_step(
 def plan_shutdown(replicas: list[ReplicaRecord]) -> list[Terminate]:
     """`down`: stop every replica that may still have processes, and drop every row."""
     return [
-        Terminate(r.replica_id, r.status, "service shutting down", delete_row=True)
+        Terminate(r.replica_id, r.status, "service shutting down", TerminationCause.SERVICE_DOWN)
         for r in replicas
         if r.status is not ReplicaStatus.SHUTTING_DOWN
     ]

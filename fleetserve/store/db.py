@@ -46,6 +46,7 @@ from fleetserve.core.types import (
     ReplicaRecord,
     ServicePhase,
     ServiceRecord,
+    TerminationCause,
     VersionRecord,
 )
 from fleetserve.store import leader
@@ -137,6 +138,8 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 _REPLICA_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaRecord))
 _STATUS_AT = _REPLICA_FIELDS.index("status")
 _STATUSES = {s.value: s for s in ReplicaStatus}
+_CAUSE_AT = _REPLICA_FIELDS.index("termination_cause")
+_CAUSES = {c.value: c for c in TerminationCause}
 
 
 def _select_replicas() -> Select[Any]:
@@ -146,6 +149,9 @@ def _select_replicas() -> Select[Any]:
 def _replica(row: Row[Any]) -> ReplicaRecord:
     values = list(row)
     values[_STATUS_AT] = _STATUSES[values[_STATUS_AT]]
+    cause = values[_CAUSE_AT]
+    if cause is not None:
+        values[_CAUSE_AT] = _CAUSES[cause]
     return ReplicaRecord(*values)
 
 
@@ -572,7 +578,6 @@ class Store:
                     launch_token=token,
                     created_at=now,
                     updated_at=now,
-                    scale_down=False,
                     purge=False,
                     spot=spot,
                 )
@@ -628,8 +633,12 @@ class Store:
         if unknown:
             raise ValueError(f"not replica columns: {sorted(unknown)}")
         new_status = changes.get("status")
+        values = dict(changes)  # the row's values: enums as their text
         if isinstance(new_status, ReplicaStatus):
-            changes["status"] = new_status.value
+            values["status"] = new_status.value
+        if changes.get("termination_cause") is not None:
+            cause = changes["termination_cause"] = TerminationCause(changes["termination_cause"])
+            values["termination_cause"] = cause.value
         with self._write() as conn:
             conn.execute(
                 update(t.replicas)
@@ -637,7 +646,7 @@ class Store:
                     t.replicas.c.service == rec.service,
                     t.replicas.c.replica_id == rec.replica_id,
                 )
-                .values(updated_at=now, **changes)
+                .values(updated_at=now, **values)
             )
             if new_status is not None and new_status != rec.status:
                 text = message or changes.get("reason") or f"status {new_status}"
@@ -649,12 +658,12 @@ class Store:
                     str(text),
                     rec.replica_id,
                     rec.status.value,
-                    str(changes["status"]),
+                    str(values["status"]),
                 )
             elif message:
                 self._event(conn, rec.service, now, "replica", message, rec.replica_id)
         fields = {k: v for k, v in changes.items() if k != "status"}
-        status = ReplicaStatus(changes["status"]) if "status" in changes else rec.status
+        status = ReplicaStatus(values["status"]) if "status" in values else rec.status
         new = dataclasses.replace(rec, status=status, updated_at=now, **fields)
         if status is not rec.status:
             self._tell(rec.status, new)
