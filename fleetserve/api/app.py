@@ -50,7 +50,7 @@ from fleetserve.controller.pools import STATE_KEY as POOL_KEY
 from fleetserve.controller.pools import pool_bounds
 from fleetserve.controller.scaling import STATE_KEY as AUTOSCALER_KEY
 from fleetserve.core.errors import Conflict, FleetserveError, InvalidSpec, NotFound, Standby
-from fleetserve.core.types import JobRecord, ReplicaRecord, ServiceRecord
+from fleetserve.core.types import JobRecord, ReplicaId, ReplicaRecord, ServiceRecord
 from fleetserve.home.folder import ensure_token
 from fleetserve.infra.cgroups import Cgroups
 from fleetserve.lb.wake import wake_token
@@ -393,7 +393,7 @@ def create_app(
     async def terminate_replica(
         name: ServiceName, replica_id: ReplicaIdParam, purge: bool = False
     ) -> dict[str, str]:
-        ctl.terminate_replica(name, replica_id, purge)
+        ctl.terminate_replica(name, ReplicaId(replica_id), purge)
         return {"status": "terminating"}
 
     @app.get(f"{PREFIX}/zones", responses=_ERRORS)
@@ -404,7 +404,8 @@ def create_app(
     async def chaos_preempt(body: ChaosPreempt) -> list[dict[str, object]]:
         if (body.replica_id is None) == (body.zone is None):
             raise InvalidSpec("name one replica (replica_id) or one zone (zone), not both")
-        lost = ctl.chaos_preempt(body.service, body.replica_id, body.zone)
+        rid = None if body.replica_id is None else ReplicaId(body.replica_id)
+        lost = ctl.chaos_preempt(body.service, rid, body.zone)
         if body.replica_id is not None and not lost:
             raise Conflict(f"replica {body.replica_id} of {body.service} is not running")
         return lost
@@ -481,7 +482,7 @@ def create_app(
         follow: bool = False,
         tail: int | None = Query(None, ge=1, le=10_000, description="Only the last N lines"),
     ) -> StreamingResponse:
-        lines = ctl.replica_logs(name, replica_id, follow, tail)
+        lines = ctl.replica_logs(name, ReplicaId(replica_id), follow, tail)
         return StreamingResponse(lines, media_type="text/plain")
 
     # -- pools and jobs (docs/pools.md) ----------------------------------------------------

@@ -35,6 +35,7 @@ from fleetserve.core.status import ReplicaStatus, ServiceStatus
 from fleetserve.core.types import (
     JobRecord,
     JobStatus,
+    ReplicaId,
     ReplicaRecord,
     ServicePhase,
     ServiceRecord,
@@ -130,7 +131,7 @@ class Controller:
         if hasattr(infra, "watch_exits"):
             cast(WatchesExits, infra).watch_exits(self._replica_ended)
 
-    def _replica_ended(self, service: str, replica_id: int) -> None:
+    def _replica_ended(self, service: str, replica_id: ReplicaId) -> None:
         rec = self.reconcilers.get(service)
         if rec is not None:
             rec.wake.set()
@@ -507,7 +508,7 @@ class Controller:
         self._run(name).wake.set()
         return svc
 
-    def terminate_replica(self, name: str, replica_id: int, purge: bool = False) -> None:
+    def terminate_replica(self, name: str, replica_id: ReplicaId, purge: bool = False) -> None:
         self.store.service(name)
         rec = self.store.replica(name, replica_id)
         reconciler = self._run(name)
@@ -550,7 +551,7 @@ class Controller:
         ]
 
     def chaos_preempt(
-        self, name: str, replica_id: int | None = None, zone: str | None = None
+        self, name: str, replica_id: ReplicaId | None = None, zone: str | None = None
     ) -> list[dict[str, object]]:
         """Preempt one replica of a service, or every spot replica it has in a zone."""
         infra = self._local()
@@ -840,7 +841,7 @@ class Controller:
         return service_status(svc, replicas, self.spec_of(svc))
 
     def replica_logs(
-        self, name: str, replica_id: int, follow: bool, tail: int | None = None
+        self, name: str, replica_id: ReplicaId, follow: bool, tail: int | None = None
     ) -> AsyncIterator[str]:
         self.store.service(name)
         if self.store.get_replica(name, replica_id) is None and not self._log_exists(

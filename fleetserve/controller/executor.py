@@ -18,7 +18,7 @@ from fleetserve.controller.pools import WORKER_RUN
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError, TerminalError, TransientError
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ReplicaRecord, TerminationCause, deletes_row
+from fleetserve.core.types import ReplicaId, ReplicaRecord, TerminationCause, deletes_row
 from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
 from fleetserve.infra.git import GitSource
 from fleetserve.infra.host import elsewhere, host_of
@@ -98,14 +98,14 @@ class Executor:
         self.home = home
         self.on_change = on_change
         self.launch_timeout = launch_timeout  # setup and start, all tries together
-        self.launches: dict[int, asyncio.Task[None]] = {}
-        self.terminations: dict[int, asyncio.Task[None]] = {}
-        self.inflight_of: Callable[[int], int] = lambda _rid: 0  # from the LB's load report
+        self.launches: dict[ReplicaId, asyncio.Task[None]] = {}
+        self.terminations: dict[ReplicaId, asyncio.Task[None]] = {}
+        self.inflight_of: Callable[[ReplicaId], int] = lambda _rid: 0  # from the LB's load report
         # A launch that found its zone full (or lost its host during setup): the row goes and
         # the spot placer hears of it (the planner creates another replica).
         self.on_no_capacity: Callable[[ReplicaRecord, NoCapacity], None] = lambda _r, _e: None
 
-    def busy(self, replica_id: int) -> bool:
+    def busy(self, replica_id: ReplicaId) -> bool:
         return replica_id in self.launches or replica_id in self.terminations
 
     def launch(self, rec: ReplicaRecord, spec: ServiceTask, zone: str | None = None) -> None:
@@ -255,7 +255,7 @@ class Executor:
         self.terminations[rec.replica_id] = task
         task.add_done_callback(lambda _t: self._done(self.terminations, rec.replica_id))
 
-    async def _drain(self, replica_id: int, seconds: float) -> None:
+    async def _drain(self, replica_id: ReplicaId, seconds: float) -> None:
         """Wait until the LB reports no request in flight to the replica (bounded). The first
         second lets the push that removes it from the LB's set land."""
         deadline = self.clock.now() + seconds
@@ -310,7 +310,7 @@ class Executor:
                 rec, self.clock.now(), status=final, reason=reason, terminated_at=self.clock.now()
             )
 
-    def _done(self, tasks: dict[int, asyncio.Task[None]], replica_id: int) -> None:
+    def _done(self, tasks: dict[ReplicaId, asyncio.Task[None]], replica_id: ReplicaId) -> None:
         tasks.pop(replica_id, None)
         self.on_change()
 

@@ -30,6 +30,7 @@ from fleetserve.core.errors import FleetserveError, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import (
     Endpoint,
+    ReplicaId,
     ReplicaKey,
     ReplicaRecord,
     ServicePhase,
@@ -289,7 +290,7 @@ class ServiceReconciler:
         self.prober.forget(self.key(worker.replica_id))
         self.executor.terminate(worker, ReplicaStatus.FAILED, why, TerminationCause.FAILURE)
 
-    def key(self, replica_id: int) -> ReplicaKey:
+    def key(self, replica_id: ReplicaId) -> ReplicaKey:
         return ReplicaKey(self.name, replica_id)
 
     # -- recovery ------------------------------------------------------------------------
@@ -564,9 +565,9 @@ class ServiceReconciler:
 
     async def _observe(
         self, replicas: list[ReplicaRecord], spec: ServiceTask
-    ) -> Mapping[int, Observation]:
+    ) -> Mapping[ReplicaId, Observation]:
         now = self.clock.now()
-        out: dict[int, Observation] = {}
+        out: dict[ReplicaId, Observation] = {}
         for i, r in enumerate(replicas):
             if i % OBSERVE_BATCH == OBSERVE_BATCH - 1:
                 # Let API calls and probe results in between: a thousand replicas observed
@@ -643,7 +644,7 @@ class ServiceReconciler:
     def _apply(
         self,
         actions: list[Action],
-        by_id: dict[int, ReplicaRecord],
+        by_id: dict[ReplicaId, ReplicaRecord],
         svc: ServiceRecord,
         spec: ServiceTask,
     ) -> None:

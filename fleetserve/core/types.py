@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, NewType
 
 from fleetserve.core.status import ReplicaStatus
 
-ReplicaId = int
+# A replica's id within its service (from 1, never reused). A type of its own, so that mypy
+# tells it from the other ints that flow beside it (job ids, versions, ports, pids): a job id
+# is not a replica id. Made only where ids enter: the store's rows, the API's paths.
+ReplicaId = NewType("ReplicaId", int)
 VersionId = int
 
 
@@ -94,7 +97,7 @@ class ServiceRecord:
     lb_admin_port: int | None = None
     lb_pid: int | None = None
     lb_create_time: float | None = None
-    next_replica_id: ReplicaId = 1
+    next_replica_id: ReplicaId = ReplicaId(1)
     launch_stop: str | None = None  # launches stopped: the version crash-loops
     lb_error: str | None = None  # the load balancer could not be started
     cleanup_error: str | None = None  # `down` could not terminate these replicas
@@ -176,7 +179,7 @@ class JobRecord:
     envs_json: str = "{}"
     slots: float = 1.0
     name: str | None = None
-    worker_id: int | None = None
+    worker_id: ReplicaId | None = None  # the pool's replica it runs on (job ids are not these)
     launch_token: str = ""
     handle: str | None = None
     attempts: int = 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetserve.core.status import FAILED_STATUSES, ReplicaStatus
-from fleetserve.core.types import ReplicaRecord, TerminationCause, deletes_row
+from fleetserve.core.types import ReplicaId, ReplicaRecord, TerminationCause, deletes_row
 from fleetserve.policies.autoscaler import FallbackTargets
 from fleetserve.policies.rollout import RolloutSettings, RolloutStep, plan_rollout, scale_down_order
 
@@ -55,12 +55,12 @@ class FleetSettings:
     # A pool's workers: READY once alive after setup (no readiness probe), and the busy ones
     # (running a job) are never retired by a scale-down.
     ready_when_alive: bool = False
-    protected: frozenset[int] = frozenset()
+    protected: frozenset[ReplicaId] = frozenset()
 
 
 @dataclass(frozen=True)
 class SetStatus:
-    replica_id: int
+    replica_id: ReplicaId
     status: ReplicaStatus
     reason: str | None
     fields: Mapping[str, Any] = field(default_factory=dict)
@@ -72,7 +72,7 @@ class Terminate:
     """Take the replica out of rotation, stop it, then mark it `final_status`, or drop its row
     if its `cause` says so (`deletes_row`)."""
 
-    replica_id: int
+    replica_id: ReplicaId
     final_status: ReplicaStatus
     reason: str
     cause: TerminationCause
@@ -88,12 +88,12 @@ class CreateReplicas:
 
 @dataclass(frozen=True)
 class StartLaunch:
-    replica_id: int
+    replica_id: ReplicaId
 
 
 @dataclass(frozen=True)
 class DeleteRow:
-    replica_id: int
+    replica_id: ReplicaId
 
 
 Action = SetStatus | Terminate | CreateReplicas | StartLaunch | DeleteRow
@@ -189,7 +189,7 @@ def _lifecycle(
 
 
 def _never_ready_failures(
-    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str]
+    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[ReplicaId, str]
 ) -> list[ReplicaRecord] | None:
     """The version's replicas that failed without ever becoming READY, by id; None once one
     of its replicas has been READY (the version works: failures are not a crash loop)."""
@@ -209,7 +209,9 @@ def _never_ready_failures(
 
 
 def crash_loop_reason(
-    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str] | None = None
+    replicas: list[ReplicaRecord],
+    s: FleetSettings,
+    failing_now: Mapping[ReplicaId, str] | None = None,
 ) -> str | None:
     """Why launching should stop: the newest finished replicas of the version all failed
     without ever becoming READY (a broken command would otherwise relaunch forever).
@@ -234,7 +236,7 @@ def replacement_budget(
     replicas: list[ReplicaRecord],
     alive: list[ReplicaRecord],
     s: FleetSettings,
-    failing_now: Mapping[int, str],
+    failing_now: Mapping[ReplicaId, str],
 ) -> int | None:
     """How many replicas may still be created for the version while it has failures and no
     READY replica yet: the crash-loop limit, less the failures and the launches still under
@@ -249,12 +251,12 @@ def replacement_budget(
 
 def plan_fleet(
     replicas: list[ReplicaRecord],
-    observations: Mapping[int, Observation],
+    observations: Mapping[ReplicaId, Observation],
     settings: FleetSettings,
     now: float,
 ) -> FleetPlan:
     actions: list[Action] = []
-    ending: set[int] = set()
+    ending: set[ReplicaId] = set()
     for r in replicas:
         if r.status in (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY):
             step = _lifecycle(r, observations.get(r.replica_id, Observation()), settings, now)

@@ -43,6 +43,7 @@ from fleetserve.core.types import (
     EventRecord,
     JobRecord,
     JobStatus,
+    ReplicaId,
     ReplicaRecord,
     ServicePhase,
     ServiceRecord,
@@ -560,7 +561,7 @@ class Store:
                 .where(t.services.c.name == service)
                 .values(next_replica_id=t.services.c.next_replica_id + 1, updated_at=now)
             )
-            next_id = (
+            next_id = ReplicaId(
                 int(
                     conn.execute(
                         select(t.services.c.next_replica_id).where(t.services.c.name == service)
@@ -588,7 +589,7 @@ class Store:
         self._tell(None, rec)
         return rec
 
-    def get_replica(self, service: str, replica_id: int) -> ReplicaRecord | None:
+    def get_replica(self, service: str, replica_id: ReplicaId) -> ReplicaRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(
                 _select_replicas().where(
@@ -597,7 +598,7 @@ class Store:
             ).first()
         return _replica(row) if row else None
 
-    def replica(self, service: str, replica_id: int) -> ReplicaRecord:
+    def replica(self, service: str, replica_id: ReplicaId) -> ReplicaRecord:
         rec = self.get_replica(service, replica_id)
         if rec is None:
             raise NotFound(f"service {service!r} has no replica {replica_id}")
@@ -677,7 +678,7 @@ class Store:
             except Exception:
                 log.exception("a replica listener failed")
 
-    def delete_replica(self, service: str, replica_id: int, now: float, message: str) -> None:
+    def delete_replica(self, service: str, replica_id: ReplicaId, now: float, message: str) -> None:
         with self._write() as conn:
             conn.execute(
                 delete(t.replicas).where(
@@ -695,7 +696,7 @@ class Store:
         now: float,
         kind: str,
         message: str,
-        replica_id: int | None = None,
+        replica_id: ReplicaId | None = None,
         status_from: str | None = None,
         status_to: str | None = None,
     ) -> None:
@@ -722,7 +723,7 @@ class Store:
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_WRITE_ORDER_LOCK})
 
     def add_event(
-        self, service: str, now: float, kind: str, message: str, replica_id: int | None = None
+        self, service: str, now: float, kind: str, message: str, replica_id: ReplicaId | None = None
     ) -> None:
         with self._write() as conn:
             self._event(conn, service, now, kind, message, replica_id)
