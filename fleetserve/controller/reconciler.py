@@ -30,6 +30,7 @@ from fleetserve.core.errors import FleetserveError, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import (
     Endpoint,
+    ReplicaChanges,
     ReplicaId,
     ReplicaKey,
     ReplicaRecord,
@@ -653,14 +654,12 @@ class ServiceReconciler:
         for action in actions:
             if isinstance(action, SetStatus):
                 rec = by_id[action.replica_id]
-                self.store.update_replica(
-                    rec,
-                    now,
-                    action.message,
-                    status=action.status,
-                    reason=action.reason,
+                changes: ReplicaChanges = {
                     **action.fields,
-                )
+                    "status": action.status,
+                    "reason": action.reason,
+                }
+                self.store.update_replica(rec, now, action.message, **changes)
             elif isinstance(action, Terminate):
                 self.prober.forget(self.key(action.replica_id))
                 rec = by_id[action.replica_id]

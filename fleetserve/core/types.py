@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple, NewType
+from typing import NamedTuple, NewType, TypedDict
 
 from fleetserve.core.status import ReplicaStatus
 
@@ -124,6 +124,58 @@ class ServiceRecord:
         return self.serving_version != self.active_version
 
 
+# -- change sets: what a writer may change in a row -------------------------------------------
+# Each is the record's fields, less the row's key and `updated_at` (the store sets it), all
+# optional: `Store.update_replica(rec, now, **changes)` takes them as keyword arguments
+# (`Unpack`), so mypy checks every column's name and type at the call. The store still refuses
+# an unknown name at run time (a caller that is not type-checked), and a test holds each one
+# equal to its table's columns.
+
+
+class ReplicaChanges(TypedDict, total=False):
+    version: VersionId
+    status: ReplicaStatus
+    reason: str | None
+    infra: str
+    launch_token: str
+    handle: str | None
+    endpoint: str | None
+    port: int | None
+    exit_code: int | None
+    created_at: float
+    launched_at: float | None
+    started_at: float | None
+    first_ready_at: float | None
+    probe_failing_since: float | None
+    terminated_at: float | None
+    termination_cause: TerminationCause | None
+    purge: bool
+    zone: str | None
+    spot: bool
+    host: str | None
+
+
+class ServiceChanges(TypedDict, total=False):
+    phase: ServicePhase
+    active_version: VersionId
+    created_at: float
+    lb_port: int | None
+    lb_admin_port: int | None
+    lb_pid: int | None
+    lb_create_time: float | None
+    next_replica_id: ReplicaId
+    launch_stop: str | None
+    lb_error: str | None
+    cleanup_error: str | None
+    purge: bool
+    stable_version: int | None
+    previous_version: int | None
+    update_mode: str | None
+    traffic_percent: int | None
+    lb_secret: str | None
+    lb_host: str | None
+
+
 @dataclass(frozen=True)
 class VersionRecord:
     service: str
@@ -189,3 +241,23 @@ class JobRecord:
     started_at: float | None = None
     ended_at: float | None = None
     updated_at: float = 0.0
+
+
+class JobChanges(TypedDict, total=False):
+    name: str | None
+    batch: int
+    rank: int
+    num_jobs: int
+    status: JobStatus
+    run: str
+    envs_json: str
+    slots: float
+    worker_id: ReplicaId | None
+    launch_token: str
+    handle: str | None
+    attempts: int
+    exit_code: int | None
+    reason: str | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleetserve.core.status import FAILED_STATUSES, ReplicaStatus
-from fleetserve.core.types import ReplicaId, ReplicaRecord, TerminationCause, deletes_row
+from fleetserve.core.types import (
+    ReplicaChanges,
+    ReplicaId,
+    ReplicaRecord,
+    TerminationCause,
+    deletes_row,
+)
 from fleetserve.policies.autoscaler import FallbackTargets
 from fleetserve.policies.rollout import RolloutSettings, RolloutStep, plan_rollout, scale_down_order
 
@@ -63,7 +68,7 @@ class SetStatus:
     replica_id: ReplicaId
     status: ReplicaStatus
     reason: str | None
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: ReplicaChanges = field(default_factory=lambda: ReplicaChanges())  # other columns
     message: str | None = None  # what the event says, when `reason` is empty
 
 

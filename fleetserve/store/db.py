@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import json
 import logging
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from alembic import command
 from alembic.config import Config
@@ -41,10 +42,13 @@ from fleetserve.core.errors import Conflict, NotFound, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import (
     EventRecord,
+    JobChanges,
     JobRecord,
     JobStatus,
+    ReplicaChanges,
     ReplicaId,
     ReplicaRecord,
+    ServiceChanges,
     ServicePhase,
     ServiceRecord,
     TerminationCause,
@@ -122,6 +126,15 @@ def _job(row: Row[Any]) -> JobRecord:
 
 
 _SERVICE_COLUMNS = {c.name for c in t.services.columns} - {"name"}
+
+
+def _row_values(changes: Mapping[str, object], columns: set[str], what: str) -> dict[str, Any]:
+    """The row's values for a change set: its names checked (mypy checks typed callers; this
+    refuses any other's unknown name before anything is written), enums as their text."""
+    unknown = set(changes) - columns
+    if unknown:
+        raise ValueError(f"not {what} columns: {sorted(unknown)}")
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in changes.items()}
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -452,17 +465,14 @@ class Store:
             rows = conn.execute(select(t.services).order_by(t.services.c.created_at)).all()
         return [_service(r) for r in rows]
 
-    def update_service(self, name: str, now: float, **changes: Any) -> ServiceRecord:
-        unknown = set(changes) - _SERVICE_COLUMNS
-        if unknown:
-            raise ValueError(f"not service columns: {sorted(unknown)}")
-        if isinstance(changes.get("phase"), ServicePhase):
-            changes["phase"] = changes["phase"].value
+    def update_service(
+        self, name: str, now: float, **changes: Unpack[ServiceChanges]
+    ) -> ServiceRecord:
+        """Write `changes` (columns, checked by mypy: ServiceChanges) to the service's row."""
+        values = _row_values(changes, _SERVICE_COLUMNS, "service")
         with self._write() as conn:
             conn.execute(
-                update(t.services)
-                .where(t.services.c.name == name)
-                .values(updated_at=now, **changes)
+                update(t.services).where(t.services.c.name == name).values(updated_at=now, **values)
             )
         return self.service(name)
 
@@ -627,19 +637,19 @@ class Store:
         return out
 
     def update_replica(
-        self, rec: ReplicaRecord, now: float, message: str | None = None, **changes: Any
+        self,
+        rec: ReplicaRecord,
+        now: float,
+        message: str | None = None,
+        **changes: Unpack[ReplicaChanges],
     ) -> ReplicaRecord:
-        """Write `changes` to the replica's row; a status change is recorded as an event."""
-        unknown = set(changes) - _REPLICA_COLUMNS
-        if unknown:
-            raise ValueError(f"not replica columns: {sorted(unknown)}")
+        """Write `changes` (columns, checked by mypy: ReplicaChanges) to the replica's row; a
+        status change is recorded as an event."""
+        values = _row_values(changes, _REPLICA_COLUMNS, "replica")
         new_status = changes.get("status")
-        values = dict(changes)  # the row's values: enums as their text
-        if isinstance(new_status, ReplicaStatus):
-            values["status"] = new_status.value
-        if changes.get("termination_cause") is not None:
-            cause = changes["termination_cause"] = TerminationCause(changes["termination_cause"])
-            values["termination_cause"] = cause.value
+        cause = changes.get("termination_cause")
+        if cause is not None:  # a word the column does not know fails before the write
+            values["termination_cause"] = TerminationCause(cause).value
         with self._write() as conn:
             conn.execute(
                 update(t.replicas)
@@ -663,8 +673,10 @@ class Store:
                 )
             elif message:
                 self._event(conn, rec.service, now, "replica", message, rec.replica_id)
-        fields = {k: v for k, v in changes.items() if k != "status"}
+        fields: dict[str, Any] = {k: v for k, v in changes.items() if k != "status"}
         status = ReplicaStatus(values["status"]) if "status" in values else rec.status
+        if cause is not None:
+            fields["termination_cause"] = TerminationCause(cause)
         new = dataclasses.replace(rec, status=status, updated_at=now, **fields)
         if status is not rec.status:
             self._tell(rec.status, new)
@@ -876,21 +888,22 @@ class Store:
         return _job(row)
 
     def update_job(
-        self, job: JobRecord, now: float, expect: JobStatus | None = None, **changes: Any
+        self,
+        job: JobRecord,
+        now: float,
+        expect: JobStatus | None = None,
+        **changes: Unpack[JobChanges],
     ) -> JobRecord | None:
-        """Write `changes`; with `expect`, only if the job is still in that status (a cancel
-        and a finish racing: the first one wins). Returns the new record, or None."""
-        unknown = set(changes) - _JOB_COLUMNS
-        if unknown:
-            raise ValueError(f"not job columns: {sorted(unknown)}")
+        """Write `changes` (columns, checked by mypy: JobChanges); with `expect`, only if the
+        job is still in that status (a cancel and a finish racing: the first one wins).
+        Returns the new record, or None."""
+        values = _row_values(changes, _JOB_COLUMNS, "job")
         status = changes.get("status")
-        if isinstance(status, JobStatus):
-            changes["status"] = status.value
         q = update(t.jobs).where(t.jobs.c.job_id == job.job_id)
         if expect is not None:
             q = q.where(t.jobs.c.status == expect.value)
         with self._write() as conn:
-            done = conn.execute(q.values(updated_at=now, **changes))
+            done = conn.execute(q.values(updated_at=now, **values))
             if done.rowcount == 0:
                 return None
             pool_exists = conn.execute(
@@ -905,7 +918,7 @@ class Store:
                 self._event(
                     conn, job.pool, now, "job", f"job {job.job_id} (rank {job.rank}): {text_}"
                 )
-        fields = {k: v for k, v in changes.items() if k != "status"}
+        fields: dict[str, Any] = {k: v for k, v in changes.items() if k != "status"}
         new_status = JobStatus(changes["status"]) if "status" in changes else job.status
         return dataclasses.replace(job, status=new_status, updated_at=now, **fields)
 
