@@ -32,7 +32,15 @@ from fleetserve.core.clock import Clock, SystemClock
 from fleetserve.core.errors import Conflict, InvalidSpec, NotFound, Standby, StorageFull
 from fleetserve.core.service_status import service_status
 from fleetserve.core.status import ReplicaStatus, ServiceStatus
-from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord, ServicePhase, ServiceRecord
+from fleetserve.core.types import (
+    JobRecord,
+    JobStatus,
+    ReplicaId,
+    ReplicaRecord,
+    ServicePhase,
+    ServiceRecord,
+    TerminationCause,
+)
 from fleetserve.infra.base import Infra, WatchesExits
 from fleetserve.infra.host import elsewhere, host_id
 from fleetserve.infra.jobs import JobRunner
@@ -123,7 +131,7 @@ class Controller:
         if hasattr(infra, "watch_exits"):
             cast(WatchesExits, infra).watch_exits(self._replica_ended)
 
-    def _replica_ended(self, service: str, replica_id: int) -> None:
+    def _replica_ended(self, service: str, replica_id: ReplicaId) -> None:
         rec = self.reconcilers.get(service)
         if rec is not None:
             rec.wake.set()
@@ -500,7 +508,7 @@ class Controller:
         self._run(name).wake.set()
         return svc
 
-    def terminate_replica(self, name: str, replica_id: int, purge: bool = False) -> None:
+    def terminate_replica(self, name: str, replica_id: ReplicaId, purge: bool = False) -> None:
         self.store.service(name)
         rec = self.store.replica(name, replica_id)
         reconciler = self._run(name)
@@ -518,7 +526,7 @@ class Controller:
             rec,
             rec.status,
             "terminated by user",
-            delete_row=True,
+            TerminationCause.USER,
             drain_seconds=self.settings.drain_seconds,
         )
         reconciler.wake.set()
@@ -543,7 +551,7 @@ class Controller:
         ]
 
     def chaos_preempt(
-        self, name: str, replica_id: int | None = None, zone: str | None = None
+        self, name: str, replica_id: ReplicaId | None = None, zone: str | None = None
     ) -> list[dict[str, object]]:
         """Preempt one replica of a service, or every spot replica it has in a zone."""
         infra = self._local()
@@ -833,7 +841,7 @@ class Controller:
         return service_status(svc, replicas, self.spec_of(svc))
 
     def replica_logs(
-        self, name: str, replica_id: int, follow: bool, tail: int | None = None
+        self, name: str, replica_id: ReplicaId, follow: bool, tail: int | None = None
     ) -> AsyncIterator[str]:
         self.store.service(name)
         if self.store.get_replica(name, replica_id) is None and not self._log_exists(

@@ -18,7 +18,7 @@ from fleetserve.controller.pools import WORKER_RUN
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError, TerminalError, TransientError
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import ReplicaId, ReplicaRecord, TerminationCause, deletes_row
 from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
 from fleetserve.infra.git import GitSource
 from fleetserve.infra.host import elsewhere, host_of
@@ -98,14 +98,14 @@ class Executor:
         self.home = home
         self.on_change = on_change
         self.launch_timeout = launch_timeout  # setup and start, all tries together
-        self.launches: dict[int, asyncio.Task[None]] = {}
-        self.terminations: dict[int, asyncio.Task[None]] = {}
-        self.inflight_of: Callable[[int], int] = lambda _rid: 0  # from the LB's load report
+        self.launches: dict[ReplicaId, asyncio.Task[None]] = {}
+        self.terminations: dict[ReplicaId, asyncio.Task[None]] = {}
+        self.inflight_of: Callable[[ReplicaId], int] = lambda _rid: 0  # from the LB's load report
         # A launch that found its zone full (or lost its host during setup): the row goes and
         # the spot placer hears of it (the planner creates another replica).
         self.on_no_capacity: Callable[[ReplicaRecord, NoCapacity], None] = lambda _r, _e: None
 
-    def busy(self, replica_id: int) -> bool:
+    def busy(self, replica_id: ReplicaId) -> bool:
         return replica_id in self.launches or replica_id in self.terminations
 
     def launch(self, rec: ReplicaRecord, spec: ServiceTask, zone: str | None = None) -> None:
@@ -230,12 +230,13 @@ class Executor:
         rec: ReplicaRecord,
         final_status: ReplicaStatus,
         reason: str,
-        delete_row: bool,
+        cause: TerminationCause,
         exit_code: int | None = None,
         drain_seconds: float = 0.0,
     ) -> None:
-        """Mark SHUTTING_DOWN (out of the LB set at once), let its in-flight requests finish
-        (up to `drain_seconds`), stop it, then record how it ended."""
+        """Mark SHUTTING_DOWN with its `cause` (out of the LB set at once), let its in-flight
+        requests finish (up to `drain_seconds`), stop it, then record how it ended: its row
+        goes if the cause says so (`deletes_row`), else it takes `final_status`."""
         if rec.replica_id in self.terminations:
             return
         rec = self.store.update_replica(
@@ -244,17 +245,17 @@ class Executor:
             message=f"terminating: {reason}",
             status=ReplicaStatus.SHUTTING_DOWN,
             reason=reason,
-            scale_down=delete_row,
+            termination_cause=cause,
             exit_code=exit_code,
         )
         task = asyncio.create_task(
-            self._terminate(rec, final_status, reason, delete_row, drain_seconds),
+            self._terminate(rec, final_status, reason, drain_seconds),
             name=f"term-{rec.replica_id}",
         )
         self.terminations[rec.replica_id] = task
         task.add_done_callback(lambda _t: self._done(self.terminations, rec.replica_id))
 
-    async def _drain(self, replica_id: int, seconds: float) -> None:
+    async def _drain(self, replica_id: ReplicaId, seconds: float) -> None:
         """Wait until the LB reports no request in flight to the replica (bounded). The first
         second lets the push that removes it from the LB's set land."""
         deadline = self.clock.now() + seconds
@@ -267,9 +268,9 @@ class Executor:
         rec: ReplicaRecord,
         final_status: ReplicaStatus,
         reason: str,
-        delete_row: bool,
         drain_seconds: float = 0.0,
     ) -> None:
+        cause = rec.termination_cause  # as written by terminate(): a cancelled launch keeps it
         launch = self.launches.get(rec.replica_id)
         if launch is not None:
             launch.cancel()
@@ -299,7 +300,7 @@ class Executor:
                 reason=f"{reason}; teardown failed: {e}",
             )
             return
-        if delete_row or rec.purge:
+        if deletes_row(cause) or rec.purge:
             self.store.delete_replica(
                 rec.service, rec.replica_id, self.clock.now(), f"replica removed ({reason})"
             )
@@ -309,7 +310,7 @@ class Executor:
                 rec, self.clock.now(), status=final, reason=reason, terminated_at=self.clock.now()
             )
 
-    def _done(self, tasks: dict[int, asyncio.Task[None]], replica_id: int) -> None:
+    def _done(self, tasks: dict[ReplicaId, asyncio.Task[None]], replica_id: ReplicaId) -> None:
         tasks.pop(replica_id, None)
         self.on_change()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from fleetserve.core.types import ReplicaId
 from fleetserve.infra.base import Infra
 
 TAIL_LINES = 3  # of the replica's own output
@@ -15,7 +16,7 @@ READ_SECONDS = 3.0  # a log on another node (Ray) that does not answer is left o
 _OWN = "[fleetserve] "  # the wrapper's lines (setup started, run exited): no cause in them
 
 
-async def log_tail(infra: Infra, service: str, replica_id: int, handle: str | None) -> str:
+async def log_tail(infra: Infra, service: str, replica_id: ReplicaId, handle: str | None) -> str:
     """`last log lines: "a" | "b"; `fleetserve logs S N --no-follow` shows the rest`, or ""
     when the log cannot be read or has no line of the replica's own."""
     lines: list[str] = []

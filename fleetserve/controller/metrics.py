@@ -39,7 +39,7 @@ from fleetserve.core.status import (
     ReplicaStatus,
     ServiceStatus,
 )
-from fleetserve.core.types import ReplicaRecord, ServiceRecord
+from fleetserve.core.types import ReplicaRecord, ServiceRecord, TerminationCause
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
 
@@ -73,11 +73,16 @@ class TerminationReason(enum.StrEnum):
     FAILURE = "failure"  # failed or preempted (..._replica_failures_total says how it ended)
 
 
-# The reasons behind a terminate call, as the reconciler and the controller word them
-# (policies/fleet.py, controller.py); anything else that drops the row is a scale-down.
-_SERVICE_DOWN = "service shutting down"
-_BY_USER = "terminated by user"
-_REPLACED = "replaced by version "
+# The label of each cause (`failure` also counts preemptions and lost hosts).
+_REASON_OF = {
+    TerminationCause.SCALE_DOWN: TerminationReason.SCALE_DOWN,
+    TerminationCause.ROLLOUT: TerminationReason.ROLLOUT,
+    TerminationCause.USER: TerminationReason.USER,
+    TerminationCause.SERVICE_DOWN: TerminationReason.SERVICE_DOWN,
+    TerminationCause.FAILURE: TerminationReason.FAILURE,
+    TerminationCause.PREEMPTION: TerminationReason.FAILURE,
+    TerminationCause.HOST_LOST: TerminationReason.FAILURE,
+}
 
 LAUNCH_KINDS = ("on_demand", "spot")
 # How a replica can end badly: the `reason` label of fleetserve_controller_replica_failures_total.
@@ -85,17 +90,10 @@ FAILURE_REASONS = tuple(s for s in ReplicaStatus if s in TERMINAL_STATUSES)
 
 
 def termination_reason(rec: ReplicaRecord) -> TerminationReason:
-    """Why `rec`, just marked SHUTTING_DOWN, is being stopped."""
-    if not rec.scale_down:  # its row stays, with how it ended: a failure or a preemption
+    """Why `rec`, just marked SHUTTING_DOWN, is being stopped: the label of its cause."""
+    if rec.termination_cause is None:  # not written by the executor (never, but not a crash)
         return TerminationReason.FAILURE
-    why = rec.reason or ""
-    if why == _SERVICE_DOWN:
-        return TerminationReason.SERVICE_DOWN
-    if why == _BY_USER:
-        return TerminationReason.USER
-    if why.startswith(_REPLACED):
-        return TerminationReason.ROLLOUT
-    return TerminationReason.SCALE_DOWN
+    return _REASON_OF[rec.termination_cause]
 
 
 class ServiceMetrics:

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import JobRecord, JobStatus, ReplicaRecord
+from fleetserve.core.types import JobRecord, JobStatus, ReplicaId, ReplicaRecord
 from fleetserve.infra.base import InstanceKind
 from fleetserve.infra.host import elsewhere, host_of
 from fleetserve.infra.jobs import JobRequest, JobRunner, WorkerBroken
@@ -153,7 +153,7 @@ class PoolRunner:
             log.info("pool %s: %s", self.pool, message)
         return new.target
 
-    def busy(self) -> frozenset[int]:
+    def busy(self) -> frozenset[ReplicaId]:
         running = self.store.list_jobs(pool=self.pool, statuses=(JobStatus.RUNNING,))
         return frozenset(busy_workers(running))
 
@@ -175,7 +175,7 @@ class PoolRunner:
         by_worker = {w.replica_id: w for w in workers if w.replica_id not in self.away}
         interrupted = [j for j in jobs if j.status is JobStatus.RUNNING and not j.handle]
         for job in interrupted:
-            await self._recover_start(job, by_worker.get(job.worker_id or 0))
+            await self._recover_start(job, by_worker.get(job.worker_id or ReplicaId(0)))
         if interrupted:
             return  # the next round plans with what was found (a wake-up is due)
         exits: dict[int, JobExit] = {}

@@ -30,10 +30,14 @@ from fleetserve.core.errors import FleetserveError, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import (
     Endpoint,
+    ReplicaChanges,
+    ReplicaId,
     ReplicaKey,
     ReplicaRecord,
     ServicePhase,
     ServiceRecord,
+    TerminationCause,
+    deletes_row,
 )
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.infra.host import elsewhere, host_of
@@ -285,9 +289,9 @@ class ServiceReconciler:
 
     def _worker_broken(self, worker: ReplicaRecord, why: str) -> None:
         self.prober.forget(self.key(worker.replica_id))
-        self.executor.terminate(worker, ReplicaStatus.FAILED, why, delete_row=False)
+        self.executor.terminate(worker, ReplicaStatus.FAILED, why, TerminationCause.FAILURE)
 
-    def key(self, replica_id: int) -> ReplicaKey:
+    def key(self, replica_id: ReplicaId) -> ReplicaKey:
         return ReplicaKey(self.name, replica_id)
 
     # -- recovery ------------------------------------------------------------------------
@@ -333,8 +337,11 @@ class ServiceReconciler:
                     port=None,
                 )
             elif r.status is ReplicaStatus.SHUTTING_DOWN:
-                final = ReplicaStatus.FAILED if not r.scale_down else r.status
-                self.executor.terminate(r, final, r.reason or "terminating", r.scale_down)
+                # Finish what the previous controller started, for the same cause (a row
+                # written before causes were recorded has one from migration 0009).
+                cause = r.termination_cause or TerminationCause.FAILURE
+                final = r.status if deletes_row(cause) else ReplicaStatus.FAILED
+                self.executor.terminate(r, final, r.reason or "terminating", cause)
             elif r.status in _RUNNING and r.handle and self._away(r):
                 continue  # another host's: lost (the first round replaces it)
             elif r.status in _RUNNING and r.handle:
@@ -559,9 +566,9 @@ class ServiceReconciler:
 
     async def _observe(
         self, replicas: list[ReplicaRecord], spec: ServiceTask
-    ) -> Mapping[int, Observation]:
+    ) -> Mapping[ReplicaId, Observation]:
         now = self.clock.now()
-        out: dict[int, Observation] = {}
+        out: dict[ReplicaId, Observation] = {}
         for i, r in enumerate(replicas):
             if i % OBSERVE_BATCH == OBSERVE_BATCH - 1:
                 # Let API calls and probe results in between: a thousand replicas observed
@@ -638,7 +645,7 @@ class ServiceReconciler:
     def _apply(
         self,
         actions: list[Action],
-        by_id: dict[int, ReplicaRecord],
+        by_id: dict[ReplicaId, ReplicaRecord],
         svc: ServiceRecord,
         spec: ServiceTask,
     ) -> None:
@@ -647,14 +654,12 @@ class ServiceReconciler:
         for action in actions:
             if isinstance(action, SetStatus):
                 rec = by_id[action.replica_id]
-                self.store.update_replica(
-                    rec,
-                    now,
-                    action.message,
-                    status=action.status,
-                    reason=action.reason,
+                changes: ReplicaChanges = {
                     **action.fields,
-                )
+                    "status": action.status,
+                    "reason": action.reason,
+                }
+                self.store.update_replica(rec, now, action.message, **changes)
             elif isinstance(action, Terminate):
                 self.prober.forget(self.key(action.replica_id))
                 rec = by_id[action.replica_id]
@@ -667,13 +672,16 @@ class ServiceReconciler:
                     and not away  # a lost host, not a preempted zone
                 ):
                     self.spot.preempted(rec.replica_id, rec.zone)
+                cause = action.cause
+                if away and not deletes_row(cause):
+                    # Another host's replica: its row goes, so that its processes, if that
+                    # host's controller comes back, are orphans there and stopped.
+                    cause = TerminationCause.HOST_LOST
                 self.executor.terminate(
                     by_id[action.replica_id],
                     action.final_status,
                     action.reason,
-                    # Another host's replica: its row goes, so that its processes, if that
-                    # host's controller comes back, are orphans there and stopped.
-                    action.delete_row or away,
+                    cause,
                     action.exit_code,
                     drain_seconds=self.settings.drain_seconds if action.drain else 0.0,
                 )
@@ -908,7 +916,7 @@ class ServiceReconciler:
         for action in plan_shutdown(replicas):
             self.prober.forget(self.key(action.replica_id))
             self.executor.terminate(
-                by_id[action.replica_id], action.final_status, action.reason, True
+                by_id[action.replica_id], action.final_status, action.reason, action.cause
             )
         await self.executor.wait_idle()
         left = self.store.list_replicas(self.name)

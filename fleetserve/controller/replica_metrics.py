@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fleetserve.core.types import ReplicaKey
+from fleetserve.core.types import ReplicaId, ReplicaKey
 from fleetserve.policies.autoscaler import KV_CACHE, QUEUE, SignalReading, metric_key
 from fleetserve.spec.models import MetricTarget, ReplicaPolicy
 
@@ -217,7 +217,7 @@ class ReplicaMetrics:
 
     def maybe_start(
         self,
-        ready: Sequence[tuple[int, str]],
+        ready: Sequence[tuple[ReplicaId, str]],
         policy: ReplicaPolicy,
         headers: Mapping[str, str],
         now: float,
@@ -242,7 +242,7 @@ class ReplicaMetrics:
 
     async def _round(
         self,
-        ready: list[tuple[int, str]],
+        ready: list[tuple[ReplicaId, str]],
         wanted: Wanted,
         path: str,
         headers: dict[str, str],
@@ -259,7 +259,7 @@ class ReplicaMetrics:
 
     async def _one(
         self,
-        rid: int,
+        rid: ReplicaId,
         endpoint: str,
         wanted: Wanted,
         path: str,
@@ -302,7 +302,7 @@ class ReplicaMetrics:
         self.latest[key] = latest
 
     def readings(
-        self, ready_ids: Iterable[int], policy: ReplicaPolicy, now: float
+        self, ready_ids: Iterable[ReplicaId], policy: ReplicaPolicy, now: float
     ) -> dict[str, SignalReading]:
         """Per signal, what the READY replicas said in their latest scrape (older than three
         intervals and a timeout: missing)."""
@@ -323,7 +323,7 @@ class ReplicaMetrics:
             )
         return out
 
-    def forget(self, replica_id: int) -> None:
+    def forget(self, replica_id: ReplicaId) -> None:
         key = ReplicaKey(self.service, replica_id)
         self.latest.pop(key, None)
         self._told = {t for t in self._told if t[0] != key}

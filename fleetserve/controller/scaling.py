@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from fleetserve.controller.history import window_percentile_ms
 from fleetserve.core.clock import Clock
+from fleetserve.core.types import ReplicaId
 from fleetserve.lb.messages import LoadReport
 from fleetserve.policies.autoscaler import (
     AutoscalerState,
@@ -43,7 +44,7 @@ class Scaler:
         self.signals: Mapping[str, SignalReading] = {}  # the replicas' last readings
         self.latency_ms: float | None = None  # the last latency measured
 
-    def inflight_of(self, replica_id: int) -> int:
+    def inflight_of(self, replica_id: ReplicaId) -> int:
         replica = self.load.replicas.get(str(replica_id)) if self.load is not None else None
         return replica.inflight if replica is not None else 0
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from fleetserve.core.clock import Clock
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import ReplicaId, ReplicaRecord
 from fleetserve.infra.base import Location
 from fleetserve.policies.autoscaler import FallbackTargets, spot_split
 from fleetserve.policies.spot import Placer, make_placer
@@ -94,15 +94,15 @@ class SpotPlacement:
                 counts[r.zone] = counts.get(r.zone, 0) + 1
         return self.placer.select(counts, self.clock.now())
 
-    def preempted(self, replica_id: int, zone: str) -> None:
+    def preempted(self, replica_id: ReplicaId, zone: str) -> None:
         self.placer.preempted(zone, self.clock.now())
         self._noted(f"spot replica {replica_id} preempted in zone {zone}", replica_id)
 
-    def launch_failed(self, replica_id: int, zone: str, why: str) -> None:
+    def launch_failed(self, replica_id: ReplicaId, zone: str, why: str) -> None:
         self.placer.launch_failed(zone, self.clock.now())
         self._noted(f"{why}: replica {replica_id} removed, another will be placed", replica_id)
 
-    def _noted(self, what: str, replica_id: int) -> None:
+    def _noted(self, what: str, replica_id: ReplicaId) -> None:
         self.save()
         marks = self.describe()
         message = f"{what}; {self.name} placer: {marks}" if marks else what

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from fleetserve.core.types import ReplicaId
 from fleetserve.infra.git import GitSource
 
 
@@ -31,7 +32,7 @@ class FileMount:
 @dataclass(frozen=True)
 class LaunchRequest:
     service: str
-    replica_id: int
+    replica_id: ReplicaId
     version: int
     launch_token: str  # carried by every process of the replica: finds what a cut-short launch left
     run: str
@@ -110,7 +111,7 @@ class Infra(Protocol):
     def logs(
         self,
         service: str,
-        replica_id: int,
+        replica_id: ReplicaId,
         follow: bool,
         handle: str | None = None,
         tail: int | None = None,
@@ -129,7 +130,7 @@ class ReportsListeners(Protocol):
 
 
 # Told (service, replica_id) when an infra learns that a replica's instance ended.
-ExitCallback = Callable[[str, int], None]
+ExitCallback = Callable[[str, ReplicaId], None]
 
 
 class WatchesExits(Protocol):

@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 
 from fleetserve.core.errors import TerminalError
+from fleetserve.core.types import ReplicaId
 from fleetserve.infra.base import (
     ExitCallback,
     InstanceKind,
@@ -100,7 +101,7 @@ class LocalHandle:
     address: str | None = None  # its address there
     # Where it runs (zones: fleetserve.infra.zones); absent in handles of older versions.
     service: str | None = None
-    replica_id: int | None = None
+    replica_id: ReplicaId | None = None
     zone: str | None = None
     spot: bool | None = None
     cgroup: str | None = None  # its cgroup (fleetserve.infra.cgroups), where there is one
@@ -212,7 +213,7 @@ class LocalInfra:
         return [self._preempt(token, held, why) for token, held in victims]
 
     def preempt(
-        self, service: str, replica_id: int | None = None, zone: str | None = None
+        self, service: str, replica_id: ReplicaId | None = None, zone: str | None = None
     ) -> list[Held]:
         """Preempt a service's replica, or every spot replica it has in a zone (`chaos`)."""
         if zone is not None:
@@ -244,10 +245,10 @@ class LocalInfra:
     def prepare(self, service: str, resources: dict[str, Any]) -> None:
         """Nothing to place: every replica runs on this machine."""
 
-    def layout(self, service: str, replica_id: int) -> ReplicaLayout:
+    def layout(self, service: str, replica_id: ReplicaId) -> ReplicaLayout:
         return replica_layout(self.home / "replicas", service, replica_id)
 
-    def log_path(self, service: str, replica_id: int) -> Path:
+    def log_path(self, service: str, replica_id: ReplicaId) -> Path:
         return self.home / "logs" / service / f"replica-{replica_id}.log"
 
     def _prepare(self, req: LaunchRequest) -> tuple[ReplicaLayout, Path]:
@@ -463,7 +464,7 @@ class LocalInfra:
         replica's leader process on the event loop), not at the next poll."""
         self._on_exit = callback
 
-    def _watch_exit(self, pid: int, service: str, replica_id: int) -> None:
+    def _watch_exit(self, pid: int, service: str, replica_id: ReplicaId) -> None:
         """Report the end of `pid` (a replica's leader) as soon as it happens: its pidfd
         becomes readable then (Linux 5.3 and later; elsewhere polling finds it)."""
         callback = self._on_exit
@@ -482,7 +483,12 @@ class LocalInfra:
         self._watched[pid] = fd
 
     def _exited(
-        self, loop: asyncio.AbstractEventLoop, fd: int, pid: int, service: str, replica_id: int
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        pid: int,
+        service: str,
+        replica_id: ReplicaId,
     ) -> None:
         loop.remove_reader(fd)
         os.close(fd)
@@ -605,7 +611,7 @@ class LocalInfra:
     def logs(
         self,
         service: str,
-        replica_id: int,
+        replica_id: ReplicaId,
         follow: bool,
         handle: str | None = None,
         tail: int | None = None,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.core.errors import TerminalError, TransientError
+from fleetserve.core.types import ReplicaId
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.infra.jobs import JobRequest, WorkerBroken
 from fleetserve.infra.missing import TAIL_BYTES, missing_commands, offline, what_is_missing
@@ -59,7 +60,7 @@ def node_env(
         envs=req["envs"],
         port=port,
         service=req["service"],
-        replica_id=int(req["replica_id"]),
+        replica_id=ReplicaId(int(req["replica_id"])),
         version=int(req["version"]),
         task=req.get("task_env", {}),
     )
@@ -80,7 +81,7 @@ class ReplicaProcess:
         """The replica's folder on this node (fleetserve.infra.replica); TerminalError for a
         workdir that is not a directory here (it is copied from the same path as on the
         controller's machine: docs/ray.md)."""
-        layout = replica_layout(self.root, req["service"], int(req["replica_id"]))
+        layout = replica_layout(self.root, req["service"], ReplicaId(int(req["replica_id"])))
         # Copies of workdirs and replica logs are readable by the node's Ray user only.
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.root.chmod(0o700)
@@ -579,7 +580,7 @@ class RayInfra:
     async def logs(
         self,
         service: str,
-        replica_id: int,
+        replica_id: ReplicaId,
         follow: bool,
         handle: str | None = None,
         tail: int | None = None,

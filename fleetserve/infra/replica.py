@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleetserve.core.errors import TerminalError
+from fleetserve.core.types import ReplicaId
 from fleetserve.infra.base import FileMount
 from fleetserve.infra.git import GitSource, clone
 from fleetserve.infra.kv_ports import kv_events_env
@@ -45,7 +46,7 @@ def replica_env(
     envs: Mapping[str, str],
     port: int,
     service: str,
-    replica_id: int,
+    replica_id: ReplicaId,
     version: int,
     task: Mapping[str, str],
 ) -> dict[str, str]:
@@ -99,7 +100,7 @@ class ReplicaLayout:
         return self.dir / "exit_code"
 
 
-def replica_layout(root: Path, service: str, replica_id: int) -> ReplicaLayout:
+def replica_layout(root: Path, service: str, replica_id: ReplicaId) -> ReplicaLayout:
     """Where a replica's folder is under `root` (pure)."""
     return ReplicaLayout(root / service / str(replica_id))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound
+from fleetserve.core.types import ReplicaId
 
 # List prices per hour of one AWS p3.2xlarge (us-east-1, read 2026-12): on-demand $3.06, spot
 # near 30% of that. The local infra bills nothing; these only rank zones and price reports.
@@ -166,7 +167,7 @@ class Held:
     """A replica the infra holds in a zone."""
 
     service: str
-    replica_id: int
+    replica_id: ReplicaId
     zone: str
     spot: bool
     since: float

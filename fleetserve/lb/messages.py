@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetserve.core.types import Endpoint
+from fleetserve.core.types import Endpoint, ReplicaId
 
 # -- controller -> LB ---------------------------------------------------------------------------
 
@@ -38,7 +38,7 @@ class RoutableReplica(BaseModel):
         )
 
     def endpoint(self) -> Endpoint:
-        return Endpoint(self.replica_id, self.url, self.version, self.weight)
+        return Endpoint(ReplicaId(self.replica_id), self.url, self.version, self.weight)
 
 
 class Canary(BaseModel):

@@ -56,7 +56,7 @@ class ReplicaSet:
     ) -> tuple[set[int], set[int]]:
         """Install a new set; returns (added ids, removed ids). In-flight counts of replicas
         that stay are kept; requests still running on a removed replica finish normally."""
-        new = {u.replica_id: u for u in upstreams}
+        new: dict[int, Upstream] = {u.replica_id: u for u in upstreams}
         added = set(new) - set(self.upstreams)
         removed = set(self.upstreams) - set(new)
         forget = self.caps.forget  # (a cache-aware policy: their caches are gone)

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleetserve.core.status import FAILED_STATUSES, ReplicaStatus
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import (
+    ReplicaChanges,
+    ReplicaId,
+    ReplicaRecord,
+    TerminationCause,
+    deletes_row,
+)
 from fleetserve.policies.autoscaler import FallbackTargets
 from fleetserve.policies.rollout import RolloutSettings, RolloutStep, plan_rollout, scale_down_order
 
@@ -55,26 +60,27 @@ class FleetSettings:
     # A pool's workers: READY once alive after setup (no readiness probe), and the busy ones
     # (running a job) are never retired by a scale-down.
     ready_when_alive: bool = False
-    protected: frozenset[int] = frozenset()
+    protected: frozenset[ReplicaId] = frozenset()
 
 
 @dataclass(frozen=True)
 class SetStatus:
-    replica_id: int
+    replica_id: ReplicaId
     status: ReplicaStatus
     reason: str | None
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: ReplicaChanges = field(default_factory=lambda: ReplicaChanges())  # other columns
     message: str | None = None  # what the event says, when `reason` is empty
 
 
 @dataclass(frozen=True)
 class Terminate:
-    """Take the replica out of rotation, stop it, then mark it `final_status` (or drop the row)."""
+    """Take the replica out of rotation, stop it, then mark it `final_status`, or drop its row
+    if its `cause` says so (`deletes_row`)."""
 
-    replica_id: int
+    replica_id: ReplicaId
     final_status: ReplicaStatus
     reason: str
-    delete_row: bool = False
+    cause: TerminationCause
     exit_code: int | None = None
     drain: bool = False  # wait (bounded) for its in-flight requests after leaving the LB set
 
@@ -87,12 +93,12 @@ class CreateReplicas:
 
 @dataclass(frozen=True)
 class StartLaunch:
-    replica_id: int
+    replica_id: ReplicaId
 
 
 @dataclass(frozen=True)
 class DeleteRow:
-    replica_id: int
+    replica_id: ReplicaId
 
 
 Action = SetStatus | Terminate | CreateReplicas | StartLaunch | DeleteRow
@@ -114,11 +120,17 @@ def _lifecycle(
     inst = obs.instance
     if inst is not None and not inst.alive:
         if inst.lost:
-            return Terminate(r.replica_id, ReplicaStatus.PREEMPTED, f"instance lost: {inst.detail}")
+            return Terminate(
+                r.replica_id,
+                ReplicaStatus.PREEMPTED,
+                f"instance lost: {inst.detail}",
+                TerminationCause.PREEMPTION,
+            )
         return Terminate(
             r.replica_id,
             ReplicaStatus.FAILED,
             f"replica process {inst.detail}",
+            TerminationCause.FAILURE,
             exit_code=inst.exit_code,
         )
     if s.ready_when_alive and r.status is ReplicaStatus.STARTING and inst is not None:
@@ -148,6 +160,7 @@ def _lifecycle(
                 ReplicaStatus.FAILED_INITIAL_DELAY,
                 f"readiness probe did not pass within initial_delay_seconds="
                 f"{s.initial_delay_seconds:g} of launch (last probe: {probe.detail})",
+                TerminationCause.FAILURE,
             )
         return None
     if r.status is ReplicaStatus.READY:
@@ -175,12 +188,13 @@ def _lifecycle(
             ReplicaStatus.FAILED_PROBING,
             f"readiness probe failed for {now - since:.0f} s (window "
             f"{s.failure_window_seconds:g} s): {probe.detail}",
+            TerminationCause.FAILURE,
         )
     return None
 
 
 def _never_ready_failures(
-    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str]
+    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[ReplicaId, str]
 ) -> list[ReplicaRecord] | None:
     """The version's replicas that failed without ever becoming READY, by id; None once one
     of its replicas has been READY (the version works: failures are not a crash loop)."""
@@ -192,7 +206,7 @@ def _never_ready_failures(
             r
             for r in of_version
             if (r.status.is_failed and r.status is not ReplicaStatus.FAILED_CLEANUP)
-            or (r.status is ReplicaStatus.SHUTTING_DOWN and not r.scale_down)
+            or (r.status is ReplicaStatus.SHUTTING_DOWN and not deletes_row(r.termination_cause))
             or r.replica_id in failing_now
         ),
         key=lambda r: r.replica_id,
@@ -200,7 +214,9 @@ def _never_ready_failures(
 
 
 def crash_loop_reason(
-    replicas: list[ReplicaRecord], s: FleetSettings, failing_now: Mapping[int, str] | None = None
+    replicas: list[ReplicaRecord],
+    s: FleetSettings,
+    failing_now: Mapping[ReplicaId, str] | None = None,
 ) -> str | None:
     """Why launching should stop: the newest finished replicas of the version all failed
     without ever becoming READY (a broken command would otherwise relaunch forever).
@@ -225,7 +241,7 @@ def replacement_budget(
     replicas: list[ReplicaRecord],
     alive: list[ReplicaRecord],
     s: FleetSettings,
-    failing_now: Mapping[int, str],
+    failing_now: Mapping[ReplicaId, str],
 ) -> int | None:
     """How many replicas may still be created for the version while it has failures and no
     READY replica yet: the crash-loop limit, less the failures and the launches still under
@@ -240,12 +256,12 @@ def replacement_budget(
 
 def plan_fleet(
     replicas: list[ReplicaRecord],
-    observations: Mapping[int, Observation],
+    observations: Mapping[ReplicaId, Observation],
     settings: FleetSettings,
     now: float,
 ) -> FleetPlan:
     actions: list[Action] = []
-    ending: set[int] = set()
+    ending: set[ReplicaId] = set()
     for r in replicas:
         if r.status in (ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY):
             step = _lifecycle(r, observations.get(r.replica_id, Observation()), settings, now)
@@ -288,13 +304,14 @@ def plan_fleet(
     for r in rs.retire:
         if r.replica_id in settings.protected:
             continue  # a busy worker: it goes (or rolls to the new version) once its job ends
+        cause = TerminationCause.SCALE_DOWN
         if r.version != settings.version:
-            why = f"replaced by version {settings.version}"
+            why, cause = f"replaced by version {settings.version}", TerminationCause.ROLLOUT
         elif settings.spot is not None and not r.spot:
             why = "on-demand fallback retired: enough spot replicas are READY"
         else:
             why = "scaled down"
-        actions.append(Terminate(r.replica_id, r.status, why, delete_row=True, drain=True))
+        actions.append(Terminate(r.replica_id, r.status, why, cause, drain=True))
         ending.add(r.replica_id)
 
     slots = settings.max_concurrent_launches - launching
@@ -351,7 +368,7 @@ def _spot_step(
 def plan_shutdown(replicas: list[ReplicaRecord]) -> list[Terminate]:
     """`down`: stop every replica that may still have processes, and drop every row."""
     return [
-        Terminate(r.replica_id, r.status, "service shutting down", delete_row=True)
+        Terminate(r.replica_id, r.status, "service shutting down", TerminationCause.SERVICE_DOWN)
         for r in replicas
         if r.status is not ReplicaStatus.SHUTTING_DOWN
     ]

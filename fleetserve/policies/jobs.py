@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fleetserve.core.types import JobRecord, JobStatus
+from fleetserve.core.types import JobRecord, JobStatus, ReplicaId
 
 DEFAULT_MAX_ATTEMPTS = 3  # starts of one job before a lost worker fails it
 DEFAULT_UPSCALE_DELAY = 5.0  # seconds the queue must stay long before workers are added
@@ -21,7 +21,7 @@ DEFAULT_DOWNSCALE_DELAY = 60.0  # seconds with idle workers and no queue before 
 
 @dataclass(frozen=True)
 class WorkerView:
-    replica_id: int
+    replica_id: ReplicaId
     ready: bool  # setup done, alive: takes jobs
     alive: bool  # its jobs may still be running (READY, or not yet noticed as gone)
     capacity: float = 1.0  # slots: how many one-slot jobs fit at once
@@ -39,7 +39,7 @@ class JobExit:
 @dataclass(frozen=True)
 class StartJob:
     job_id: int
-    worker_id: int
+    worker_id: ReplicaId  # the worker is a replica of the pool
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def plan_dispatch(
     workers = sorted(workers, key=lambda w: w.replica_id)
     alive = {w.replica_id for w in workers if w.alive}
     actions: list[JobAction] = []
-    used: dict[int, float] = {}
+    used: dict[ReplicaId, float] = {}
     pending: list[JobRecord] = []
     for job in sorted(jobs, key=lambda j: j.job_id):
         if job.status is JobStatus.PENDING:
@@ -115,7 +115,7 @@ def plan_dispatch(
         elif worker_gone:
             actions.append(_lost(job, f"worker {job.worker_id} was lost", max_attempts))
         else:
-            wid = job.worker_id or 0
+            wid = job.worker_id or ReplicaId(0)
             used[wid] = used.get(wid, 0.0) + job.slots
     free = {w.replica_id: w.capacity - used.get(w.replica_id, 0.0) for w in workers if w.ready}
     for job in pending:
@@ -164,7 +164,7 @@ def job_slots(
     return max(shares) if shares else 1.0
 
 
-def busy_workers(jobs: Iterable[JobRecord]) -> set[int]:
+def busy_workers(jobs: Iterable[JobRecord]) -> set[ReplicaId]:
     """Workers running a job: never stopped by a scale-down."""
     return {j.worker_id for j in jobs if j.status is JobStatus.RUNNING and j.worker_id}
 

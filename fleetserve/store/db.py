@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import json
 import logging
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from alembic import command
 from alembic.config import Config
@@ -41,11 +42,16 @@ from fleetserve.core.errors import Conflict, NotFound, TerminalError
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import (
     EventRecord,
+    JobChanges,
     JobRecord,
     JobStatus,
+    ReplicaChanges,
+    ReplicaId,
     ReplicaRecord,
+    ServiceChanges,
     ServicePhase,
     ServiceRecord,
+    TerminationCause,
     VersionRecord,
 )
 from fleetserve.store import leader
@@ -122,6 +128,15 @@ def _job(row: Row[Any]) -> JobRecord:
 _SERVICE_COLUMNS = {c.name for c in t.services.columns} - {"name"}
 
 
+def _row_values(changes: Mapping[str, object], columns: set[str], what: str) -> dict[str, Any]:
+    """The row's values for a change set: its names checked (mypy checks typed callers; this
+    refuses any other's unknown name before anything is written), enums as their text."""
+    unknown = set(changes) - columns
+    if unknown:
+        raise ValueError(f"not {what} columns: {sorted(unknown)}")
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in changes.items()}
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
@@ -137,6 +152,8 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 _REPLICA_FIELDS = tuple(f.name for f in dataclasses.fields(ReplicaRecord))
 _STATUS_AT = _REPLICA_FIELDS.index("status")
 _STATUSES = {s.value: s for s in ReplicaStatus}
+_CAUSE_AT = _REPLICA_FIELDS.index("termination_cause")
+_CAUSES = {c.value: c for c in TerminationCause}
 
 
 def _select_replicas() -> Select[Any]:
@@ -146,6 +163,9 @@ def _select_replicas() -> Select[Any]:
 def _replica(row: Row[Any]) -> ReplicaRecord:
     values = list(row)
     values[_STATUS_AT] = _STATUSES[values[_STATUS_AT]]
+    cause = values[_CAUSE_AT]
+    if cause is not None:
+        values[_CAUSE_AT] = _CAUSES[cause]
     return ReplicaRecord(*values)
 
 
@@ -445,17 +465,14 @@ class Store:
             rows = conn.execute(select(t.services).order_by(t.services.c.created_at)).all()
         return [_service(r) for r in rows]
 
-    def update_service(self, name: str, now: float, **changes: Any) -> ServiceRecord:
-        unknown = set(changes) - _SERVICE_COLUMNS
-        if unknown:
-            raise ValueError(f"not service columns: {sorted(unknown)}")
-        if isinstance(changes.get("phase"), ServicePhase):
-            changes["phase"] = changes["phase"].value
+    def update_service(
+        self, name: str, now: float, **changes: Unpack[ServiceChanges]
+    ) -> ServiceRecord:
+        """Write `changes` (columns, checked by mypy: ServiceChanges) to the service's row."""
+        values = _row_values(changes, _SERVICE_COLUMNS, "service")
         with self._write() as conn:
             conn.execute(
-                update(t.services)
-                .where(t.services.c.name == name)
-                .values(updated_at=now, **changes)
+                update(t.services).where(t.services.c.name == name).values(updated_at=now, **values)
             )
         return self.service(name)
 
@@ -554,7 +571,7 @@ class Store:
                 .where(t.services.c.name == service)
                 .values(next_replica_id=t.services.c.next_replica_id + 1, updated_at=now)
             )
-            next_id = (
+            next_id = ReplicaId(
                 int(
                     conn.execute(
                         select(t.services.c.next_replica_id).where(t.services.c.name == service)
@@ -572,7 +589,6 @@ class Store:
                     launch_token=token,
                     created_at=now,
                     updated_at=now,
-                    scale_down=False,
                     purge=False,
                     spot=spot,
                 )
@@ -583,7 +599,7 @@ class Store:
         self._tell(None, rec)
         return rec
 
-    def get_replica(self, service: str, replica_id: int) -> ReplicaRecord | None:
+    def get_replica(self, service: str, replica_id: ReplicaId) -> ReplicaRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(
                 _select_replicas().where(
@@ -592,7 +608,7 @@ class Store:
             ).first()
         return _replica(row) if row else None
 
-    def replica(self, service: str, replica_id: int) -> ReplicaRecord:
+    def replica(self, service: str, replica_id: ReplicaId) -> ReplicaRecord:
         rec = self.get_replica(service, replica_id)
         if rec is None:
             raise NotFound(f"service {service!r} has no replica {replica_id}")
@@ -621,15 +637,19 @@ class Store:
         return out
 
     def update_replica(
-        self, rec: ReplicaRecord, now: float, message: str | None = None, **changes: Any
+        self,
+        rec: ReplicaRecord,
+        now: float,
+        message: str | None = None,
+        **changes: Unpack[ReplicaChanges],
     ) -> ReplicaRecord:
-        """Write `changes` to the replica's row; a status change is recorded as an event."""
-        unknown = set(changes) - _REPLICA_COLUMNS
-        if unknown:
-            raise ValueError(f"not replica columns: {sorted(unknown)}")
+        """Write `changes` (columns, checked by mypy: ReplicaChanges) to the replica's row; a
+        status change is recorded as an event."""
+        values = _row_values(changes, _REPLICA_COLUMNS, "replica")
         new_status = changes.get("status")
-        if isinstance(new_status, ReplicaStatus):
-            changes["status"] = new_status.value
+        cause = changes.get("termination_cause")
+        if cause is not None:  # a word the column does not know fails before the write
+            values["termination_cause"] = TerminationCause(cause).value
         with self._write() as conn:
             conn.execute(
                 update(t.replicas)
@@ -637,7 +657,7 @@ class Store:
                     t.replicas.c.service == rec.service,
                     t.replicas.c.replica_id == rec.replica_id,
                 )
-                .values(updated_at=now, **changes)
+                .values(updated_at=now, **values)
             )
             if new_status is not None and new_status != rec.status:
                 text = message or changes.get("reason") or f"status {new_status}"
@@ -649,12 +669,14 @@ class Store:
                     str(text),
                     rec.replica_id,
                     rec.status.value,
-                    str(changes["status"]),
+                    str(values["status"]),
                 )
             elif message:
                 self._event(conn, rec.service, now, "replica", message, rec.replica_id)
-        fields = {k: v for k, v in changes.items() if k != "status"}
-        status = ReplicaStatus(changes["status"]) if "status" in changes else rec.status
+        fields: dict[str, Any] = {k: v for k, v in changes.items() if k != "status"}
+        status = ReplicaStatus(values["status"]) if "status" in values else rec.status
+        if cause is not None:
+            fields["termination_cause"] = TerminationCause(cause)
         new = dataclasses.replace(rec, status=status, updated_at=now, **fields)
         if status is not rec.status:
             self._tell(rec.status, new)
@@ -668,7 +690,7 @@ class Store:
             except Exception:
                 log.exception("a replica listener failed")
 
-    def delete_replica(self, service: str, replica_id: int, now: float, message: str) -> None:
+    def delete_replica(self, service: str, replica_id: ReplicaId, now: float, message: str) -> None:
         with self._write() as conn:
             conn.execute(
                 delete(t.replicas).where(
@@ -686,7 +708,7 @@ class Store:
         now: float,
         kind: str,
         message: str,
-        replica_id: int | None = None,
+        replica_id: ReplicaId | None = None,
         status_from: str | None = None,
         status_to: str | None = None,
     ) -> None:
@@ -713,7 +735,7 @@ class Store:
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_WRITE_ORDER_LOCK})
 
     def add_event(
-        self, service: str, now: float, kind: str, message: str, replica_id: int | None = None
+        self, service: str, now: float, kind: str, message: str, replica_id: ReplicaId | None = None
     ) -> None:
         with self._write() as conn:
             self._event(conn, service, now, kind, message, replica_id)
@@ -866,21 +888,22 @@ class Store:
         return _job(row)
 
     def update_job(
-        self, job: JobRecord, now: float, expect: JobStatus | None = None, **changes: Any
+        self,
+        job: JobRecord,
+        now: float,
+        expect: JobStatus | None = None,
+        **changes: Unpack[JobChanges],
     ) -> JobRecord | None:
-        """Write `changes`; with `expect`, only if the job is still in that status (a cancel
-        and a finish racing: the first one wins). Returns the new record, or None."""
-        unknown = set(changes) - _JOB_COLUMNS
-        if unknown:
-            raise ValueError(f"not job columns: {sorted(unknown)}")
+        """Write `changes` (columns, checked by mypy: JobChanges); with `expect`, only if the
+        job is still in that status (a cancel and a finish racing: the first one wins).
+        Returns the new record, or None."""
+        values = _row_values(changes, _JOB_COLUMNS, "job")
         status = changes.get("status")
-        if isinstance(status, JobStatus):
-            changes["status"] = status.value
         q = update(t.jobs).where(t.jobs.c.job_id == job.job_id)
         if expect is not None:
             q = q.where(t.jobs.c.status == expect.value)
         with self._write() as conn:
-            done = conn.execute(q.values(updated_at=now, **changes))
+            done = conn.execute(q.values(updated_at=now, **values))
             if done.rowcount == 0:
                 return None
             pool_exists = conn.execute(
@@ -895,7 +918,7 @@ class Store:
                 self._event(
                     conn, job.pool, now, "job", f"job {job.job_id} (rank {job.rank}): {text_}"
                 )
-        fields = {k: v for k, v in changes.items() if k != "status"}
+        fields: dict[str, Any] = {k: v for k, v in changes.items() if k != "status"}
         new_status = JobStatus(changes["status"]) if "status" in changes else job.status
         return dataclasses.replace(job, status=new_status, updated_at=now, **fields)
 

@@ -87,7 +87,6 @@ replicas = Table(
     Column("probe_failing_since", Float),
     Column("terminated_at", Float),
     Column("updated_at", Float, nullable=False),
-    Column("scale_down", Boolean, nullable=False, default=False),
     Column("purge", Boolean, nullable=False, default=False),
     # Migration 0004: where the replica runs and whether it is a spot instance.
     Column("zone", String(64)),
@@ -95,6 +94,10 @@ replicas = Table(
     # Migration 0007: the host a local replica's processes run on; NULL: this one (or an
     # infra whose replicas are not processes of a controller's host, such as Ray).
     Column("host", String(128)),
+    # Migration 0009: why it is being (or was) stopped, a core.types.TerminationCause value;
+    # NULL until it is. It replaced the boolean scale_down ("delete the row afterwards"),
+    # which is now derived from it (core.types.deletes_row).
+    Column("termination_cause", String(16)),
     ForeignKeyConstraint(["service"], ["services.name"], ondelete="CASCADE"),
 )
 

@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from fleetserve.api.deps import ERRORS, PREFIX, Ctl
 from fleetserve.api.models import ChaosCapacity, ChaosPreempt, Preempted
 from fleetserve.core.errors import Conflict, InvalidSpec
+from fleetserve.core.types import ReplicaId
 
 router = APIRouter()
 
@@ -21,7 +22,8 @@ async def zones(ctl: Ctl) -> list[dict[str, object]]:
 async def chaos_preempt(ctl: Ctl, body: ChaosPreempt) -> list[dict[str, object]]:
     if (body.replica_id is None) == (body.zone is None):
         raise InvalidSpec("name one replica (replica_id) or one zone (zone), not both")
-    lost = ctl.chaos_preempt(body.service, body.replica_id, body.zone)
+    rid = None if body.replica_id is None else ReplicaId(body.replica_id)
+    lost = ctl.chaos_preempt(body.service, rid, body.zone)
     if body.replica_id is not None and not lost:
         raise Conflict(f"replica {body.replica_id} of {body.service} is not running")
     return lost

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from fleetserve.api.deps import ERRORS, PREFIX, Ctl, ReplicaIdParam, ServiceName
+from fleetserve.core.types import ReplicaId
 
 router = APIRouter()
 
@@ -18,7 +19,7 @@ router = APIRouter()
 async def terminate_replica(
     ctl: Ctl, name: ServiceName, replica_id: ReplicaIdParam, purge: bool = False
 ) -> dict[str, str]:
-    ctl.terminate_replica(name, replica_id, purge)
+    ctl.terminate_replica(name, ReplicaId(replica_id), purge)
     return {"status": "terminating"}
 
 
@@ -30,5 +31,5 @@ async def replica_logs(
     follow: bool = False,
     tail: int | None = Query(None, ge=1, le=10_000, description="Only the last N lines"),
 ) -> StreamingResponse:
-    lines = ctl.replica_logs(name, replica_id, follow, tail)
+    lines = ctl.replica_logs(name, ReplicaId(replica_id), follow, tail)
     return StreamingResponse(lines, media_type="text/plain")

@@ -12,7 +12,7 @@ from fleetserve.controller.executor import TRANSIENT_RETRY_DELAYS, Executor
 from fleetserve.core.clock import FakeClock
 from fleetserve.core.errors import TerminalError, TransientError
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import ReplicaRecord, TerminationCause
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import ServiceTask
 from fleetserve.store import Store
@@ -100,18 +100,21 @@ async def test_launch_outcome(
 
 
 @pytest.mark.parametrize(
-    ("delete_row", "final"), [(True, None), (False, ReplicaStatus.FAILED)], ids=["drop", "keep"]
+    ("cause", "final"),
+    [(TerminationCause.SCALE_DOWN, None), (TerminationCause.FAILURE, ReplicaStatus.FAILED)],
+    ids=["drop", "keep"],
 )
 async def test_terminate_during_launch_cancels_it_and_cleans_up_by_token(
-    setup: Setup, delete_row: bool, final: ReplicaStatus | None
+    setup: Setup, cause: TerminationCause, final: ReplicaStatus | None
 ) -> None:
     setup.infra.gate = asyncio.Event()  # the launch never returns by itself
     setup.executor.launch(setup.rec, SPEC)
     await settle()
     assert setup.row().status is ReplicaStatus.PROVISIONING and setup.executor.busy(1)
 
-    setup.executor.terminate(setup.row(), ReplicaStatus.PROVISIONING, "scaled down", delete_row)
+    setup.executor.terminate(setup.row(), ReplicaStatus.PROVISIONING, "scaled down", cause)
     assert setup.row().status is ReplicaStatus.SHUTTING_DOWN
+    assert setup.row().termination_cause is cause  # on the row, for a restarted controller
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
 
     assert [r.replica_id for r in setup.infra.cancelled] == [1]
@@ -125,7 +128,7 @@ async def test_terminate_during_launch_cancels_it_and_cleans_up_by_token(
 async def test_terminate_without_drain_stops_at_once(setup: Setup) -> None:
     setup.executor.inflight_of = lambda _rid: 5
     row = await setup.launched()
-    setup.executor.terminate(row, ReplicaStatus.READY, "terminated by user", delete_row=True)
+    setup.executor.terminate(row, ReplicaStatus.READY, "terminated by user", TerminationCause.USER)
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
     assert setup.infra.terminated == [("svc/1", "token-1")]
     assert setup.store.get_replica("svc", 1) is None
@@ -136,7 +139,9 @@ async def test_drain_waits_until_nothing_is_in_flight(setup: Setup) -> None:
     start = setup.clock.now()
     # The LB reports requests in flight to the replica for 5 more seconds.
     setup.executor.inflight_of = lambda _rid: 2 if setup.clock.now() < start + 5 else 0
-    setup.executor.terminate(row, ReplicaStatus.READY, "scaled down", True, drain_seconds=120)
+    setup.executor.terminate(
+        row, ReplicaStatus.READY, "scaled down", TerminationCause.SCALE_DOWN, drain_seconds=120
+    )
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=0.2)  # fake time: instant
     assert setup.infra.terminated == [("svc/1", "token-1")]
     assert 5 <= setup.clock.now() - start < 7
@@ -146,7 +151,9 @@ async def test_drain_is_bounded_by_drain_seconds(setup: Setup) -> None:
     row = await setup.launched()
     start = setup.clock.now()
     setup.executor.inflight_of = lambda _rid: 1  # a request that never ends
-    setup.executor.terminate(row, ReplicaStatus.READY, "scaled down", True, drain_seconds=120)
+    setup.executor.terminate(
+        row, ReplicaStatus.READY, "scaled down", TerminationCause.SCALE_DOWN, drain_seconds=120
+    )
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=0.2)
     assert setup.infra.terminated == [("svc/1", "token-1")]
     assert 120 <= setup.clock.now() - start < 122

@@ -27,7 +27,7 @@ from fleetserve.controller.reconciler import ServiceReconciler
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ServicePhase, ServiceRecord
+from fleetserve.core.types import ServicePhase, ServiceRecord, TerminationCause
 from fleetserve.infra.host import HOST_ID_ENV
 from fleetserve.oshelpers.procs import HOME_ID_ENV, started
 from fleetserve.store import Store
@@ -90,6 +90,14 @@ async def test_a_takeover_on_another_host_replaces_its_local_replicas_and_starts
         svc = store.service("web")
         assert svc.lb_host == "host-a" and svc.lb_pid == a.lb.pids["web"]
 
+        stopping: list[tuple[int, TerminationCause | None]] = []
+        store.replica_listeners.append(
+            lambda _old, r: (
+                stopping.append((r.replica_id, r.termination_cause))
+                if r.status is ReplicaStatus.SHUTTING_DOWN
+                else None
+            )
+        )
         b = Host("host-b", 60_000, shared=a.infra)
         rec = reconciler(store, clock, b, client, settings)
         await rec.recover()
@@ -104,6 +112,8 @@ async def test_a_takeover_on_another_host_replaces_its_local_replicas_and_starts
         (4, ReplicaStatus.READY, "host-b"),
     ]
     assert b.infra.terminated == []  # nothing of host-a's stopped from host-b
+    # Lost with their host, not preempted nor failed: a cause whose row goes.
+    assert stopping == [(1, TerminationCause.HOST_LOST), (2, TerminationCause.HOST_LOST)]
     assert [lr.launch_token for lr in b.infra.launches] == [r.launch_token for r in rows]
     events = [e.message for e in store.list_events("web", 200)]
     lost = [m for m in events if "it ran on host host-a" in m]

@@ -30,8 +30,7 @@ from fleetserve.controller.scaling import STATE_KEY
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus, ServiceStatus
-from fleetserve.core.types import ReplicaKey, ReplicaRecord, ServicePhase
-from fleetserve.policies import fleet as fleet_policy
+from fleetserve.core.types import ReplicaKey, ReplicaRecord, ServicePhase, TerminationCause
 from fleetserve.policies.fleet import plan_shutdown
 from fleetserve.spec.loader import parse_spec
 from fleetserve.spec.models import ReadinessProbe
@@ -81,7 +80,13 @@ def test_launches_terminations_failures_and_transitions_are_counted_from_the_sto
     a = step(store, a, ReplicaStatus.STARTING)
     a = step(store, a, ReplicaStatus.READY)
     a = store.update_replica(a, 2.0, message="no status change", endpoint="http://x")
-    a = step(store, a, ReplicaStatus.SHUTTING_DOWN, reason="probe failed", scale_down=False)
+    a = step(
+        store,
+        a,
+        ReplicaStatus.SHUTTING_DOWN,
+        reason="probe failed",
+        termination_cause=TerminationCause.FAILURE,
+    )
     step(store, a, ReplicaStatus.FAILED_PROBING)
 
     b = store.allocate_replica("web", 1, "fake", "tok-b", clock.now(), spot=True)
@@ -90,7 +95,13 @@ def test_launches_terminations_failures_and_transitions_are_counted_from_the_sto
 
     c = store.allocate_replica("web", 1, "fake", "tok-c", clock.now())
     c = step(store, c, ReplicaStatus.PROVISIONING)
-    step(store, c, ReplicaStatus.SHUTTING_DOWN, reason="scaled down", scale_down=True)
+    step(
+        store,
+        c,
+        ReplicaStatus.SHUTTING_DOWN,
+        reason="scaled down",
+        termination_cause=TerminationCause.SCALE_DOWN,
+    )
 
     def launches(kind: str) -> float | None:
         return value(m, LAUNCHES, service="web", kind=kind)
@@ -133,21 +144,27 @@ def test_a_failing_metrics_hook_never_fails_a_state_change(store: Store, clock: 
     assert value(m, LAUNCHES, service="web", kind="on_demand") == 1
 
 
-def test_termination_reasons_follow_the_words_of_each_caller() -> None:
-    rec = ReplicaRecord("web", 1, 1, ReplicaStatus.SHUTTING_DOWN, scale_down=True)
+def test_termination_reasons_are_the_labels_of_the_recorded_causes() -> None:
+    """The label comes from the cause written on the row, never from the reason's words."""
+    rec = ReplicaRecord("web", 1, 1, ReplicaStatus.SHUTTING_DOWN, reason="replaced by version 3")
 
-    def reason(why: str, scale_down: bool = True) -> TerminationReason:
-        return termination_reason(dataclasses.replace(rec, reason=why, scale_down=scale_down))
+    def reason(cause: TerminationCause | None) -> TerminationReason:
+        return termination_reason(dataclasses.replace(rec, termination_cause=cause))
 
-    down = plan_shutdown([dataclasses.replace(rec, status=ReplicaStatus.READY)])[0].reason
-    assert reason(down) is TerminationReason.SERVICE_DOWN
-    assert reason("terminated by user") is TerminationReason.USER
-    assert '"terminated by user"' in inspect.getsource(controller_module.Controller)
-    assert reason("replaced by version 3") is TerminationReason.ROLLOUT
-    assert 'f"replaced by version {settings.version}"' in inspect.getsource(fleet_policy)
-    assert reason("scaled down") is TerminationReason.SCALE_DOWN
-    assert reason("on-demand fallback retired: enough spot") is TerminationReason.SCALE_DOWN
-    assert reason("replaced by version 3", scale_down=False) is TerminationReason.FAILURE
+    C, L = TerminationCause, TerminationReason
+    assert {c: reason(c) for c in C} == {
+        C.SCALE_DOWN: L.SCALE_DOWN,
+        C.ROLLOUT: L.ROLLOUT,
+        C.USER: L.USER,
+        C.SERVICE_DOWN: L.SERVICE_DOWN,
+        C.FAILURE: L.FAILURE,
+        C.PREEMPTION: L.FAILURE,
+        C.HOST_LOST: L.FAILURE,  # another host's replica is lost, not scaled down
+    }
+    assert reason(None) is L.FAILURE
+    down = plan_shutdown([dataclasses.replace(rec, status=ReplicaStatus.READY)])[0]
+    assert reason(down.cause) is L.SERVICE_DOWN
+    assert "TerminationCause.USER" in inspect.getsource(controller_module.Controller)
 
 
 def test_scrape_time_gauges_read_the_store(store: Store, clock: FakeClock) -> None:

@@ -12,7 +12,7 @@ from fleetserve.controller.reconciler import rows_after
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import ReplicaRecord, TerminationCause
 from fleetserve.policies.fleet import Action, CreateReplicas, SetStatus, Terminate, routable
 from fleetserve.store import Store
 
@@ -83,7 +83,7 @@ def test_the_routable_set_is_pushed_from_the_rows_as_the_rounds_actions_left_the
     actions: list[Action] = [
         SetStatus(1, ReplicaStatus.NOT_READY, "probe failed"),
         SetStatus(2, ReplicaStatus.READY, None),
-        Terminate(3, ReplicaStatus.READY, "scaled down", delete_row=True, drain=True),
+        Terminate(3, ReplicaStatus.READY, "scaled down", TerminationCause.SCALE_DOWN, drain=True),
         CreateReplicas(2),
     ]
     after = rows_after(actions, rows)

@@ -6,7 +6,7 @@ import dataclasses
 
 from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus as R
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import ReplicaRecord, TerminationCause, deletes_row
 from fleetserve.policies.fleet import (
     CreateReplicas,
     DeleteRow,
@@ -77,7 +77,7 @@ def test_initial_delay_counts_from_launch() -> None:
     plan = plan_fleet([rep(1, R.STARTING)], {1: FAIL}, s, clock.now())
     term = plan.actions[0]
     assert isinstance(term, Terminate)
-    assert term.final_status is R.FAILED_INITIAL_DELAY
+    assert term.final_status is R.FAILED_INITIAL_DELAY and term.cause is TerminationCause.FAILURE
     assert "initial_delay_seconds=60" in term.reason and "HTTP 503" in term.reason
     assert plan.actions[1:] == [CreateReplicas(1)]  # replaced in the same round
 
@@ -95,6 +95,7 @@ def test_ready_replica_failing_a_probe_is_not_ready_then_failed_after_the_window
     plan = plan_fleet([not_ready], {1: FAIL}, s, T0 + 280)
     assert isinstance(plan.actions[0], Terminate)
     assert plan.actions[0].final_status is R.FAILED_PROBING
+    assert plan.actions[0].cause is TerminationCause.FAILURE  # its row stays, FAILED_PROBING
 
 
 def test_not_ready_recovers_on_a_passing_probe() -> None:
@@ -111,7 +112,9 @@ def test_exited_replica_is_failed_with_its_code_and_replaced() -> None:
     gone = Observation(InstanceObservation(alive=False, exit_code=3, detail="exited with code 3"))
     plan = plan_fleet([rep(1, R.READY), rep(2, R.READY)], {1: gone, 2: OK}, settings(), T0)
     assert plan.actions == [
-        Terminate(1, R.FAILED, "replica process exited with code 3", exit_code=3),
+        Terminate(
+            1, R.FAILED, "replica process exited with code 3", TerminationCause.FAILURE, exit_code=3
+        ),
         CreateReplicas(1),
     ]
 
@@ -121,6 +124,8 @@ def test_lost_instance_is_preempted() -> None:
     plan = plan_fleet([rep(1, R.STARTING)], {1: lost}, settings(target_replicas=1), T0)
     assert isinstance(plan.actions[0], Terminate)
     assert plan.actions[0].final_status is R.PREEMPTED
+    assert plan.actions[0].cause is TerminationCause.PREEMPTION
+    assert not deletes_row(plan.actions[0].cause)  # its row stays, PREEMPTED
 
 
 def test_no_probe_result_changes_nothing() -> None:
@@ -137,7 +142,9 @@ def test_too_many_replicas_scale_down_in_skyserve_order() -> None:
     plan = plan_fleet(replicas, {i: ALIVE for i in range(1, 5)}, settings(target_replicas=1), T0)
     downs = [a.replica_id for a in plan.actions if isinstance(a, Terminate)]
     assert downs == [4, 3, 2]  # not ready first, then the newest id
-    assert all(a.delete_row for a in plan.actions if isinstance(a, Terminate))
+    ends = [a for a in plan.actions if isinstance(a, Terminate)]
+    assert {a.cause for a in ends} == {TerminationCause.SCALE_DOWN}
+    assert all(deletes_row(a.cause) for a in ends)
 
 
 def test_scale_down_order_helper() -> None:
@@ -169,7 +176,8 @@ def test_old_failed_rows_are_pruned_newest_kept() -> None:
 def test_shutdown_terminates_everything_not_already_stopping() -> None:
     replicas = [rep(1, R.READY), rep(2, R.SHUTTING_DOWN), rep(3, R.FAILED)]
     assert [t.replica_id for t in plan_shutdown(replicas)] == [1, 3]
-    assert all(t.delete_row for t in plan_shutdown(replicas))
+    assert {t.cause for t in plan_shutdown(replicas)} == {TerminationCause.SERVICE_DOWN}
+    assert all(deletes_row(t.cause) for t in plan_shutdown(replicas))
 
 
 def test_routable_is_ready_replicas_of_active_versions() -> None:
@@ -181,6 +189,28 @@ def test_routable_is_ready_replicas_of_active_versions() -> None:
     ]
     assert [r.replica_id for r in routable(replicas, [1])] == [1]
     assert [r.replica_id for r in routable(replicas, [1, 2])] == [1, 3]
+
+
+def test_replicas_of_an_older_version_are_retired_as_a_rollout() -> None:
+    replicas = [rep(1, R.READY, version=1), rep(2, R.READY, version=2)]
+    plan = plan_fleet(replicas, {1: OK, 2: OK}, settings(target_replicas=1, version=2), T0)
+    ends = [a for a in plan.actions if isinstance(a, Terminate)]
+    assert [(t.replica_id, t.reason, t.cause) for t in ends] == [
+        (1, "replaced by version 2", TerminationCause.ROLLOUT)
+    ]
+    assert deletes_row(TerminationCause.ROLLOUT) and ends[0].drain
+
+
+def test_only_replicas_torn_down_after_a_failure_count_towards_the_crash_loop() -> None:
+    """A replica being scaled down before it was READY is no failure of its version."""
+
+    def stopping(rid: int, cause: TerminationCause) -> ReplicaRecord:
+        return rep(rid, R.SHUTTING_DOWN, reason="x", termination_cause=cause)
+
+    failing = [stopping(i, TerminationCause.FAILURE) for i in (1, 2, 3)]
+    assert plan_fleet(failing, {}, settings(target_replicas=1), T0).failure_reason is not None
+    shrunk = [*failing[:2], stopping(3, TerminationCause.SCALE_DOWN)]
+    assert plan_fleet(shrunk, {}, settings(target_replicas=1), T0).failure_reason is None
 
 
 def test_a_failure_this_round_and_one_being_torn_down_count_towards_the_crash_loop() -> None:

@@ -4,12 +4,13 @@ as spot replicas come READY, and a rollout's new replicas filling the spot count
 from __future__ import annotations
 
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ReplicaRecord
+from fleetserve.core.types import ReplicaRecord, TerminationCause
 from fleetserve.policies.autoscaler import FallbackTargets, spot_split
 from fleetserve.policies.fleet import CreateReplicas, FleetSettings, Terminate, plan_fleet
 from fleetserve.spec.models import ReplicaPolicy
 
 R, P = ReplicaStatus.READY, ReplicaStatus.PENDING
+SCALE_DOWN = TerminationCause.SCALE_DOWN
 
 
 def rec(rid: int, status: ReplicaStatus, spot: bool, version: int = 1) -> ReplicaRecord:
@@ -39,8 +40,8 @@ def test_an_on_demand_fallback_retires_once_spot_is_ready_again() -> None:
     fleet = [rec(1, R, True), rec(2, R, True), rec(3, R, False)]
     plan = plan_fleet(fleet, {}, settings(spot=2, od=0), 0.0)
     ends = [a for a in plan.actions if isinstance(a, Terminate)]
-    assert [(t.replica_id, t.reason) for t in ends] == [
-        (3, "on-demand fallback retired: enough spot replicas are READY")
+    assert [(t.replica_id, t.reason, t.cause) for t in ends] == [
+        (3, "on-demand fallback retired: enough spot replicas are READY", SCALE_DOWN)
     ]
     assert creates(plan.actions) == []
 

@@ -12,6 +12,7 @@ from sqlalchemy import Connection, inspect, text
 
 from fleetserve.core.errors import Conflict, NotFound
 from fleetserve.core.status import ReplicaStatus
+from fleetserve.core.types import TerminationCause, deletes_row
 from fleetserve.store import Store
 from fleetserve.store.db import _KNOWN_REVISIONS, UnusableStore
 from tests.unit.store.conftest import Backend
@@ -159,9 +160,10 @@ def test_a_database_of_revision_0006_gains_the_hosts_with_its_rows_intact(
     assert store.update_replica(rep, 3.0, host="h" * 128).host == "h" * 128
     assert store.replica("old", 1).host == "h" * 128  # the column holds the longest host id
     with store.engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
+        head = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        assert head == max(_KNOWN_REVISIONS)
     store.close()
-    # and back down: 0007 (and 0008) are reversible on both
+    # and back down: 0007 (and those after it) are reversible on both
     with at_revision(backend, "0006", down=True) as conn:
         columns = {c["name"] for c in inspect(conn).get_columns("replicas")}
         assert "host" not in columns and "zone" in columns
@@ -205,6 +207,76 @@ def test_a_database_of_revision_0007_sorts_its_failure_reasons_into_typed_faults
         columns = {c["name"] for c in inspect(conn).get_columns("services")}
     assert back == reasons
     assert not columns & {"launch_stop", "lb_error", "cleanup_error"}
+
+
+def test_a_database_of_revision_0008_gives_each_replica_its_termination_cause(
+    backend: Backend,
+) -> None:
+    """Migration 0009: replicas.scale_down ("delete the row afterwards") becomes a typed
+    termination_cause, told apart by the words the old code wrote; the other replicas keep
+    their rows (no table copy: the service's events and versions stay too), and the
+    downgrade derives scale_down back from the cause."""
+    rows = {  # replica id: (status, reason, scale_down), and the cause expected
+        1: ("SHUTTING_DOWN", "scaled down", True, TerminationCause.SCALE_DOWN),
+        2: ("SHUTTING_DOWN", "replaced by version 2", True, TerminationCause.ROLLOUT),
+        3: ("SHUTTING_DOWN", "terminated by user", True, TerminationCause.USER),
+        4: ("FAILED_CLEANUP", "service shutting down", True, TerminationCause.SERVICE_DOWN),
+        5: ("SHUTTING_DOWN", "replica process exited with code 1", False, TerminationCause.FAILURE),
+        6: ("PREEMPTED", "instance lost: node gone", False, TerminationCause.PREEMPTION),
+        7: ("FAILED_PROBING", "readiness probe failed", False, TerminationCause.FAILURE),
+        8: ("READY", None, False, None),
+        9: ("FAILED_PROVISION", "setup failed", False, None),
+    }
+    with at_revision(backend, "0008") as conn:
+        conn.execute(
+            text(
+                "INSERT INTO services (name, phase, active_version, created_at, updated_at, "
+                "next_replica_id, purge) VALUES ('old', 'ACTIVE', 2, 1.0, 1.0, 10, false)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO versions (service, version, yaml_text, spec_json, created_at) "
+                "VALUES ('old', 1, 'y', '{}', 1.0)"
+            )
+        )
+        for rid, (status, reason, scale_down, _cause) in rows.items():
+            conn.execute(
+                text(
+                    "INSERT INTO replicas (service, replica_id, version, status, reason, infra, "
+                    "launch_token, created_at, updated_at, scale_down, purge, spot) VALUES "
+                    "('old', :id, 1, :status, :reason, 'local', 'tok', 1.0, 1.0, :down, false, "
+                    "false)"
+                ),
+                {"id": rid, "status": status, "reason": reason, "down": scale_down},
+            )
+    store = backend.open()
+    got = {
+        r.replica_id: (r.status.value, r.reason, r.termination_cause)
+        for r in store.list_replicas("old")
+    }
+    assert got == {rid: (st, why, cause) for rid, (st, why, _d, cause) in rows.items()}
+    assert [rid for rid in rows if deletes_row(got[rid][2])] == [1, 2, 3, 4]
+    assert store.version("old", 1).yaml_text == "y"  # not cascade-deleted by a table copy
+    new = store.update_replica(
+        store.replica("old", 8),
+        2.0,
+        status=ReplicaStatus.SHUTTING_DOWN,
+        termination_cause=TerminationCause.HOST_LOST,
+    )
+    assert new.termination_cause is TerminationCause.HOST_LOST
+    assert store.replica("old", 8).termination_cause is TerminationCause.HOST_LOST
+    store.close()
+    with at_revision(backend, "0008", down=True) as conn:
+        back: dict[int, object] = dict(
+            conn.execute(text("SELECT replica_id, scale_down FROM replicas")).all()
+        )
+        columns = {c["name"] for c in inspect(conn).get_columns("replicas")}
+    assert {rid: bool(down) for rid, down in back.items()} == {
+        **{rid: down for rid, (_s, _r, down, _c) in rows.items()},
+        8: True,  # host_lost: its row goes
+    }
+    assert "termination_cause" not in columns
 
 
 # -- a database that is not this home's own: refused, never turned into a new home ----------
