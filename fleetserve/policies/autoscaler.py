@@ -239,11 +239,12 @@ def _queue(
     onset: float | None,
     current: int,
 ) -> tuple[int, str]:
-    """Replicas the engine queue asks for. Above its target: enough that every replica runs
-    no more than the onset, the waiting requests counted in (at least one more). At or below
-    it: the fewest replicas whose running requests stay under QUEUE_FIT x the onset, never
-    more than now; the current fleet when that is not known (no running reading: the queue's
-    own proportional rule; the queue never reached its target: likewise)."""
+    """Replicas the engine queue asks for. Above its target, and more requests in the engines
+    (running and waiting) than the replicas run at the onset: enough replicas that each runs
+    no more than the onset (a wait at replicas that run fewer is an arrival between two of
+    their steps, not saturation). Otherwise: the fewest replicas whose running requests stay
+    under QUEUE_FIT x the onset, never more than now. Without a running reading, or before the
+    queue ever reached its target: the queue's own proportional rule."""
     if queue is None or queue.answered == 0 or queue.mean is None:
         asked = 0 if queue is None else queue.ready
         return current, f"engine queue: no replica answered (0 of {asked}), holding {current}"
@@ -255,14 +256,18 @@ def _queue(
     if r is None or n == 0:
         need = math.ceil(n * q / target - 1e-9) if n else current
         return max(need, 0), text
-    if q > target:
-        cap = onset if onset is not None else r  # first time: the running count it queued at
-        if cap <= 0:
+    if q > target and onset is None:
+        # It queues for the first time with nothing learnt: the running count it queued at.
+        if r <= 0:
             return max(math.ceil(n * q / target - 1e-9), n + 1), text
-        need = max(n + 1, math.ceil(n * (r + q) / cap - 1e-9))
-        return need, f"{text}; {r:.3g} running/replica, queue onset {cap:.3g}"
+        need = max(n + 1, math.ceil(n * (r + q) / r - 1e-9))
+        return need, f"{text}; {r:.3g} running/replica"
     if onset is None:
         return max(math.ceil(n * q / target - 1e-9), 0), f"{text}; no queue onset seen yet"
+    if q > target:
+        need = math.ceil(n * (r + q) / onset - 1e-9)
+        if need > n:
+            return need, f"{text}; {r:.3g} running/replica, queue onset {onset:.3g}"
     fit = math.ceil(n * r / (QUEUE_FIT * onset) - 1e-9)
     return min(max(fit, 0), n), (
         f"{text}; {r:.3g} running/replica, fits {fit} at {QUEUE_FIT:g} x queue onset {onset:.3g}"
