@@ -345,6 +345,25 @@ def test_up_on_the_queue_sizes_the_fleet_for_the_waiting_requests_at_the_onset()
     assert d.demand == 3 and d.state.queue_curve  # 30 at 12 a replica; and it learnt
 
 
+def test_a_wait_below_the_onset_is_no_saturation_and_does_not_hold_the_fleet() -> None:
+    """A request that arrived between two steps of a replica running 4 (onset 10) waits a
+    moment: the queue's mean is over its target (0.05) every few seconds, yet the fleet is
+    oversized (36 running fit 5 replicas at 8): it shrinks after the delay."""
+    p = policy(target_queue_per_replica=0.05)
+    clock = FakeClock(100.0)
+    state = onset_state(9)
+    targets = []
+    for second in range(31):
+        clock.advance(1)
+        waiting = [1.0 if second % 5 == 0 else 0.0] + [0.0] * 8
+        load = LoadObservation(0, 36, signals=engines([4.0] * 9, waiting))
+        d = autoscale(p, state, load, clock.now())
+        state = d.state
+        targets.append(d.target)
+    assert targets[:29] == [9] * 29 and targets[-1] == 5
+    assert "fits 5 at 0.8 x queue onset 10" in d.reason
+
+
 def _burst(p: ReplicaPolicy, with_running: bool) -> list[int]:
     """A fleet whose replicas are READY as soon as wanted, under 25 requests for 20 minutes
     then 4: the targets it went through."""
