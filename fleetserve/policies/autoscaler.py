@@ -40,7 +40,7 @@ QUEUE_FIT = 0.8
 # The onset curve: mean queue per replica by running requests per replica, in buckets of
 # CURVE_STEPS per doubling (at most CURVE_BUCKETS of them), each observation's weight decaying
 # by CURVE_DECAY per decision (a time constant of about 3 h of decisions once a second); a
-# bucket counts once it holds CURVE_MIN_WEIGHT decisions (a few minutes).
+# bucket counts once it holds CURVE_MIN_WEIGHT observations (one replica at one decision).
 CURVE_STEPS = 4
 CURVE_BUCKETS = 64
 CURVE_DECAY = 0.9999
