@@ -18,7 +18,10 @@ testbed's small model (scripts/llm/setup.sh), `least_load` routing, min 1 and ma
 The targets: request_rate `target_qps_per_replica` = `--qps-target` (1 req/s, an operator's
 round figure); in_flight `target_ongoing_requests_per_replica` = `--inflight-target` (2);
 engine_queue `target_queue_per_replica` = `--queue-target` (1 request waiting in vLLM);
-ttft `target_ttft_ms` = the TTFT target (`--ttft-target-ms`). The scenario is built to show
+ttft `target_ttft_ms` = the TTFT target (`--ttft-target-ms`). `--max-num-seqs N` caps vLLM's
+running batch at N for every fleet (vLLM's own default otherwise): a CPU replica saturates on
+compute long before vLLM's default batch of 256 fills, so without a cap its queue stays empty
+and the engine-queue policy sees nothing (the README). The scenario is built to show
 what a request rate cannot see (the size of the requests); it says nothing of a workload
 whose requests are all alike.
 
@@ -71,7 +74,7 @@ def _text(rng: random.Random, words: int) -> str:
 
 def service_yaml(policy: str, targets: dict[str, float], args: argparse.Namespace) -> str:
     scaling = "replicas: 1" if policy == "fixed" else _policy_block(policy, targets, args)
-    return _yaml(policy, scaling)
+    return _yaml(policy, scaling, args.max_num_seqs)
 
 
 def _policy_block(policy: str, targets: dict[str, float], args: argparse.Namespace) -> str:
@@ -91,7 +94,10 @@ replica_policy:
     downscale_delay_seconds: {args.downscale_delay}"""
 
 
-def _yaml(policy: str, scaling: str) -> str:
+def _yaml(policy: str, scaling: str, max_num_seqs: int | None = None) -> str:
+    # vLLM's batch cap: its default (256 on this build) never fills on 2 CPU cores, so its
+    # queue stays empty while TTFT grows; a CPU deployment would cap it for latency.
+    cap = f" --max-num-seqs {max_num_seqs}" if max_num_seqs else ""
     return f"""\
 name: autoscale-{policy.replace("_", "-")}
 service:
@@ -110,7 +116,7 @@ envs:
 run: |
   exec "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \\
     --model "$MODEL" --served-model-name {SERVED} --host 127.0.0.1 --port "$PORT" \\
-    --max-model-len 4096 --enable-prefix-caching --enforce-eager --disable-uvicorn-access-log
+    --max-model-len 4096 --enable-prefix-caching --enforce-eager --disable-uvicorn-access-log{cap}
 """
 
 
@@ -385,6 +391,13 @@ def main() -> None:
     p.add_argument("--ttft-target-ms", type=float, default=2000)
     p.add_argument("--queue-target", type=float, default=1)
     p.add_argument("--inflight-target", type=float, default=2)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="cap vLLM's running batch (its --max-num-seqs; e.g. 4 on 2 CPU cores): past it "
+        "requests wait in vLLM's queue, which the engine_queue policy reads; default: vLLM's",
+    )
     p.add_argument("--upscale-delay", type=float, default=10)
     p.add_argument("--downscale-delay", type=float, default=40)
     p.add_argument("--light-seconds", type=float, default=120)
@@ -401,6 +414,8 @@ def main() -> None:
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--keep-logs", help="copy each fleet's logs (LB, replicas) into this folder")
     args = p.parse_args()
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        p.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     args.calibration = {}
     policies = [x for x in args.policies.split(",") if x]
     bad = [x for x in policies if x not in POLICIES]

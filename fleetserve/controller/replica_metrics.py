@@ -1,7 +1,8 @@
 """What the replicas say about their own load, for the autoscaler (docs/autoscaling.md).
 
-For a service whose `replica_policy` sets `target_queue_per_replica`, `target_kv_cache_usage`
-or `target_metrics`, the controller reads `metrics_path` (Prometheus text) of each READY
+For a service whose `replica_policy` sets `target_queue_per_replica` (the engine's waiting
+requests, and its running ones with them), `target_kv_cache_usage` or `target_metrics`, the
+controller reads `metrics_path` (Prometheus text) of each READY
 replica every `metrics_scrape_seconds`, in the background: a scrape round never holds a
 reconcile round. Each request goes through the probes' client (`ProbeClient.get`: the same
 kept-alive connections, the same bounded concurrency, the same check that a loopback port is
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fleetserve.core.types import ReplicaId, ReplicaKey
-from fleetserve.policies.autoscaler import KV_CACHE, QUEUE, SignalReading, metric_key
+from fleetserve.policies.autoscaler import KV_CACHE, QUEUE, RUNNING, SignalReading, metric_key
 from fleetserve.spec.models import MetricTarget, ReplicaPolicy
 
 log = logging.getLogger("fleetserve.controller")
@@ -42,6 +43,9 @@ log = logging.getLogger("fleetserve.controller")
 # Requests waiting in the engine, by server: vLLM (docs: metrics), SGLang, TGI. The first
 # name a replica exports is read.
 QUEUE_METRICS = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "tgi_queue_size")
+# Requests running in the engine's batch, read from the same scrape as the queue: the
+# autoscaler shrinks on the queue only when the running ones would fit in fewer replicas.
+RUNNING_METRICS = ("vllm:num_requests_running", "sglang:num_running_reqs", "tgi_batch_current_size")
 # KV cache use as a fraction: vLLM >= 0.10's name, vLLM's older one, SGLang's.
 KV_CACHE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 MAX_METRICS_BYTES = 1024 * 1024
@@ -129,12 +133,13 @@ class Wanted:
         out = {m.name for m in self.metrics}
         if self.queue:
             out.update(QUEUE_METRICS)
+            out.update(RUNNING_METRICS)
         if self.kv_cache:
             out.update(KV_CACHE_METRICS)
         return out
 
     def signals(self) -> list[str]:
-        keys = [QUEUE] if self.queue else []
+        keys = [QUEUE, RUNNING] if self.queue else []
         if self.kv_cache:
             keys.append(KV_CACHE)
         keys.extend(metric_key(i) for i in range(len(self.metrics)))
@@ -164,6 +169,9 @@ def signal_values(samples: Samples, wanted: Wanted) -> tuple[dict[str, float], d
         found = first(QUEUE_METRICS)
         if found:
             take(QUEUE, found[0], [v for _, v in found[1]], MAX_COUNT, mean=False)
+        found = first(RUNNING_METRICS)
+        if found:
+            take(RUNNING, found[0], [v for _, v in found[1]], MAX_COUNT, mean=False)
     if wanted.kv_cache:
         found = first(KV_CACHE_METRICS)
         if found:  # a fraction: the mean over engines (data-parallel ranks), never a sum
@@ -320,8 +328,20 @@ class ReplicaMetrics:
                 peak=max(got) if got else None,
                 answered=len(got),
                 ready=len(ids),
+                pairs=self._pairs(ids, stale) if signal == RUNNING else (),
             )
         return out
+
+    def _pairs(self, ids: list[ReplicaId], stale: float) -> tuple[tuple[float, float], ...]:
+        """(running, waiting) of each replica whose latest scrape reported both."""
+        out = []
+        for rid in ids:
+            latest = self.latest.get(ReplicaKey(self.service, rid))
+            if latest is not None and latest.at >= stale:
+                values = latest.values
+                if RUNNING in values and QUEUE in values:
+                    out.append((values[RUNNING], values[QUEUE]))
+        return tuple(out)
 
     def forget(self, replica_id: ReplicaId) -> None:
         key = ReplicaKey(self.service, replica_id)

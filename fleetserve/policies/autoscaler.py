@@ -13,19 +13,39 @@ Demand is the largest of what each configured signal asks for: the request rate,
 flight, what the replicas report (engine queue, KV cache use, any gauge) and the latency the
 load balancer measures. A replica-reported signal that no replica answered holds the current
 size: a replica that does not answer is never read as an idle one.
+
+The engine queue is a saturation signal: a queue is 0 until a replica is saturated, so it
+says when to grow, never how far the fleet can shrink. It grows the fleet while the waiting
+requests stay above their target, and shrinks it only when the replicas' running requests
+would fit in fewer replicas below the concurrency at which their queue reaches its target
+(the queue's onset), learnt from what the replicas reported: a bounded curve of the mean
+queue by running requests per replica, kept in the persisted state.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetserve.spec.models import MetricTarget, ReplicaPolicy
 
 QUEUE = "queue"
+RUNNING = "running"  # requests running in the engines: read with the queue, same scrape
 KV_CACHE = "kv_cache"
+# The engine queue shrinks the fleet only to where the running requests per replica stay
+# under QUEUE_FIT x the queue's onset: the margin for the load to grow while a replica starts.
+QUEUE_FIT = 0.8
+# The onset curve: mean queue per replica by running requests per replica, in buckets of
+# CURVE_STEPS per doubling (at most CURVE_BUCKETS of them), each observation's weight decaying
+# by CURVE_DECAY per decision (a time constant of about 3 h of decisions once a second); a
+# bucket counts once it holds CURVE_MIN_WEIGHT observations (one replica at one decision).
+CURVE_STEPS = 4
+CURVE_BUCKETS = 64
+CURVE_DECAY = 0.9999
+CURVE_MIN_WEIGHT = 120.0
+CURVE_DROP = 0.01
 # The latency rule's band: shrink only below LATENCY_LOW x target, and only when one replica
 # fewer is predicted (latency x n / (n - 1)) to stay under LATENCY_PREDICTED x target.
 LATENCY_LOW = 0.5
@@ -45,6 +65,9 @@ class SignalReading:
     peak: float | None  # max over those
     answered: int  # replicas whose value was read
     ready: int  # READY replicas asked
+    # RUNNING only: (running, waiting) of each replica that reported both, for the queue's
+    # onset (a mean over the fleet would mix a backlogged replica with a new idle one).
+    pairs: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,15 +90,21 @@ class AutoscalerState:
     above_since: float | None = None  # demand above target since (sustained upscale)
     below_since: float | None = None  # demand below target since (sustained downscale)
     last_request_at: float | None = None
+    # The engine queue's onset curve: (bucket, weight, mean running, mean queue) per replica,
+    # by bucket; at most CURVE_BUCKETS entries (empty unless target_queue_per_replica is set).
+    queue_curve: tuple[tuple[int, float, float, float], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "target": self.target,
             "window": [list(x) for x in self.window],
             "above_since": self.above_since,
             "below_since": self.below_since,
             "last_request_at": self.last_request_at,
         }
+        if self.queue_curve:
+            out["queue_curve"] = [list(x) for x in self.queue_curve]
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AutoscalerState:
@@ -85,6 +114,10 @@ class AutoscalerState:
             above_since=d.get("above_since"),
             below_since=d.get("below_since"),
             last_request_at=d.get("last_request_at"),
+            queue_curve=tuple(
+                (int(b), float(w), float(r), float(q))
+                for b, w, r, q in d.get("queue_curve", [])[:CURVE_BUCKETS]
+            ),
         )
 
 
@@ -161,6 +194,86 @@ def _proportional(
     return max(need, 0), f"{name} {show(value)}{unit}{part}, target {show(target)}"
 
 
+Curve = tuple[tuple[int, float, float, float], ...]
+
+
+def _bucket(running: float) -> int:
+    return min(CURVE_BUCKETS - 1, round(CURVE_STEPS * math.log2(1 + running)))
+
+
+def learn_queue_curve(curve: Curve, pairs: Iterable[tuple[float, float]]) -> Curve:
+    """The onset curve with one decision's observations more (each replica's running and
+    waiting requests), the older ones decayed: at most CURVE_BUCKETS buckets, those of no
+    weight left out."""
+    table = {k: [w * CURVE_DECAY, r, q] for k, w, r, q in curve}
+    for running, waiting in pairs:
+        if not (math.isfinite(running) and math.isfinite(waiting)) or running < 0 or waiting < 0:
+            continue
+        entry = table.setdefault(_bucket(running), [0.0, 0.0, 0.0])
+        w = entry[0] + 1.0
+        entry[1] += (running - entry[1]) / w
+        entry[2] += (waiting - entry[2]) / w
+        entry[0] = w
+    return tuple((k, w, r, q) for k, (w, r, q) in sorted(table.items()) if w >= CURVE_DROP)[
+        :CURVE_BUCKETS
+    ]
+
+
+def queue_onset(curve: Curve, target: float) -> float | None:
+    """The running requests per replica at which the mean queue reaches `target`: the mean
+    running of the lowest bucket with CURVE_MIN_WEIGHT observations whose mean queue is at or
+    above it (else of the bucket with the most observations among those at or above it, while
+    they are few); None: the queue never reached its target. At least 1."""
+    over = [(k, w, r) for k, w, r, q in curve if q >= target]
+    if not over:
+        return None
+    firm = [r for k, w, r in over if w >= CURVE_MIN_WEIGHT]
+    onset = firm[0] if firm else max(over, key=lambda x: x[1])[2]
+    return max(onset, 1.0)
+
+
+def _queue(
+    queue: SignalReading | None,
+    running: SignalReading | None,
+    target: float,
+    onset: float | None,
+    current: int,
+) -> tuple[int, str]:
+    """Replicas the engine queue asks for. Above its target, and more requests in the engines
+    (running and waiting) than the replicas run at the onset: enough replicas that each runs
+    no more than the onset (a wait at replicas that run fewer is an arrival between two of
+    their steps, not saturation). Otherwise: the fewest replicas whose running requests stay
+    under QUEUE_FIT x the onset, never more than now. Without a running reading, or before the
+    queue ever reached its target: the queue's own proportional rule."""
+    if queue is None or queue.answered == 0 or queue.mean is None:
+        asked = 0 if queue is None else queue.ready
+        return current, f"engine queue: no replica answered (0 of {asked}), holding {current}"
+    n = queue.ready
+    q = queue.mean
+    part = f" ({queue.answered} of {n} replicas answered)" if queue.answered < n else ""
+    text = f"engine queue {q:.3g}/replica{part}, target {target:.3g}"
+    r = running.mean if running is not None and running.answered else None
+    if r is None or n == 0:
+        need = math.ceil(n * q / target - 1e-9) if n else current
+        return max(need, 0), text
+    if q > target and onset is None:
+        # It queues for the first time with nothing learnt: the running count it queued at.
+        if r <= 0:
+            return max(math.ceil(n * q / target - 1e-9), n + 1), text
+        need = max(n + 1, math.ceil(n * (r + q) / r - 1e-9))
+        return need, f"{text}; {r:.3g} running/replica"
+    if onset is None:
+        return max(math.ceil(n * q / target - 1e-9), 0), f"{text}; no queue onset seen yet"
+    if q > target:
+        need = math.ceil(n * (r + q) / onset - 1e-9)
+        if need > n:
+            return need, f"{text}; {r:.3g} running/replica, queue onset {onset:.3g}"
+    fit = math.ceil(n * r / (QUEUE_FIT * onset) - 1e-9)
+    return min(max(fit, 0), n), (
+        f"{text}; {r:.3g} running/replica, fits {fit} at {QUEUE_FIT:g} x queue onset {onset:.3g}"
+    )
+
+
 def _latency(policy: ReplicaPolicy, load: LoadObservation, current: int) -> tuple[int, str] | None:
     target = policy.latency_target_ms
     if target is None:
@@ -191,9 +304,12 @@ def signal_demands(
     qps: float,
     current: int,
     accelerator: str | None = None,
+    onset: float | None = None,
 ) -> list[tuple[int, str]]:
     """What each configured signal asks for (replicas, and what it read), in the policy's
-    order: request rate, in flight, engine queue, KV cache, target_metrics, latency."""
+    order: request rate, in flight, engine queue, KV cache, target_metrics, latency.
+    `onset`: the running requests per replica at which the engine queue reaches its
+    target, as learnt (`queue_onset()` of the state's curve)."""
     out: list[tuple[int, str]] = []
     per_qps = per_replica_qps(policy, accelerator)
     if per_qps is not None:
@@ -214,14 +330,12 @@ def signal_demands(
     signals = load.signals
     if policy.target_queue_per_replica is not None:
         out.append(
-            _proportional(
-                "engine queue",
+            _queue(
                 signals.get(QUEUE),
+                signals.get(RUNNING),
                 policy.target_queue_per_replica,
-                False,
+                onset,
                 current,
-                lambda v: f"{v:.3g}",
-                "/replica",
             )
         )
     if policy.target_kv_cache_usage is not None:
@@ -276,7 +390,14 @@ def autoscale(
     # The bounds are the policy's as it is now: an update that raised min_replicas or lowered
     # max_replicas applies at once, not after a scaling delay.
     current = min(max(current, policy.min_replicas), hi)
-    needs = signal_demands(policy, load, qps, current, accelerator)
+    curve = state.queue_curve
+    onset = None
+    if policy.target_queue_per_replica is not None:
+        running = load.signals.get(RUNNING)
+        if running is not None and running.pairs:
+            curve = learn_queue_curve(curve, running.pairs)
+        onset = queue_onset(curve, policy.target_queue_per_replica)
+    needs = signal_demands(policy, load, qps, current, accelerator, onset)
     # The largest need names the signal; on a tie a signal that was read beats one that holds.
     need, signal = max(needs, key=lambda x: (x[0], "holding" not in x[1])) if needs else (0, "")
     demand = min(max(need, policy.min_replicas), hi)
@@ -324,6 +445,7 @@ def autoscale(
         above_since=above,
         below_since=below,
         last_request_at=last_request_at,
+        queue_curve=curve,
     )
     return Decision(target, demand, qps, load.inflight, reason, new_state, signal)
 

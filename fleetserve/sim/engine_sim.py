@@ -7,11 +7,11 @@ fewest requests in flight (held while none is READY); each replica is an engine 
 (fleetserve.sim.engine). Every second the autoscaler (the controller's own code,
 fleetserve.policies.autoscaler) gets what the controller gives it: the requests of that
 second, the requests in flight, those held, the replicas' engine signals (waiting requests,
-KV cache usage) as read every `metrics_scrape_seconds`, and the time to first token at the
-policy's percentile over the last `qps_window_seconds`, interpolated in the load balancer's
-histogram buckets as the controller does. A launched replica is billed from its launch and
-serves after `cold_start`; one removed drains (no new requests, billed until its last request
-ends), or goes at once if it was not READY yet.
+running requests, KV cache usage) as read every `metrics_scrape_seconds`, and the time to
+first token at the policy's percentile over the last `qps_window_seconds`, interpolated in the
+load balancer's histogram buckets as the controller does. A launched replica is billed from
+its launch and serves after `cold_start`; one removed drains (no new requests, billed until
+its last request ends), or goes at once if it was not READY yet.
 
 `calibrate` derives every policy's target from the engine model alone, by one rule, so that
 no target is tuned to a trace: the capacity of one replica is the highest steady request
@@ -177,11 +177,17 @@ class _LatencyWindow:
         return None if value is None else value * 1000.0
 
 
-def _reading(values: list[float], ready: int) -> SignalReading:
+def _reading(
+    values: list[float], ready: int, pairs: list[tuple[float, float]] | None = None
+) -> SignalReading:
     if not values:
         return SignalReading(mean=None, peak=None, answered=0, ready=ready)
     return SignalReading(
-        mean=sum(values) / len(values), peak=max(values), answered=len(values), ready=ready
+        mean=sum(values) / len(values),
+        peak=max(values),
+        answered=len(values),
+        ready=ready,
+        pairs=tuple(pairs or ()),
     )
 
 
@@ -272,6 +278,11 @@ def run_engine_fleet(
             next_scrape = now + scrape
             signals = {
                 "queue": _reading([float(n.replica.queued) for n in ready], len(ready)),
+                "running": _reading(
+                    [float(n.replica.running) for n in ready],
+                    len(ready),
+                    [(float(n.replica.running), float(n.replica.queued)) for n in ready],
+                ),
                 "kv_cache": _reading([n.replica.kv_usage for n in ready], len(ready)),
             }
         latency_ms = window.percentile_ms(percentile) if wants_latency else None

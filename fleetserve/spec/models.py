@@ -256,7 +256,9 @@ class ReplicaPolicy(_Strict):
     spot_placer: Literal["dynamic_fallback", "adaptive"] | None = None
     # fleetserve: scale on what the replicas report (docs/autoscaling.md). The controller reads
     # `metrics_path` of each READY replica every `metrics_scrape_seconds`.
-    target_queue_per_replica: PositiveFloat | None = None  # requests waiting in the engine
+    # Requests waiting in the engine: grows the fleet while they stay above it; shrinks it only
+    # when the running requests fit fewer replicas (fleetserve.policies.autoscaler).
+    target_queue_per_replica: PositiveFloat | None = None
     target_kv_cache_usage: FiniteFloat | None = None  # the engine's KV cache use, in (0, 1]
     target_metrics: list[MetricTarget] | None = None
     metrics_scrape_seconds: Annotated[FiniteFloat, Field(ge=1, le=300)] = 5.0

@@ -174,9 +174,15 @@ def test_every_policy_gets_the_engine_signals_and_scales_on_them(
         assert run.max_replicas > 1, current  # each signal saw the load rise
     for name, loads in seen.items():
         late = loads[-1]
-        assert {"queue", "kv_cache"} <= set(late.signals), name
+        assert {"queue", "running", "kv_cache"} <= set(late.signals), name
         kv = late.signals["kv_cache"]
         assert kv.answered == kv.ready and kv.mean is not None and 0 <= kv.mean <= 1
+        # the running requests come with the queue, per replica too (the queue's onset)
+        running, queue = late.signals["running"], late.signals["queue"]
+        assert len(running.pairs) == running.answered == queue.answered
+        assert sum(w for _, w in running.pairs) / len(running.pairs) == queue.mean
+    # while the load rose, some replica ran requests with others waiting behind them
+    assert any(w > 0 and r > 0 for o in seen["queue"] for r, w in o.signals["running"].pairs)
     assert any(o.latency_ms is not None for o in seen["ttft"])
     assert all(o.latency_ms is None for o in seen["request_rate"])  # measured only if used
 

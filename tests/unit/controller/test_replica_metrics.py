@@ -21,7 +21,7 @@ from fleetserve.controller.replica_metrics import (
     signal_values,
 )
 from fleetserve.core.types import ReplicaKey
-from fleetserve.policies.autoscaler import KV_CACHE, QUEUE, metric_key
+from fleetserve.policies.autoscaler import KV_CACHE, QUEUE, RUNNING, metric_key
 from fleetserve.spec.models import ReplicaPolicy
 from tests.unit.controller.test_probe_client import NO_CHECK, answering, serve
 
@@ -71,9 +71,15 @@ def test_signal_values_default_names_sum_and_mean() -> None:
     )
     wanted = Wanted.of(p)
     values, lies = signal_values(parse_samples(VLLM, wanted.names()), wanted)
-    # the queue: summed over engines; the KV cache: a fraction, their mean; the gauge: the
-    # label sets that match, summed; a metric the replica does not export: no key at all
-    assert values == {QUEUE: 7.0, KV_CACHE: pytest.approx(0.6), metric_key(0): 45.0}
+    # the queue: summed over engines (and the running requests with it, from the same
+    # scrape); the KV cache: a fraction, their mean; the gauge: the label sets that match,
+    # summed; a metric the replica does not export: no key at all
+    assert values == {
+        QUEUE: 7.0,
+        RUNNING: 9.0,
+        KV_CACHE: pytest.approx(0.6),
+        metric_key(0): 45.0,
+    }
     assert lies == {}
 
 
@@ -91,6 +97,32 @@ def test_a_lying_replica_is_missing_not_idle(text: str, lie: str) -> None:
     wanted = Wanted.of(policy(target_queue_per_replica=2))
     values, lies = signal_values(parse_samples(text, wanted.names()), wanted)
     assert values == {} and lie in lies[QUEUE]
+
+
+@pytest.mark.parametrize(
+    ("text", "queue", "running"),
+    [
+        ('vllm:num_requests_waiting{e="0"} 2\nvllm:num_requests_running{e="0"} 4\n', 2.0, 4.0),
+        ("sglang:num_queue_reqs 0\nsglang:num_running_reqs 7\n", 0.0, 7.0),
+        ("tgi_queue_size 1\ntgi_batch_current_size 3\n", 1.0, 3.0),
+    ],
+)
+def test_the_queue_comes_with_the_running_requests_of_each_server(
+    text: str, queue: float, running: float
+) -> None:
+    wanted = Wanted.of(policy(target_queue_per_replica=2))
+    assert wanted.signals() == [QUEUE, RUNNING]
+    values, lies = signal_values(parse_samples(text, wanted.names()), wanted)
+    assert values == {QUEUE: queue, RUNNING: running} and lies == {}
+    # no running gauge: the queue alone (the autoscaler then shrinks on the queue's own rule)
+    values, _ = signal_values(parse_samples(text.split("\n")[0] + "\n", wanted.names()), wanted)
+    assert values == {QUEUE: queue}
+    # a lying running gauge is missing, the queue still read
+    values, lies = signal_values(
+        parse_samples(text.split("\n")[0] + "\nvllm:num_requests_running NaN\n", wanted.names()),
+        wanted,
+    )
+    assert values == {QUEUE: queue} and "nan" in lies[RUNNING]
 
 
 def test_kv_cache_above_one_is_a_lie_and_older_vllm_and_sglang_names_are_known() -> None:
@@ -236,7 +268,7 @@ async def test_a_round_reads_each_ready_replica_and_counts_the_silent_ones_as_mi
     p = policy(target_queue_per_replica=2, metrics_scrape_seconds=1)
     transport = FakeTransport(
         {
-            "http://r1/metrics": b"vllm:num_requests_waiting 6\n",
+            "http://r1/metrics": b"vllm:num_requests_waiting 6\nvllm:num_requests_running 8\n",
             "http://r2/metrics": b"sglang:num_queue_reqs 2\n",
             "http://r3/metrics": None,  # hangs
             "http://r4/metrics": 500,
@@ -252,6 +284,8 @@ async def test_a_round_reads_each_ready_replica_and_counts_the_silent_ones_as_mi
     assert {t for _, t in transport.asked} == {1.0}
     reading = rm.readings([i for i, _ in ready], p, 100.5)[QUEUE]
     assert (reading.mean, reading.peak, reading.answered, reading.ready) == (4.0, 6.0, 2, 6)
+    running = rm.readings([i for i, _ in ready], p, 100.5)[RUNNING]
+    assert (running.mean, running.answered, running.ready) == (8.0, 1, 6)
     assert rm.latest[ReplicaKey("svc", 3)].error is not None
 
 

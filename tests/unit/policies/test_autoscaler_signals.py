@@ -10,14 +10,18 @@ import pytest
 
 from fleetserve.core.clock import FakeClock
 from fleetserve.policies.autoscaler import (
+    CURVE_BUCKETS,
     KV_CACHE,
     QUEUE,
+    RUNNING,
     AutoscalerState,
     Decision,
     LoadObservation,
     SignalReading,
     autoscale,
+    learn_queue_curve,
     metric_key,
+    queue_onset,
 )
 from fleetserve.spec.models import ReplicaPolicy
 
@@ -247,3 +251,143 @@ def test_skyserve_keys_alone_are_unchanged() -> None:
         state = d.state
     assert d.target == 3 and d.demand == 3
     assert d.signal.startswith("request rate 6.00 req/s, target 2/replica")
+
+
+# -- the engine queue as a saturation signal ----------------------------------------------------
+
+
+def engines(running: list[float], waiting: list[float]) -> dict[str, SignalReading]:
+    """The queue and running readings of replicas that each reported (running, waiting)."""
+    return {
+        QUEUE: reading(*waiting),
+        RUNNING: SignalReading(
+            mean=sum(running) / len(running),
+            peak=max(running),
+            answered=len(running),
+            ready=len(running),
+            pairs=tuple(zip(running, waiting, strict=True)),
+        ),
+    }
+
+
+def saturating(load: float, n: int, limit: float = 10.0) -> dict[str, SignalReading]:
+    """`n` replicas sharing `load` requests evenly, each running at most `limit` (its batch
+    is full past that: the rest wait)."""
+    each = load / n
+    return engines([min(each, limit)] * n, [max(each - limit, 0.0)] * n)
+
+
+def onset_state(target: int, onset: float = 10.0) -> AutoscalerState:
+    """A fleet that has learnt that its replicas queue past `onset` running requests."""
+    curve = learn_queue_curve((), [(onset / 2, 0.0)] * 200 + [(onset, 3.0)] * 200)
+    return AutoscalerState(target=target, queue_curve=curve)
+
+
+def test_the_queue_onset_is_learnt_per_replica_from_running_and_waiting() -> None:
+    # A backlogged replica next to a new idle one: the fleet's means (5 running, 20 waiting)
+    # would put the onset at 5; per replica it is where the queue forms (10).
+    curve = learn_queue_curve((), [(10.0, 40.0), (0.0, 0.0)] * 150)
+    assert queue_onset(curve, 1.0) == pytest.approx(10.0)
+    # a moment's wait at low load (1 of 100 reads) is under the target: not the onset
+    curve = learn_queue_curve(curve, [(3.0, 1.0)] + [(3.0, 0.0)] * 99)
+    assert queue_onset(curve, 1.0) == pytest.approx(10.0)
+    assert queue_onset(curve, 100.0) is None  # the queue never reached that target
+    # bounded, whatever it is fed; old observations fade
+    for i in range(500):
+        curve = learn_queue_curve(curve, [(float(i * 37 % 100_000), 1.0)])
+    assert len(curve) <= CURVE_BUCKETS
+    assert (
+        AutoscalerState.from_json(
+            json.loads(json.dumps(AutoscalerState(target=1, queue_curve=curve).to_json()))
+        ).queue_curve
+        == curve
+    )
+
+
+def test_no_shrink_while_the_running_requests_would_saturate_one_replica_fewer() -> None:
+    """3 replicas, 7 running each, none waiting: 21 on 2 replicas would be 10.5 each, past
+    0.8 x the onset (10): the queue holds 3 however long it stays empty."""
+    p = policy(target_queue_per_replica=1)
+    clock = FakeClock(100.0)
+    targets, d = run(p, onset_state(3), clock, 300, engines([7, 7, 7], [0, 0, 0]))
+    assert set(targets) == {3} and d.demand == 3
+    assert "engine queue 0/replica" in d.signal and "fits 3 at 0.8 x queue onset 10" in d.signal
+    # the same empty queue without the running requests (a server that does not export
+    # them) falls back to the queue's own rule: it shrinks
+    targets, _ = run(p, onset_state(3), FakeClock(100.0), 31, {QUEUE: reading(0, 0, 0)})
+    assert targets[-1] == 1
+
+
+def test_shrink_when_the_running_requests_fit_fewer_replicas() -> None:
+    p = policy(target_queue_per_replica=1)
+    clock = FakeClock(100.0)
+    # 15 running on 3 replicas: 2 run 7.5 each, under 8: down to 2 after the delay
+    targets, d = run(p, onset_state(3), clock, 31, engines([5, 5, 5], [0, 0, 0]))
+    assert targets[:29] == [3] * 29 and targets[-1] == 2
+    assert d.reason.startswith("engine queue 0/replica, target 1; 5 running/replica, fits 2")
+    assert d.reason.endswith("demand 2 below 3 for 30 s")
+    # a replica that does not answer still counts as the mean of those that did
+    targets, d = run(p, onset_state(3), FakeClock(100.0), 31, engines([5, 5], [0, 0]))
+    assert targets[-1] == 2
+    # no replica answers: hold
+    targets, _ = run(p, onset_state(3), FakeClock(100.0), 100, {QUEUE: reading(None, None)})
+    assert set(targets) == {3}
+
+
+def test_up_on_the_queue_sizes_the_fleet_for_the_waiting_requests_at_the_onset() -> None:
+    p = policy(target_queue_per_replica=1)
+    # 2 replicas, 10 running and 6 waiting each: 32 requests at 10 a replica -> 4
+    d = autoscale(p, onset_state(2), LoadObservation(0, 32, signals=saturating(32, 2)), 5.0)
+    assert d.demand == 4 and "queue onset 10" in d.signal
+    # the first time it queues, nothing learnt yet: the running count it queued at
+    fresh = AutoscalerState(target=1)
+    d = autoscale(p, fresh, LoadObservation(0, 30, signals=saturating(30, 1, 12)), 5.0)
+    assert d.demand == 3 and d.state.queue_curve  # 30 at 12 a replica; and it learnt
+
+
+def test_a_wait_below_the_onset_is_no_saturation_and_does_not_hold_the_fleet() -> None:
+    """A request that arrived between two steps of a replica running 4 (onset 10) waits a
+    moment: the queue's mean is over its target (0.05) every few seconds, yet the fleet is
+    oversized (36 running fit 5 replicas at 8): it shrinks after the delay."""
+    p = policy(target_queue_per_replica=0.05)
+    clock = FakeClock(100.0)
+    state = onset_state(9)
+    targets = []
+    for second in range(31):
+        clock.advance(1)
+        waiting = [1.0 if second % 5 == 0 else 0.0] + [0.0] * 8
+        load = LoadObservation(0, 36, signals=engines([4.0] * 9, waiting))
+        d = autoscale(p, state, load, clock.now())
+        state = d.state
+        targets.append(d.target)
+    assert targets[:29] == [9] * 29 and targets[-1] == 5
+    assert "fits 5 at 0.8 x queue onset 10" in d.reason
+
+
+def _burst(p: ReplicaPolicy, with_running: bool) -> list[int]:
+    """A fleet whose replicas are READY as soon as wanted, under 25 requests for 20 minutes
+    then 4: the targets it went through."""
+    clock = FakeClock(0.0)
+    state = AutoscalerState(target=1)
+    changes = [1]
+    for second in range(1800):
+        clock.advance(1)
+        load = 25.0 if second < 1200 else 4.0
+        signals = saturating(load, state.target)
+        if not with_running:
+            signals = {QUEUE: signals[QUEUE]}
+        d = autoscale(p, state, LoadObservation(0, int(load), signals=signals), clock.now())
+        if d.target != state.target:
+            changes.append(d.target)
+        state = d.state
+    return changes
+
+
+def test_no_oscillation_on_a_burst() -> None:
+    """The queue alone shrinks the fleet whenever nothing waits (25 requests on 3 replicas
+    of 10 each: none waits), then queues again; with the running requests read, the fleet
+    grows once, holds while the burst lasts and shrinks once after it."""
+    p = policy(target_queue_per_replica=1)
+    legacy = _burst(p, with_running=False)
+    assert len(legacy) > 10  # up, down to 1, up again ... for as long as the burst lasts
+    assert _burst(p, with_running=True) == [1, 3, 1]
