@@ -27,8 +27,12 @@ def test_an_upgraded_home_also_owns_processes_with_its_path_and_no_id() -> None:
 
 def test_owned_by_and_process_alive_read_a_real_process_environment() -> None:
     env = {**os.environ, HOME_ID_ENV: "home-xyz"}
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+    child = "import time; print('up', flush=True); time.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE)
     try:
+        # Once it runs: just after exec, before the new process first runs, the kernel may
+        # still show an empty environment (seen on a loaded machine).
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
         import psutil
 
         p = psutil.Process(proc.pid)
