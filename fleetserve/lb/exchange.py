@@ -10,68 +10,79 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fleetserve.lb.config import LbConfig
 from fleetserve.lb.http import HIGH_WATER, Limits, error_response
 from fleetserve.lb.metrics import LoadTracker, Metrics
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.lb.upstream import Pool, UpstreamConn
 from fleetserve.policies.lb import NO_KEY, RequestKey
-from fleetserve.spec.models import LoadBalancerOptions
 
 SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
 
 
-class Shared(Protocol):
-    """What the exchanges of one load balancer process share (fleetserve.lb.proxy.Proxy)."""
+@dataclass(slots=True, eq=False)
+class ExchangeContext:
+    """What the exchanges of one load balancer process share, made once by the proxy
+    (fleetserve.lb.ctx.Proxy) and handed to each client connection and exchange: the
+    collaborators an exchange calls, and the few settings it reads."""
 
-    @property
-    def config(self) -> LbConfig: ...
-
-    @property
-    def opts(self) -> LoadBalancerOptions: ...
-
-    @property
-    def limits(self) -> Limits: ...
-
-    @property
-    def replicas(self) -> ReplicaSet: ...
-
-    @property
-    def pool(self) -> Pool: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def load(self) -> LoadTracker: ...
-
-    @property
-    def clock(self) -> float:
-        """The sweep's clock: monotonic seconds, at most one sweep old."""
-        ...
-
-    @property
-    def monotonic(self) -> Callable[[], float]:
-        """The load balancer's clock (fleetserve.core.clock: injected, fake in tests)."""
-        ...
+    service: str
+    limits: Limits
+    replicas: ReplicaSet  # the routable replicas, and the policy's capabilities (`caps`)
+    pool: Pool
+    metrics: Metrics
+    load: LoadTracker
+    monotonic: Callable[[], float]  # the load balancer's clock (fleetserve.core.clock)
+    read_timeout: float  # load_balancer.read_timeout_seconds
+    max_attempts: int  # load_balancer.max_attempts
+    hold_when_empty: bool  # no ready replica: wait for one (a service that scales from zero)
+    queue_size: int  # ... at most this many requests wait
+    queue_timeout: float  # ... each at most this long
+    wake: Callable[[], Coroutine[Any, Any, None]] | None = None  # asks the controller for one
+    # The sweep's clock: monotonic seconds, at most one sweep old (the proxy's sweep sets it).
+    clock: float = 0.0
+    queued: int = 0  # requests waiting for a first replica
+    wake_task: asyncio.Task[None] | None = None
 
     async def hold(self) -> bytes | None:
-        """Wait for a first routable replica; the refusal to send, or None."""
-        ...
+        """No replica is ready and the service scales from zero: wait for one (bounded).
+        Returns the refusal to send, or None once a replica is ready."""
+        service = self.service
+        if self.queued >= self.queue_size:
+            return error_response(
+                503,
+                "queue_full",
+                f"service {service!r} is starting from zero and {self.queued} requests are "
+                "already waiting; retry later",
+                extra={"Retry-After": "5"},
+            )
+        self.queued += 1
+        self.metrics.set_queued(self.queued)
+        try:
+            if self.wake is not None:
+                self.wake_task = asyncio.get_running_loop().create_task(self.wake())
+            if await self.replicas.wait_ready(self.queue_timeout):
+                return None
+        finally:
+            self.queued -= 1
+            self.metrics.set_queued(self.queued)
+        return error_response(
+            503,
+            "no_ready_replicas",
+            f"service {service!r} had no READY replica within {self.queue_timeout:g} s",
+            extra={"Retry-After": "5"},
+        )
 
 
 class ClientSide(Protocol):
     """The client connection an exchange answers (fleetserve.lb.client.ClientConn)."""
 
     closed: bool
-
-    @property
-    def proxy(self) -> Shared: ...
 
     def write(self, data: bytes) -> None: ...
 
@@ -108,9 +119,11 @@ class Exchange:
     # (CompletesKeyOffLoop: cache_aware's precise mode tokenizes a long prompt).
     _key_later: bytes | None = None
 
-    def __init__(self, client: ClientSide, method: bytes, head: bytes, has_body: bool) -> None:
+    def __init__(
+        self, ctx: ExchangeContext, client: ClientSide, method: bytes, head: bytes, has_body: bool
+    ) -> None:
+        self.ctx = ctx
         self.client = client
-        self.proxy = client.proxy
         self.method = method
         self.head = head  # request line and headers as they go to the replica
         self.has_body = has_body
@@ -136,7 +149,7 @@ class Exchange:
         self.replica: Upstream | None = None
         self.status = 0
         self.sent_to_client = False
-        self.started = self.proxy.monotonic()
+        self.started = self.ctx.monotonic()
         self.activity = self.started
         self.sent_at = self.started  # when the current attempt was sent to its replica
         self.first_byte: float | None = None  # seconds from sent_at to the answer's first byte
@@ -184,7 +197,7 @@ class Exchange:
             if self.body_event is not None:
                 self.body_event.set()
             if self.choose_at:
-                self.body_seen = self.proxy.clock
+                self.body_seen = self.ctx.clock
                 if self.body_size >= self.choose_at:
                     self._to_task()  # a long body: its head is enough, the task reads it
 
@@ -220,7 +233,7 @@ class Exchange:
         if conn is not None:
             self.status = conn.status
             if upstream_keep_alive and self.body_complete:
-                self.proxy.pool.release(conn)
+                self.ctx.pool.release(conn)
             else:
                 conn.exchange = None
                 conn.close()
@@ -271,17 +284,17 @@ class Exchange:
 
     def _begin_attempt(self, upstream: Upstream) -> None:
         rid = upstream.replica_id
-        inflight = self.proxy.replicas.inflight
+        inflight = self.ctx.replicas.inflight
         inflight[rid] = inflight.get(rid, 0) + 1
         self._counted = rid
         self.tried.add(rid)
-        self.proxy.load.record(str(rid))
+        self.ctx.load.record(str(rid))
 
     def _end_attempt(self) -> None:
         rid, self._counted = self._counted, None
         if rid is None:
             return
-        inflight = self.proxy.replicas.inflight
+        inflight = self.ctx.replicas.inflight
         left = inflight.get(rid, 1) - 1
         if left > 0:
             inflight[rid] = left
@@ -292,8 +305,8 @@ class Exchange:
         if self._reported:
             return
         self._reported = True
-        proxy = self.proxy
-        proxy.metrics.done(replica, status, proxy.monotonic() - self.started, self.first_byte)
+        ctx = self.ctx
+        ctx.metrics.done(replica, status, ctx.monotonic() - self.started, self.first_byte)
         self.client.exchange_done(self)
 
     # sending and settling ------------------------------------------------------------------------
@@ -316,9 +329,9 @@ class Exchange:
             self.body = []
             self.body_size = 0
             self.client.resume_reading()
-        self.activity = self.sent_at = self.proxy.monotonic()
+        self.activity = self.sent_at = self.ctx.monotonic()
         self._timer = asyncio.get_running_loop().call_later(
-            self.proxy.opts.read_timeout_seconds, self._check_timeout
+            self.ctx.read_timeout, self._check_timeout
         )
 
     def _cancel_timer(self) -> None:
@@ -330,8 +343,8 @@ class Exchange:
         """No byte from the replica for read_timeout_seconds: give up (tunnels may idle)."""
         if self._settled:
             return
-        limit = self.proxy.opts.read_timeout_seconds
-        idle = self.proxy.monotonic() - self.activity
+        limit = self.ctx.read_timeout
+        idle = self.ctx.monotonic() - self.activity
         if self.upgrade or idle < limit:
             delay = limit if self.upgrade else limit - idle
             self._timer = asyncio.get_running_loop().call_later(delay, self._check_timeout)
@@ -365,7 +378,7 @@ class Exchange:
 
     def _conclude(self, outcome: str) -> int:
         """The status this attempt ends with; raises _NotSent when another replica may try."""
-        proxy = self.proxy
+        ctx = self.ctx
         rid = str(self.replica.replica_id) if self.replica else "none"
         if outcome in ("ok", "tunnel closed"):
             return self.status
@@ -373,10 +386,10 @@ class Exchange:
             # The connection closed before any response byte: the replica did not answer
             # (a stale pooled connection, or it died), so another one may, if the whole body
             # can be sent again.
-            proxy.metrics.error(rid, "disconnected")
+            ctx.metrics.error(rid, "disconnected")
             if self.replay is not None and self.body_complete:
                 raise _NotSent("closed the connection without answering")
-        proxy.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
+        ctx.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
         if self.sent_to_client:
             self.client.close()  # a truncated response must not look complete
             return self.status or 502
@@ -384,7 +397,7 @@ class Exchange:
             msg = error_response(
                 504,
                 "upstream_timeout",
-                f"replica {rid} sent no response within {proxy.opts.read_timeout_seconds:g} s",
+                f"replica {rid} sent no response within {ctx.read_timeout:g} s",
                 close=not self.keep_alive,
             )
         else:
@@ -399,7 +412,7 @@ class Exchange:
 
     def try_now(self) -> bool:
         """Start the exchange without a task if nothing has to be waited for."""
-        proxy = self.proxy
+        ctx = self.ctx
         if self.local is not None:
             return False
         if self._reads_body():
@@ -410,7 +423,7 @@ class Exchange:
                 key = self._key_of_body()
                 return self._key_later is None and self._send_now(key)
             self.choose_at = limit
-            self.body_seen = proxy.clock
+            self.body_seen = ctx.clock
             return True
         return self._send_now(self._header_key())
 
@@ -437,13 +450,13 @@ class Exchange:
 
     def _send_now(self, key: RequestKey) -> bool:
         """Send to the chosen replica now if it has an idle pooled connection."""
-        proxy = self.proxy
-        if not proxy.replicas.upstreams:
+        ctx = self.ctx
+        if not ctx.replicas.upstreams:
             return False
-        upstream = proxy.replicas.pick(frozenset(), key)
+        upstream = ctx.replicas.pick(frozenset(), key)
         if upstream is None:
             return False
-        conn = proxy.pool.idle_conn(upstream)
+        conn = ctx.pool.idle_conn(upstream)
         if conn is None:
             self.chosen = upstream  # the task connects to it: a pick is not made twice
             return False
@@ -464,7 +477,7 @@ class Exchange:
             self._report(status, replica)
 
     async def _run(self) -> tuple[int, str]:
-        proxy = self.proxy
+        ctx = self.ctx
         if self.local is not None:
             self.client.write(self.local)
             return int(self.local[9:12]), "none"
@@ -472,7 +485,7 @@ class Exchange:
             key = await self._key()
         except _BodyLate:
             self.keep_alive = False
-            timeout = proxy.limits.header_timeout
+            timeout = ctx.limits.header_timeout
             self.client.write(
                 error_response(
                     408,
@@ -482,16 +495,16 @@ class Exchange:
                 )
             )
             return 408, "none"
-        if not proxy.replicas.upstreams and proxy.config.hold_when_empty:
-            refused = await proxy.hold()
+        if not ctx.replicas.upstreams and ctx.hold_when_empty:
+            refused = await ctx.hold()
             if refused is not None:
                 self.client.write(refused)
-                proxy.load.record("none")
+                ctx.load.record("none")
                 return int(refused[9:12]), "none"
-        for _ in range(proxy.opts.max_attempts - len(self.tried)):
+        for _ in range(ctx.max_attempts - len(self.tried)):
             upstream, self.chosen = self.chosen, None
-            if upstream is None or upstream.replica_id not in proxy.replicas.upstreams:
-                upstream = proxy.replicas.pick(frozenset(self.tried), key)
+            if upstream is None or upstream.replica_id not in ctx.replicas.upstreams:
+                upstream = ctx.replicas.pick(frozenset(self.tried), key)
             if upstream is None:
                 break
             rid = str(upstream.replica_id)
@@ -503,12 +516,12 @@ class Exchange:
             finally:
                 self._end_attempt()
         if not self.tried:
-            proxy.load.record("none")
+            ctx.load.record("none")
             msg = error_response(
                 503,
                 "no_ready_replicas",
-                f"service {proxy.config.service!r} has no READY replica; "
-                f"see `fleetserve status {proxy.config.service}`",
+                f"service {ctx.service!r} has no READY replica; "
+                f"see `fleetserve status {ctx.service}`",
                 close=not self.keep_alive,
             )
         else:
@@ -522,12 +535,12 @@ class Exchange:
         return int(msg[9:12]), "none"
 
     def _header_key(self) -> RequestKey:
-        read = self.proxy.replicas.caps.header_key
+        read = self.ctx.replicas.caps.header_key
         return NO_KEY if read is None else read(self.headers)
 
     def _body_limit(self) -> int:
         """How much of the body the policy reads (at most HIGH_WATER, where reading pauses)."""
-        return min(self.proxy.replicas.caps.body_limit, HIGH_WATER)
+        return min(self.ctx.replicas.caps.body_limit, HIGH_WATER)
 
     async def _read_body(self, limit: int) -> bytes:
         """The body, or its first `limit` bytes when it is longer (it is held, not sent, until
@@ -535,7 +548,7 @@ class Exchange:
         if self._body_late:
             raise _BodyLate
         self.body_event = asyncio.Event()
-        timeout = self.proxy.limits.header_timeout
+        timeout = self.ctx.limits.header_timeout
         while not self.body_complete and self.body_size < limit:
             self.body_event.clear()
             try:  # each wait is for the next bytes: a slow but steady body is fine
@@ -549,7 +562,7 @@ class Exchange:
         waits for `100 Continue` before sending it (the replica answers that; waiting for the
         body here would stall both until the client gives up waiting)."""
         return (
-            self.proxy.replicas.caps.body_key is not None
+            self.ctx.replicas.caps.body_key is not None
             and self.has_body
             and self.headers.get(b"expect", b"").lower() != b"100-continue"
         )
@@ -567,14 +580,14 @@ class Exchange:
     async def _complete_key(self, key: RequestKey, body: bytes) -> RequestKey:
         """The key with its slow part, made off the event loop (a long prompt's tokens)."""
         self._key_later = None
-        replicas = self.proxy.replicas
-        off_loop = replicas.caps.off_loop
+        ctx = self.ctx
+        off_loop = ctx.replicas.caps.off_loop
         if off_loop is None:
             return key
         try:
             return await off_loop.complete_key(key, body)
         except Exception:
-            replicas.policy_failed("completing a request's key off the event loop failed")
+            ctx.replicas.policy_failed("completing a request's key off the event loop failed")
             return key
 
     def _key_of_body(self) -> RequestKey:
@@ -589,30 +602,30 @@ class Exchange:
         """What a body policy keys on (`complete`: `body` is the whole body); a body it cannot
         read (a bug some input reaches) has no key and goes by load, never fails the request
         (the replica set logs and counts)."""
-        replicas = self.proxy.replicas
-        caps = replicas.caps
+        ctx = self.ctx
+        caps = ctx.replicas.caps
         assert caps.body_key is not None  # (only asked when the policy reads the body)
         try:
             key = caps.body_key(body, complete)
             if caps.off_loop is not None and caps.off_loop.completes_later(key, body, complete):
                 self._key_later = body  # the task completes it (`_key`)
         except Exception:
-            replicas.policy_failed("reading a request's body for its key failed")
+            ctx.replicas.policy_failed("reading a request's body for its key failed")
             return NO_KEY
         return key
 
     async def _attempt(self, upstream: Upstream) -> int:
-        proxy = self.proxy
+        ctx = self.ctx
         rid = str(upstream.replica_id)
         try:
-            conn = await proxy.pool.acquire(upstream)
+            conn = await ctx.pool.acquire(upstream)
         except (OSError, TimeoutError) as e:
-            proxy.replicas.discard(upstream.replica_id)  # until the controller's next push
-            proxy.metrics.error(rid, "connect")
+            ctx.replicas.discard(upstream.replica_id)  # until the controller's next push
+            ctx.metrics.error(rid, "connect")
             log.warning("replica %s refused a connection: %s", rid, e or type(e).__name__)
             raise _NotSent(str(e) or type(e).__name__) from None
         if self.client.closed:
-            proxy.pool.release(conn)
+            ctx.pool.release(conn)
             raise asyncio.CancelledError
         self._waiter = asyncio.get_running_loop().create_future()
         self._send(conn, upstream)
