@@ -168,7 +168,7 @@ class ClientConn(asyncio.Protocol):
         """Whether this read may complete more heads than the queue has room for (a read that
         continues a body is parsed whole: past the room, a request gets a 429)."""
         building = self.building
-        if building is not None and not building.body_complete:
+        if building is not None and not building.body.complete:
             return False
         room = self.limits.pipelined - len(self.queue)
         return len(data) >= (room - 1) * MIN_HEAD_BYTES and data.count(b"\r\n\r\n") >= room
@@ -232,7 +232,7 @@ class ClientConn(asyncio.Protocol):
                 400, "bad_request", f"malformed HTTP request: {e}", Rejection.BAD_REQUEST
             )
         ex = self.building
-        if ex is not None and not ex.body_complete and ex in self.queue:
+        if ex is not None and not ex.body.complete and ex in self.queue:
             # A broken body: its request cannot complete. Answer if nothing was, and close
             # (connection_lost cancels the replica's request).
             self.dead = True
@@ -353,9 +353,8 @@ class ClientConn(asyncio.Protocol):
         if upgrade:
             out += (b"Connection: upgrade\r\nUpgrade: ", lower.get(b"upgrade", b""), b"\r\n")
         out.append(b"\r\n")
-        ex = Exchange(self.ctx, self, method, b"".join(out), has_body)
+        ex = Exchange(self.ctx, self, method, b"".join(out), has_body, lower)
         ex.chunked = chunked
-        ex.headers = lower
         ex.keep_alive = keep_alive
         ex.http10 = http10
         ex.wants_upgrade = upgrade
@@ -438,7 +437,7 @@ class ClientConn(asyncio.Protocol):
         if ex.upgrade:
             self.close()
             return
-        if not ex.keep_alive or not ex.body_complete:
+        if not ex.keep_alive or not ex.body.complete:
             self.close_after_write()
             return
         if queue:
@@ -463,7 +462,7 @@ class ClientConn(asyncio.Protocol):
         if self.closed or self.dead or self.tunnel is not None:
             return
         waiting = self.queue[0] if self.queue else None
-        if waiting is not None and waiting.choose_at and waiting.body_seen < head_since:
+        if waiting is not None and waiting.body.choose_at and waiting.body.seen < head_since:
             waiting.body_stalled()  # a body policy waited in vain for the body: a 408
             return
         if not self.reading:

@@ -23,6 +23,7 @@ from fleetserve.policies.lb import NO_KEY, RequestKey
 SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
+NO_HEADERS: dict[bytes, bytes] = {}  # a response the LB gives itself reads none (never written)
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +106,47 @@ class _BodyLate(Exception):
     """A policy waited for the body longer than a head may take (header_timeout_seconds)."""
 
 
+class Body:
+    """A request's body on its way to a replica: held until a replica is attached (small
+    pieces gathered into one buffer), kept while small to send again (`replay`), and what a
+    policy that reads the body (ReadsBody) waits for and keys on."""
+
+    __slots__ = (
+        "choose_at",
+        "complete",
+        "event",
+        "held",
+        "key",
+        "key_later",
+        "late",
+        "replay",
+        "replay_size",
+        "seen",
+        "size",
+    )
+
+    def __init__(self, complete: bool) -> None:
+        # Buffered until a replica is attached (small pieces gathered into a bytearray).
+        self.held: list[bytes | bytearray] = []
+        self.size = 0  # bytes held
+        self.complete = complete
+        self.event: asyncio.Event | None = None  # made when a policy waits for the body
+        # A policy that reads the body chooses when this much of the body (or all of it) is
+        # here, without a task if it can (0: not waiting); a late body gets a task that
+        # answers 408.
+        self.choose_at = 0
+        # When the last body bytes came (or the wait began), on the proxy's sweep clock: the
+        # sweep gives a silent body a 408 (ClientConn.check_deadline), no timer per request.
+        self.seen = 0.0
+        self.late = False  # no body bytes for header_timeout_seconds: a 408
+        self.replay: list[bytes | bytearray] | None = []  # what was sent, while it is small
+        self.replay_size = 0
+        self.key: RequestKey | None = None  # a body policy's key, made once
+        # A body whose key the policy completes off the event loop, in the task
+        # (CompletesKeyOffLoop: cache_aware's precise mode tokenizes a long prompt).
+        self.key_later: bytes | None = None
+
+
 class Exchange:
     """One request and its response.
 
@@ -115,12 +157,14 @@ class Exchange:
     (`run`).
     """
 
-    # A body whose key the policy completes off the event loop, in the task
-    # (CompletesKeyOffLoop: cache_aware's precise mode tokenizes a long prompt).
-    _key_later: bytes | None = None
-
     def __init__(
-        self, ctx: ExchangeContext, client: ClientSide, method: bytes, head: bytes, has_body: bool
+        self,
+        ctx: ExchangeContext,
+        client: ClientSide,
+        method: bytes,
+        head: bytes,
+        has_body: bool,
+        headers: dict[bytes, bytes] = NO_HEADERS,
     ) -> None:
         self.ctx = ctx
         self.client = client
@@ -130,21 +174,8 @@ class Exchange:
         self.chunked = False
         self.http10 = False  # the client speaks HTTP/1.0: no chunked framing towards it
         self.wants_upgrade = False  # the client asked for a protocol upgrade (WebSocket)
-        self.headers: dict[bytes, bytes] = {}
-        # Buffered until a replica is attached (small pieces gathered into a bytearray).
-        self.body: list[bytes | bytearray] = []
-        self.body_size = 0
-        self.body_complete = not has_body
-        self.body_event: asyncio.Event | None = None  # made when a policy waits for the body
-        # A policy that reads the body (ReadsBody) chooses when this much of the body (or all
-        # of it) is here, without a task if it can (0: not waiting); a late body gets a task
-        # that answers 408.
-        self.choose_at = 0
-        # When the last body bytes came (or the wait began), on the proxy's sweep clock: the
-        # sweep gives a silent body a 408 (ClientConn.check_deadline), no timer per request.
-        self.body_seen = 0.0
-        self._body_late = False  # no body bytes for header_timeout_seconds: a 408
-        self._request_key: RequestKey | None = None  # a body policy's key, made once
+        self.headers = headers  # lower-case names
+        self.body = Body(complete=not has_body)
         self.conn: UpstreamConn | None = None
         self.replica: Upstream | None = None
         self.status = 0
@@ -159,24 +190,23 @@ class Exchange:
         self.task: asyncio.Task[None] | None = None
         self.tried: set[int] = set()
         self.chosen: Upstream | None = None  # picked without a task, to connect to in one
-        self.failures: list[str] = []
+        self.failures: list[str] | None = None  # why attempts were not sent (made on the first)
         self._counted: int | None = None  # the replica whose in-flight count holds this one
         self._settled = True
         self._waiter: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reported = False
-        self.replay: list[bytes | bytearray] | None = []  # the body sent so far, while it is small
-        self.replay_size = 0
 
     # client -> replica ---------------------------------------------------------------------
 
     def _keep_for_replay(self, data: bytes | bytearray) -> None:
-        if self.replay is not None:
-            self.replay_size += len(data)
-            if self.replay_size > REPLAY_BYTES:
-                self.replay = None  # too big to keep: this request cannot be retried once sent
+        body = self.body
+        if body.replay is not None:
+            body.replay_size += len(data)
+            if body.replay_size > REPLAY_BYTES:
+                body.replay = None  # too big to keep: this request cannot be retried once sent
             else:
-                self.replay.append(data)
+                body.replay.append(data)
 
     def _frame(self, data: bytes | bytearray) -> bytes | bytearray:
         return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
@@ -187,34 +217,36 @@ class Exchange:
             self._keep_for_replay(data)
         else:
             body = self.body
-            if len(data) < SMALL_PIECE and body and isinstance(body[-1], bytearray):
-                body[-1] += data  # tiny chunks cost one buffer, not an object each
+            held = body.held
+            if len(data) < SMALL_PIECE and held and isinstance(held[-1], bytearray):
+                held[-1] += data  # tiny chunks cost one buffer, not an object each
             else:
-                body.append(bytearray(data) if len(data) < SMALL_PIECE else data)
-            self.body_size += len(data)
-            if self.body_size >= HIGH_WATER:
+                held.append(bytearray(data) if len(data) < SMALL_PIECE else data)
+            body.size += len(data)
+            if body.size >= HIGH_WATER:
                 self.client.pause_reading()
-            if self.body_event is not None:
-                self.body_event.set()
-            if self.choose_at:
-                self.body_seen = self.ctx.clock
-                if self.body_size >= self.choose_at:
+            if body.event is not None:
+                body.event.set()
+            if body.choose_at:
+                body.seen = self.ctx.clock
+                if body.size >= body.choose_at:
                     self._to_task()  # a long body: its head is enough, the task reads it
 
     def on_body_complete(self) -> None:
-        self.body_complete = True
-        if self.body_event is not None:
-            self.body_event.set()
+        body = self.body
+        body.complete = True
+        if body.event is not None:
+            body.event.set()
         if self.conn is not None and self.chunked:
             self.conn.write(b"0\r\n\r\n")
-        elif self.choose_at:
+        elif body.choose_at:
             self._choose_with_body()  # (its send ends a chunked body itself)
 
     def tunnel_from_client(self, data: bytes) -> None:
         if self.conn is not None:
             self.conn.write(data)
         else:
-            self.body.append(data)
+            self.body.held.append(data)
 
     # replica -> client ---------------------------------------------------------------------
 
@@ -232,7 +264,7 @@ class Exchange:
         conn, self.conn = self.conn, None
         if conn is not None:
             self.status = conn.status
-            if upstream_keep_alive and self.body_complete:
+            if upstream_keep_alive and self.body.complete:
                 self.ctx.pool.release(conn)
             else:
                 conn.exchange = None
@@ -244,9 +276,9 @@ class Exchange:
         self.client.tunnel_to(self)
         if self.conn is not None:
             self.status = self.conn.status
-            for data in self.body:
+            for data in self.body.held:
                 self.conn.write(data)
-            self.body.clear()
+            self.body.held.clear()
 
     def upstream_lost(self, got_bytes: bool, tunnel: bool) -> None:
         conn, self.conn = self.conn, None
@@ -268,7 +300,7 @@ class Exchange:
         if conn is not None:
             conn.exchange = None
             conn.close()
-        waiting = self.choose_at
+        waiting = self.body.choose_at
         self._stop_waiting_for_body()
         if self.task is not None:
             self.task.cancel()
@@ -281,6 +313,12 @@ class Exchange:
             self._report(499, str(self.replica.replica_id) if self.replica else "none")
 
     # bookkeeping -------------------------------------------------------------------------------
+
+    def _failed(self, why: str) -> None:
+        """An attempt was not sent (another replica may take the request): why, for the 502."""
+        if self.failures is None:
+            self.failures = []
+        self.failures.append(why)
 
     def _begin_attempt(self, upstream: Upstream) -> None:
         rid = upstream.replica_id
@@ -316,18 +354,19 @@ class Exchange:
         self.conn, self.replica = conn, upstream
         self.status = 0
         self._settled = False
-        if self.replay:
-            self.body = self.replay + self.body  # a retry: the body goes again, from its start
-            self.replay, self.replay_size = [], 0
-        out = [self.head, *(self._frame(data) for data in self.body)]
-        if self.body_complete and self.chunked:
+        body = self.body
+        if body.replay:
+            body.held = body.replay + body.held  # a retry: the body goes again, from its start
+            body.replay, body.replay_size = [], 0
+        out = [self.head, *(self._frame(data) for data in body.held)]
+        if body.complete and self.chunked:
             out.append(b"0\r\n\r\n")
         conn.write(b"".join(out))  # one send for the head and what came of the body so far
         if not self.upgrade:
-            for data in self.body:
+            for data in body.held:
                 self._keep_for_replay(data)
-            self.body = []
-            self.body_size = 0
+            body.held = []
+            body.size = 0
             self.client.resume_reading()
         self.activity = self.sent_at = self.ctx.monotonic()
         self._timer = asyncio.get_running_loop().call_later(
@@ -370,7 +409,7 @@ class Exchange:
             status = self._conclude(outcome)
         except _NotSent as e:
             self._end_attempt()
-            self.failures.append(f"replica {rid}: {e}")
+            self._failed(f"replica {rid}: {e}")
             self.task = asyncio.get_running_loop().create_task(self.run())
             return
         self._end_attempt()
@@ -387,7 +426,7 @@ class Exchange:
             # (a stale pooled connection, or it died), so another one may, if the whole body
             # can be sent again.
             ctx.metrics.error(rid, "disconnected")
-            if self.replay is not None and self.body_complete:
+            if self.body.replay is not None and self.body.complete:
                 raise _NotSent("closed the connection without answering")
         ctx.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
         if self.sent_to_client:
@@ -419,34 +458,35 @@ class Exchange:
             # Choose once the body is here (mostly in the same read as the head); a request
             # started after its body came (pipelined behind another) chooses at once.
             limit = self._body_limit()
-            if self.body_complete or self.body_size >= limit:
+            body = self.body
+            if body.complete or body.size >= limit:
                 key = self._key_of_body()
-                return self._key_later is None and self._send_now(key)
-            self.choose_at = limit
-            self.body_seen = ctx.clock
+                return body.key_later is None and self._send_now(key)
+            body.choose_at = limit
+            body.seen = ctx.clock
             return True
         return self._send_now(self._header_key())
 
     def _choose_with_body(self) -> None:
         self._stop_waiting_for_body()
         key = self._key_of_body()
-        if self._key_later is not None or not self._send_now(key):
+        if self.body.key_later is not None or not self._send_now(key):
             self.task = asyncio.get_running_loop().create_task(self.run())
 
     def body_stalled(self) -> None:
         """Called by the sweep: no byte of the body for header_timeout_seconds (counted from
         when this request's turn came, not from its head: it may have been pipelined)."""
-        self._body_late = True
+        self.body.late = True
         self._to_task()
 
     def _to_task(self) -> None:
         """Stop waiting without a task: a long body, or a stalled one (the task answers 408)."""
-        if self.choose_at:
+        if self.body.choose_at:
             self._stop_waiting_for_body()
             self.task = asyncio.get_running_loop().create_task(self.run())
 
     def _stop_waiting_for_body(self) -> None:
-        self.choose_at = 0
+        self.body.choose_at = 0
 
     def _send_now(self, key: RequestKey) -> bool:
         """Send to the chosen replica now if it has an idle pooled connection."""
@@ -512,7 +552,7 @@ class Exchange:
             try:
                 return await self._attempt(upstream), rid
             except _NotSent as e:
-                self.failures.append(f"replica {rid}: {e}")
+                self._failed(f"replica {rid}: {e}")
             finally:
                 self._end_attempt()
         if not self.tried:
@@ -528,7 +568,7 @@ class Exchange:
             msg = error_response(
                 502,
                 "upstream_unreachable",
-                "no replica could be reached: " + "; ".join(self.failures),
+                "no replica could be reached: " + "; ".join(self.failures or ()),
                 close=not self.keep_alive,
             )
         self.client.write(msg)
@@ -545,17 +585,18 @@ class Exchange:
     async def _read_body(self, limit: int) -> bytes:
         """The body, or its first `limit` bytes when it is longer (it is held, not sent, until
         a replica is chosen); raises _BodyLate past the head's time limit."""
-        if self._body_late:
+        body = self.body
+        if body.late:
             raise _BodyLate
-        self.body_event = asyncio.Event()
+        event = body.event = asyncio.Event()
         timeout = self.ctx.limits.header_timeout
-        while not self.body_complete and self.body_size < limit:
-            self.body_event.clear()
+        while not body.complete and body.size < limit:
+            event.clear()
             try:  # each wait is for the next bytes: a slow but steady body is fine
-                await asyncio.wait_for(self.body_event.wait(), timeout)
+                await asyncio.wait_for(event.wait(), timeout)
             except TimeoutError:
                 raise _BodyLate from None
-        return b"".join(self.body)[:limit]
+        return b"".join(body.held)[:limit]
 
     def _reads_body(self) -> bool:
         """Whether the policy reads this request's body before choosing: not a client that
@@ -569,17 +610,18 @@ class Exchange:
 
     async def _key(self) -> RequestKey:
         if self._reads_body():
-            if self._request_key is None:
+            body = self.body
+            if body.key is None:
                 await self._read_body(self._body_limit())
             key = self._key_of_body()
-            if self._key_later is not None:
-                key = self._request_key = await self._complete_key(key, self._key_later)
+            if body.key_later is not None:
+                key = body.key = await self._complete_key(key, body.key_later)
             return key
         return self._header_key()
 
     async def _complete_key(self, key: RequestKey, body: bytes) -> RequestKey:
         """The key with its slow part, made off the event loop (a long prompt's tokens)."""
-        self._key_later = None
+        self.body.key_later = None
         ctx = self.ctx
         off_loop = ctx.replicas.caps.off_loop
         if off_loop is None:
@@ -592,11 +634,12 @@ class Exchange:
 
     def _key_of_body(self) -> RequestKey:
         """The body policy's key, made once (a task that takes over reuses it)."""
-        if self._request_key is None:
-            body, limit = b"".join(self.body), self._body_limit()
-            whole = self.body_complete and len(body) <= limit
-            self._request_key = self._body_key(body[:limit], whole)
-        return self._request_key
+        body = self.body
+        if body.key is None:
+            data, limit = b"".join(body.held), self._body_limit()
+            whole = body.complete and len(data) <= limit
+            body.key = self._body_key(data[:limit], whole)
+        return body.key
 
     def _body_key(self, body: bytes, complete: bool) -> RequestKey:
         """What a body policy keys on (`complete`: `body` is the whole body); a body it cannot
@@ -608,7 +651,7 @@ class Exchange:
         try:
             key = caps.body_key(body, complete)
             if caps.off_loop is not None and caps.off_loop.completes_later(key, body, complete):
-                self._key_later = body  # the task completes it (`_key`)
+                self.body.key_later = body  # the task completes it (`_key`)
         except Exception:
             ctx.replicas.policy_failed("reading a request's body for its key failed")
             return NO_KEY
