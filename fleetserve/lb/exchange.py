@@ -157,6 +157,39 @@ class Exchange:
     (`run`).
     """
 
+    __slots__ = (
+        "_counted",
+        "_reported",
+        "_settled",
+        "_timer",
+        "_waiter",
+        "activity",
+        "body",
+        "chosen",
+        "chunked",
+        "client",
+        "conn",
+        "ctx",
+        "failures",
+        "first_byte",
+        "has_body",
+        "head",
+        "headers",
+        "http10",
+        "keep_alive",
+        "local",
+        "method",
+        "replica",
+        "sent_at",
+        "sent_to_client",
+        "started",
+        "status",
+        "task",
+        "tried",
+        "upgrade",
+        "wants_upgrade",
+    )
+
     def __init__(
         self,
         ctx: ExchangeContext,
