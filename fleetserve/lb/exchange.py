@@ -29,7 +29,7 @@ NO_HEADERS: dict[bytes, bytes] = {}  # a response the LB gives itself reads none
 @dataclass(slots=True, eq=False)
 class ExchangeContext:
     """What the exchanges of one load balancer process share, made once by the proxy
-    (fleetserve.lb.ctx.Proxy) and handed to each client connection and exchange: the
+    (fleetserve.lb.proxy.Proxy) and handed to each client connection and exchange: the
     collaborators an exchange calls, and the few settings it reads."""
 
     service: str
