@@ -35,6 +35,10 @@ from run import Procs, free_port, start_replica, wait_port, wrk
 
 from fleetserve.lb.config import LbConfig
 
+# A load balancer's start (importing fleetserve, its workers) may take long on a loaded
+# machine: the side-by-side runs several at once.
+LB_START_SECONDS = 60
+
 Figures = tuple[float, float, float, float]  # req/s, p50 ms, p99 ms, LB CPU us per request
 
 
@@ -46,7 +50,7 @@ def start_lb(procs: Procs, name: str, tree: Path, policy: str, ports: list[int])
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     cmd = [sys.executable, "-m", "fleetserve.lb", "--config", str(path)]
     proc = procs.start(cmd, f"{name}.log", env=env)
-    wait_port(admin)
+    wait_port(admin, LB_START_SECONDS)
     body = {
         "replicas": [
             {"replica_id": i + 1, "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(ports)
@@ -56,7 +60,7 @@ def start_lb(procs: Procs, name: str, tree: Path, policy: str, ports: list[int])
         f"http://127.0.0.1:{admin}/-/replicas", data=json.dumps(body).encode(), method="PUT"
     )
     urllib.request.urlopen(req, timeout=5).read()
-    wait_port(port)
+    wait_port(port, LB_START_SECONDS)
     return f"http://127.0.0.1:{port}/", proc.pid
 
 

@@ -16,7 +16,7 @@ from typing import NoReturn, Protocol
 
 import httptools
 
-from fleetserve.lb.exchange import Exchange, Shared
+from fleetserve.lb.exchange import Exchange, ExchangeContext
 from fleetserve.lb.http import (
     FRAMING,
     HIGH_WATER,
@@ -28,9 +28,10 @@ from fleetserve.lb.http import (
 from fleetserve.lb.metrics import Rejection
 
 
-class Listener(Shared, Protocol):
+class Listener(Protocol):
     """What a client connection needs of the process that accepted it (fleetserve.lb.proxy):
-    what its exchanges share, and the connection limits and keys."""
+    the open connections, their limits and the API keys. (What its exchanges share comes
+    apart, as their `ExchangeContext`.)"""
 
     @property
     def clients(self) -> set[ClientConn]: ...
@@ -75,9 +76,10 @@ class _Refused(Exception):
 class ClientConn(asyncio.Protocol):
     """One client connection: parses its requests (within `Limits`), answers them in order."""
 
-    def __init__(self, proxy: Listener) -> None:
-        self.proxy = proxy
-        self.limits = proxy.limits
+    def __init__(self, listener: Listener, ctx: ExchangeContext) -> None:
+        self.listener = listener  # the process that accepted it (its connections, keys)
+        self.ctx = ctx
+        self.limits = ctx.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Exchange] = deque()  # pipelined requests wait their turn
@@ -96,7 +98,7 @@ class ClientConn(asyncio.Protocol):
         self.read_bytes = 0  # the size of the read being parsed
         self.head_first = 0  # how much of the head in progress its first read held at most
         self.head_bytes = 0  # bytes of the reads that began inside it
-        self.idle_since = proxy.clock
+        self.idle_since = ctx.clock
         self.full = False  # `limits.pipelined` requests are queued: what comes waits unparsed
         self.backlog = b""  # what came while `full`, parsed once the queue drains
         self.upgrading = False
@@ -104,33 +106,33 @@ class ClientConn(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self.peer = b""
-        self.counted = False  # counted in proxy.per_client
+        self.counted = False  # counted in listener.per_client
         self.scheme = b"http"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        proxy = self.proxy
-        if len(proxy.clients) >= proxy.max_connections:
+        listener = self.listener
+        if len(listener.clients) >= listener.max_connections:
             # Refused before it costs anything more than this answer (the kernel has already
             # accepted it): better than running out of file descriptors for everyone.
             self.dead = self.closed = True
-            proxy.metrics.rejected(Rejection.CONNECTIONS)
-            self.transport.write(proxy.busy)  # type: ignore[union-attr]
+            self.ctx.metrics.rejected(Rejection.CONNECTIONS)
+            self.transport.write(listener.busy)  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
             return
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]).encode() if peer else b""
-        if proxy.per_client_limit is not None:
-            held = proxy.per_client.get(self.peer, 0)
-            if held >= proxy.per_client_limit:  # one address must not take every connection
+        if listener.per_client_limit is not None:
+            held = listener.per_client.get(self.peer, 0)
+            if held >= listener.per_client_limit:  # one address must not take every connection
                 self.dead = self.closed = True
-                proxy.metrics.rejected(Rejection.CLIENT_CONNECTIONS)
-                self.transport.write(proxy.busy_client)  # type: ignore[union-attr]
+                self.ctx.metrics.rejected(Rejection.CLIENT_CONNECTIONS)
+                self.transport.write(listener.busy_client)  # type: ignore[union-attr]
                 self.transport.close()  # type: ignore[union-attr]
                 return
-            proxy.per_client[self.peer] = held + 1
+            listener.per_client[self.peer] = held + 1
             self.counted = True
-        proxy.clients.add(self)
+        listener.clients.add(self)
         self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
         self.scheme = b"https" if transport.get_extra_info("sslcontext") else b"http"
 
@@ -166,7 +168,7 @@ class ClientConn(asyncio.Protocol):
         """Whether this read may complete more heads than the queue has room for (a read that
         continues a body is parsed whole: past the room, a request gets a 429)."""
         building = self.building
-        if building is not None and not building.body_complete:
+        if building is not None and not building.body.complete:
             return False
         room = self.limits.pipelined - len(self.queue)
         return len(data) >= (room - 1) * MIN_HEAD_BYTES and data.count(b"\r\n\r\n") >= room
@@ -230,11 +232,11 @@ class ClientConn(asyncio.Protocol):
                 400, "bad_request", f"malformed HTTP request: {e}", Rejection.BAD_REQUEST
             )
         ex = self.building
-        if ex is not None and not ex.body_complete and ex in self.queue:
+        if ex is not None and not ex.body.complete and ex in self.queue:
             # A broken body: its request cannot complete. Answer if nothing was, and close
             # (connection_lost cancels the replica's request).
             self.dead = True
-            self.proxy.metrics.rejected(refused.reason)
+            self.ctx.metrics.rejected(refused.reason)
             if self.starting is ex:
                 self.starting = None
             if self.queue[0] is ex and not ex.sent_to_client:
@@ -248,8 +250,8 @@ class ClientConn(asyncio.Protocol):
         self.dead = True
         self.in_head = False
         self._sync_reading()
-        self.proxy.metrics.rejected(refused.reason)
-        ex = Exchange(self, b"", b"", False)
+        self.ctx.metrics.rejected(refused.reason)
+        ex = Exchange(self.ctx, self, b"", b"", False)
         ex.local = error_response(refused.status, refused.code, refused.message, close=True)
         ex.keep_alive = False
         self.queue.append(ex)
@@ -276,7 +278,7 @@ class ClientConn(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self.in_head = True
-        self.head_started = self.proxy.clock
+        self.head_started = self.ctx.clock
         self.head_first = self.read_bytes  # at most this much of the head is in this read
         self.head_bytes = 0
 
@@ -297,7 +299,7 @@ class ClientConn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.in_head = False
-        proxy = self.proxy
+        listener = self.listener
         parser = self.parser
         headers = self._headers
         limits = self.limits
@@ -331,7 +333,7 @@ class ClientConn(asyncio.Protocol):
         upgrade = parser.should_upgrade()
         chunked = b"chunked" in lower.get(b"transfer-encoding", b"").lower()
         has_body = chunked or int(lower.get(b"content-length", b"0") or 0) > 0
-        strip_auth = bool(proxy.keys)
+        strip_auth = bool(listener.keys)
         drop = HOP_BY_HOP
         if has_connection:
             drop = drop | (connection_tokens(headers) - FRAMING)
@@ -351,13 +353,12 @@ class ClientConn(asyncio.Protocol):
         if upgrade:
             out += (b"Connection: upgrade\r\nUpgrade: ", lower.get(b"upgrade", b""), b"\r\n")
         out.append(b"\r\n")
-        ex = Exchange(self, method, b"".join(out), has_body)
+        ex = Exchange(self.ctx, self, method, b"".join(out), has_body, lower)
         ex.chunked = chunked
-        ex.headers = lower
         ex.keep_alive = keep_alive
         ex.http10 = http10
         ex.wants_upgrade = upgrade
-        if not proxy.authorized(lower.get(b"authorization")):
+        if not listener.authorized(lower.get(b"authorization")):
             ex.local = error_response(
                 401,
                 "unauthorized",
@@ -436,13 +437,13 @@ class ClientConn(asyncio.Protocol):
         if ex.upgrade:
             self.close()
             return
-        if not ex.keep_alive or not ex.body_complete:
+        if not ex.keep_alive or not ex.body.complete:
             self.close_after_write()
             return
         if queue:
             self._start(queue[0])
         else:
-            self.idle_since = self.proxy.clock
+            self.idle_since = self.ctx.clock
         if self.full and len(queue) < self.limits.pipelined:
             self.full = self.held = False
             backlog, self.backlog = self.backlog, b""
@@ -461,7 +462,7 @@ class ClientConn(asyncio.Protocol):
         if self.closed or self.dead or self.tunnel is not None:
             return
         waiting = self.queue[0] if self.queue else None
-        if waiting is not None and waiting.choose_at and waiting.body_seen < head_since:
+        if waiting is not None and waiting.body.choose_at and waiting.body.seen < head_since:
             waiting.body_stalled()  # a body policy waited in vain for the body: a 408
             return
         if not self.reading:
@@ -480,7 +481,7 @@ class ClientConn(asyncio.Protocol):
         elif not self.queue:
             fresh = self.building is None  # no request yet: its first head is late
             if self.idle_since < (head_since if fresh else idle_since):
-                self.proxy.metrics.rejected(
+                self.ctx.metrics.rejected(
                     Rejection.HEADER_TIMEOUT if fresh else Rejection.IDLE_TIMEOUT
                 )
                 self.close()
@@ -497,7 +498,7 @@ class ClientConn(asyncio.Protocol):
             if read:
                 self.transport.resume_reading()
                 if self.in_head:  # the head's clock runs while it can be read
-                    self.head_started = self.proxy.clock
+                    self.head_started = self.ctx.clock
             else:
                 self.transport.pause_reading()
 
@@ -531,14 +532,14 @@ class ClientConn(asyncio.Protocol):
         self.close_after_write()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.proxy.clients.discard(self)
+        self.listener.clients.discard(self)
         if self.counted:
             self.counted = False
-            left = self.proxy.per_client.get(self.peer, 1) - 1
+            left = self.listener.per_client.get(self.peer, 1) - 1
             if left > 0:
-                self.proxy.per_client[self.peer] = left
+                self.listener.per_client[self.peer] = left
             else:
-                self.proxy.per_client.pop(self.peer, None)
+                self.listener.per_client.pop(self.peer, None)
         self.closed = self.dead = True
         self.backlog = b""
         pending, self.queue = list(self.queue), deque()

@@ -10,68 +10,80 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from fleetserve.lb.config import LbConfig
 from fleetserve.lb.http import HIGH_WATER, Limits, error_response
 from fleetserve.lb.metrics import LoadTracker, Metrics
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.lb.upstream import Pool, UpstreamConn
 from fleetserve.policies.lb import NO_KEY, RequestKey
-from fleetserve.spec.models import LoadBalancerOptions
 
 SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
+NO_HEADERS: dict[bytes, bytes] = {}  # a response the LB gives itself reads none (never written)
 
 
-class Shared(Protocol):
-    """What the exchanges of one load balancer process share (fleetserve.lb.proxy.Proxy)."""
+@dataclass(slots=True, eq=False)
+class ExchangeContext:
+    """What the exchanges of one load balancer process share, made once by the proxy
+    (fleetserve.lb.proxy.Proxy) and handed to each client connection and exchange: the
+    collaborators an exchange calls, and the few settings it reads."""
 
-    @property
-    def config(self) -> LbConfig: ...
-
-    @property
-    def opts(self) -> LoadBalancerOptions: ...
-
-    @property
-    def limits(self) -> Limits: ...
-
-    @property
-    def replicas(self) -> ReplicaSet: ...
-
-    @property
-    def pool(self) -> Pool: ...
-
-    @property
-    def metrics(self) -> Metrics: ...
-
-    @property
-    def load(self) -> LoadTracker: ...
-
-    @property
-    def clock(self) -> float:
-        """The sweep's clock: monotonic seconds, at most one sweep old."""
-        ...
-
-    @property
-    def monotonic(self) -> Callable[[], float]:
-        """The load balancer's clock (fleetserve.core.clock: injected, fake in tests)."""
-        ...
+    service: str
+    limits: Limits
+    replicas: ReplicaSet  # the routable replicas, and the policy's capabilities (`caps`)
+    pool: Pool
+    metrics: Metrics
+    load: LoadTracker
+    monotonic: Callable[[], float]  # the load balancer's clock (fleetserve.core.clock)
+    read_timeout: float  # load_balancer.read_timeout_seconds
+    max_attempts: int  # load_balancer.max_attempts
+    hold_when_empty: bool  # no ready replica: wait for one (a service that scales from zero)
+    queue_size: int  # ... at most this many requests wait
+    queue_timeout: float  # ... each at most this long
+    wake: Callable[[], Coroutine[Any, Any, None]] | None = None  # asks the controller for one
+    # The sweep's clock: monotonic seconds, at most one sweep old (the proxy's sweep sets it).
+    clock: float = 0.0
+    queued: int = 0  # requests waiting for a first replica
+    wake_task: asyncio.Task[None] | None = None
 
     async def hold(self) -> bytes | None:
-        """Wait for a first routable replica; the refusal to send, or None."""
-        ...
+        """No replica is ready and the service scales from zero: wait for one (bounded).
+        Returns the refusal to send, or None once a replica is ready."""
+        service = self.service
+        if self.queued >= self.queue_size:
+            return error_response(
+                503,
+                "queue_full",
+                f"service {service!r} is starting from zero and {self.queued} requests are "
+                "already waiting; retry later",
+                extra={"Retry-After": "5"},
+            )
+        self.queued += 1
+        self.metrics.set_queued(self.queued)
+        try:
+            if self.wake is not None:
+                self.wake_task = asyncio.get_running_loop().create_task(self.wake())
+            if await self.replicas.wait_ready(self.queue_timeout):
+                return None
+        finally:
+            self.queued -= 1
+            self.metrics.set_queued(self.queued)
+        return error_response(
+            503,
+            "no_ready_replicas",
+            f"service {service!r} had no READY replica within {self.queue_timeout:g} s",
+            extra={"Retry-After": "5"},
+        )
 
 
 class ClientSide(Protocol):
     """The client connection an exchange answers (fleetserve.lb.client.ClientConn)."""
 
     closed: bool
-
-    @property
-    def proxy(self) -> Shared: ...
 
     def write(self, data: bytes) -> None: ...
 
@@ -94,6 +106,47 @@ class _BodyLate(Exception):
     """A policy waited for the body longer than a head may take (header_timeout_seconds)."""
 
 
+class Body:
+    """A request's body on its way to a replica: held until a replica is attached (small
+    pieces gathered into one buffer), kept while small to send again (`replay`), and what a
+    policy that reads the body (ReadsBody) waits for and keys on."""
+
+    __slots__ = (
+        "choose_at",
+        "complete",
+        "event",
+        "held",
+        "key",
+        "key_later",
+        "late",
+        "replay",
+        "replay_size",
+        "seen",
+        "size",
+    )
+
+    def __init__(self, complete: bool) -> None:
+        # Buffered until a replica is attached (small pieces gathered into a bytearray).
+        self.held: list[bytes | bytearray] = []
+        self.size = 0  # bytes held
+        self.complete = complete
+        self.event: asyncio.Event | None = None  # made when a policy waits for the body
+        # A policy that reads the body chooses when this much of the body (or all of it) is
+        # here, without a task if it can (0: not waiting); a late body gets a task that
+        # answers 408.
+        self.choose_at = 0
+        # When the last body bytes came (or the wait began), on the proxy's sweep clock: the
+        # sweep gives a silent body a 408 (ClientConn.check_deadline), no timer per request.
+        self.seen = 0.0
+        self.late = False  # no body bytes for header_timeout_seconds: a 408
+        self.replay: list[bytes | bytearray] | None = []  # what was sent, while it is small
+        self.replay_size = 0
+        self.key: RequestKey | None = None  # a body policy's key, made once
+        # A body whose key the policy completes off the event loop, in the task
+        # (CompletesKeyOffLoop: cache_aware's precise mode tokenizes a long prompt).
+        self.key_later: bytes | None = None
+
+
 class Exchange:
     """One request and its response.
 
@@ -104,39 +157,63 @@ class Exchange:
     (`run`).
     """
 
-    # A body whose key the policy completes off the event loop, in the task
-    # (CompletesKeyOffLoop: cache_aware's precise mode tokenizes a long prompt).
-    _key_later: bytes | None = None
+    __slots__ = (
+        "_counted",
+        "_reported",
+        "_settled",
+        "_timer",
+        "_waiter",
+        "activity",
+        "body",
+        "chosen",
+        "chunked",
+        "client",
+        "conn",
+        "ctx",
+        "failures",
+        "first_byte",
+        "has_body",
+        "head",
+        "headers",
+        "http10",
+        "keep_alive",
+        "local",
+        "method",
+        "replica",
+        "sent_at",
+        "sent_to_client",
+        "started",
+        "status",
+        "task",
+        "tried",
+        "upgrade",
+        "wants_upgrade",
+    )
 
-    def __init__(self, client: ClientSide, method: bytes, head: bytes, has_body: bool) -> None:
+    def __init__(
+        self,
+        ctx: ExchangeContext,
+        client: ClientSide,
+        method: bytes,
+        head: bytes,
+        has_body: bool,
+        headers: dict[bytes, bytes] = NO_HEADERS,
+    ) -> None:
+        self.ctx = ctx
         self.client = client
-        self.proxy = client.proxy
         self.method = method
         self.head = head  # request line and headers as they go to the replica
         self.has_body = has_body
         self.chunked = False
         self.http10 = False  # the client speaks HTTP/1.0: no chunked framing towards it
         self.wants_upgrade = False  # the client asked for a protocol upgrade (WebSocket)
-        self.headers: dict[bytes, bytes] = {}
-        # Buffered until a replica is attached (small pieces gathered into a bytearray).
-        self.body: list[bytes | bytearray] = []
-        self.body_size = 0
-        self.body_complete = not has_body
-        self.body_event: asyncio.Event | None = None  # made when a policy waits for the body
-        # A policy that reads the body (ReadsBody) chooses when this much of the body (or all
-        # of it) is here, without a task if it can (0: not waiting); a late body gets a task
-        # that answers 408.
-        self.choose_at = 0
-        # When the last body bytes came (or the wait began), on the proxy's sweep clock: the
-        # sweep gives a silent body a 408 (ClientConn.check_deadline), no timer per request.
-        self.body_seen = 0.0
-        self._body_late = False  # no body bytes for header_timeout_seconds: a 408
-        self._request_key: RequestKey | None = None  # a body policy's key, made once
+        self.headers = headers  # lower-case names
+        self.body = Body(complete=not has_body)
         self.conn: UpstreamConn | None = None
         self.replica: Upstream | None = None
         self.status = 0
         self.sent_to_client = False
-        self.started = self.proxy.monotonic()
+        self.started = self.ctx.monotonic()
         self.activity = self.started
         self.sent_at = self.started  # when the current attempt was sent to its replica
         self.first_byte: float | None = None  # seconds from sent_at to the answer's first byte
@@ -146,24 +223,23 @@ class Exchange:
         self.task: asyncio.Task[None] | None = None
         self.tried: set[int] = set()
         self.chosen: Upstream | None = None  # picked without a task, to connect to in one
-        self.failures: list[str] = []
+        self.failures: list[str] | None = None  # why attempts were not sent (made on the first)
         self._counted: int | None = None  # the replica whose in-flight count holds this one
         self._settled = True
         self._waiter: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reported = False
-        self.replay: list[bytes | bytearray] | None = []  # the body sent so far, while it is small
-        self.replay_size = 0
 
     # client -> replica ---------------------------------------------------------------------
 
     def _keep_for_replay(self, data: bytes | bytearray) -> None:
-        if self.replay is not None:
-            self.replay_size += len(data)
-            if self.replay_size > REPLAY_BYTES:
-                self.replay = None  # too big to keep: this request cannot be retried once sent
+        body = self.body
+        if body.replay is not None:
+            body.replay_size += len(data)
+            if body.replay_size > REPLAY_BYTES:
+                body.replay = None  # too big to keep: this request cannot be retried once sent
             else:
-                self.replay.append(data)
+                body.replay.append(data)
 
     def _frame(self, data: bytes | bytearray) -> bytes | bytearray:
         return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
@@ -174,34 +250,36 @@ class Exchange:
             self._keep_for_replay(data)
         else:
             body = self.body
-            if len(data) < SMALL_PIECE and body and isinstance(body[-1], bytearray):
-                body[-1] += data  # tiny chunks cost one buffer, not an object each
+            held = body.held
+            if len(data) < SMALL_PIECE and held and isinstance(held[-1], bytearray):
+                held[-1] += data  # tiny chunks cost one buffer, not an object each
             else:
-                body.append(bytearray(data) if len(data) < SMALL_PIECE else data)
-            self.body_size += len(data)
-            if self.body_size >= HIGH_WATER:
+                held.append(bytearray(data) if len(data) < SMALL_PIECE else data)
+            body.size += len(data)
+            if body.size >= HIGH_WATER:
                 self.client.pause_reading()
-            if self.body_event is not None:
-                self.body_event.set()
-            if self.choose_at:
-                self.body_seen = self.proxy.clock
-                if self.body_size >= self.choose_at:
+            if body.event is not None:
+                body.event.set()
+            if body.choose_at:
+                body.seen = self.ctx.clock
+                if body.size >= body.choose_at:
                     self._to_task()  # a long body: its head is enough, the task reads it
 
     def on_body_complete(self) -> None:
-        self.body_complete = True
-        if self.body_event is not None:
-            self.body_event.set()
+        body = self.body
+        body.complete = True
+        if body.event is not None:
+            body.event.set()
         if self.conn is not None and self.chunked:
             self.conn.write(b"0\r\n\r\n")
-        elif self.choose_at:
+        elif body.choose_at:
             self._choose_with_body()  # (its send ends a chunked body itself)
 
     def tunnel_from_client(self, data: bytes) -> None:
         if self.conn is not None:
             self.conn.write(data)
         else:
-            self.body.append(data)
+            self.body.held.append(data)
 
     # replica -> client ---------------------------------------------------------------------
 
@@ -219,8 +297,8 @@ class Exchange:
         conn, self.conn = self.conn, None
         if conn is not None:
             self.status = conn.status
-            if upstream_keep_alive and self.body_complete:
-                self.proxy.pool.release(conn)
+            if upstream_keep_alive and self.body.complete:
+                self.ctx.pool.release(conn)
             else:
                 conn.exchange = None
                 conn.close()
@@ -231,9 +309,9 @@ class Exchange:
         self.client.tunnel_to(self)
         if self.conn is not None:
             self.status = self.conn.status
-            for data in self.body:
+            for data in self.body.held:
                 self.conn.write(data)
-            self.body.clear()
+            self.body.held.clear()
 
     def upstream_lost(self, got_bytes: bool, tunnel: bool) -> None:
         conn, self.conn = self.conn, None
@@ -255,7 +333,7 @@ class Exchange:
         if conn is not None:
             conn.exchange = None
             conn.close()
-        waiting = self.choose_at
+        waiting = self.body.choose_at
         self._stop_waiting_for_body()
         if self.task is not None:
             self.task.cancel()
@@ -269,19 +347,25 @@ class Exchange:
 
     # bookkeeping -------------------------------------------------------------------------------
 
+    def _failed(self, why: str) -> None:
+        """An attempt was not sent (another replica may take the request): why, for the 502."""
+        if self.failures is None:
+            self.failures = []
+        self.failures.append(why)
+
     def _begin_attempt(self, upstream: Upstream) -> None:
         rid = upstream.replica_id
-        inflight = self.proxy.replicas.inflight
+        inflight = self.ctx.replicas.inflight
         inflight[rid] = inflight.get(rid, 0) + 1
         self._counted = rid
         self.tried.add(rid)
-        self.proxy.load.record(str(rid))
+        self.ctx.load.record(str(rid))
 
     def _end_attempt(self) -> None:
         rid, self._counted = self._counted, None
         if rid is None:
             return
-        inflight = self.proxy.replicas.inflight
+        inflight = self.ctx.replicas.inflight
         left = inflight.get(rid, 1) - 1
         if left > 0:
             inflight[rid] = left
@@ -292,8 +376,8 @@ class Exchange:
         if self._reported:
             return
         self._reported = True
-        proxy = self.proxy
-        proxy.metrics.done(replica, status, proxy.monotonic() - self.started, self.first_byte)
+        ctx = self.ctx
+        ctx.metrics.done(replica, status, ctx.monotonic() - self.started, self.first_byte)
         self.client.exchange_done(self)
 
     # sending and settling ------------------------------------------------------------------------
@@ -303,22 +387,23 @@ class Exchange:
         self.conn, self.replica = conn, upstream
         self.status = 0
         self._settled = False
-        if self.replay:
-            self.body = self.replay + self.body  # a retry: the body goes again, from its start
-            self.replay, self.replay_size = [], 0
-        out = [self.head, *(self._frame(data) for data in self.body)]
-        if self.body_complete and self.chunked:
+        body = self.body
+        if body.replay:
+            body.held = body.replay + body.held  # a retry: the body goes again, from its start
+            body.replay, body.replay_size = [], 0
+        out = [self.head, *(self._frame(data) for data in body.held)]
+        if body.complete and self.chunked:
             out.append(b"0\r\n\r\n")
         conn.write(b"".join(out))  # one send for the head and what came of the body so far
         if not self.upgrade:
-            for data in self.body:
+            for data in body.held:
                 self._keep_for_replay(data)
-            self.body = []
-            self.body_size = 0
+            body.held = []
+            body.size = 0
             self.client.resume_reading()
-        self.activity = self.sent_at = self.proxy.monotonic()
+        self.activity = self.sent_at = self.ctx.monotonic()
         self._timer = asyncio.get_running_loop().call_later(
-            self.proxy.opts.read_timeout_seconds, self._check_timeout
+            self.ctx.read_timeout, self._check_timeout
         )
 
     def _cancel_timer(self) -> None:
@@ -330,8 +415,8 @@ class Exchange:
         """No byte from the replica for read_timeout_seconds: give up (tunnels may idle)."""
         if self._settled:
             return
-        limit = self.proxy.opts.read_timeout_seconds
-        idle = self.proxy.monotonic() - self.activity
+        limit = self.ctx.read_timeout
+        idle = self.ctx.monotonic() - self.activity
         if self.upgrade or idle < limit:
             delay = limit if self.upgrade else limit - idle
             self._timer = asyncio.get_running_loop().call_later(delay, self._check_timeout)
@@ -357,7 +442,7 @@ class Exchange:
             status = self._conclude(outcome)
         except _NotSent as e:
             self._end_attempt()
-            self.failures.append(f"replica {rid}: {e}")
+            self._failed(f"replica {rid}: {e}")
             self.task = asyncio.get_running_loop().create_task(self.run())
             return
         self._end_attempt()
@@ -365,7 +450,7 @@ class Exchange:
 
     def _conclude(self, outcome: str) -> int:
         """The status this attempt ends with; raises _NotSent when another replica may try."""
-        proxy = self.proxy
+        ctx = self.ctx
         rid = str(self.replica.replica_id) if self.replica else "none"
         if outcome in ("ok", "tunnel closed"):
             return self.status
@@ -373,10 +458,10 @@ class Exchange:
             # The connection closed before any response byte: the replica did not answer
             # (a stale pooled connection, or it died), so another one may, if the whole body
             # can be sent again.
-            proxy.metrics.error(rid, "disconnected")
-            if self.replay is not None and self.body_complete:
+            ctx.metrics.error(rid, "disconnected")
+            if self.body.replay is not None and self.body.complete:
                 raise _NotSent("closed the connection without answering")
-        proxy.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
+        ctx.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
         if self.sent_to_client:
             self.client.close()  # a truncated response must not look complete
             return self.status or 502
@@ -384,7 +469,7 @@ class Exchange:
             msg = error_response(
                 504,
                 "upstream_timeout",
-                f"replica {rid} sent no response within {proxy.opts.read_timeout_seconds:g} s",
+                f"replica {rid} sent no response within {ctx.read_timeout:g} s",
                 close=not self.keep_alive,
             )
         else:
@@ -399,51 +484,52 @@ class Exchange:
 
     def try_now(self) -> bool:
         """Start the exchange without a task if nothing has to be waited for."""
-        proxy = self.proxy
+        ctx = self.ctx
         if self.local is not None:
             return False
         if self._reads_body():
             # Choose once the body is here (mostly in the same read as the head); a request
             # started after its body came (pipelined behind another) chooses at once.
             limit = self._body_limit()
-            if self.body_complete or self.body_size >= limit:
+            body = self.body
+            if body.complete or body.size >= limit:
                 key = self._key_of_body()
-                return self._key_later is None and self._send_now(key)
-            self.choose_at = limit
-            self.body_seen = proxy.clock
+                return body.key_later is None and self._send_now(key)
+            body.choose_at = limit
+            body.seen = ctx.clock
             return True
         return self._send_now(self._header_key())
 
     def _choose_with_body(self) -> None:
         self._stop_waiting_for_body()
         key = self._key_of_body()
-        if self._key_later is not None or not self._send_now(key):
+        if self.body.key_later is not None or not self._send_now(key):
             self.task = asyncio.get_running_loop().create_task(self.run())
 
     def body_stalled(self) -> None:
         """Called by the sweep: no byte of the body for header_timeout_seconds (counted from
         when this request's turn came, not from its head: it may have been pipelined)."""
-        self._body_late = True
+        self.body.late = True
         self._to_task()
 
     def _to_task(self) -> None:
         """Stop waiting without a task: a long body, or a stalled one (the task answers 408)."""
-        if self.choose_at:
+        if self.body.choose_at:
             self._stop_waiting_for_body()
             self.task = asyncio.get_running_loop().create_task(self.run())
 
     def _stop_waiting_for_body(self) -> None:
-        self.choose_at = 0
+        self.body.choose_at = 0
 
     def _send_now(self, key: RequestKey) -> bool:
         """Send to the chosen replica now if it has an idle pooled connection."""
-        proxy = self.proxy
-        if not proxy.replicas.upstreams:
+        ctx = self.ctx
+        if not ctx.replicas.upstreams:
             return False
-        upstream = proxy.replicas.pick(frozenset(), key)
+        upstream = ctx.replicas.pick(frozenset(), key)
         if upstream is None:
             return False
-        conn = proxy.pool.idle_conn(upstream)
+        conn = ctx.pool.idle_conn(upstream)
         if conn is None:
             self.chosen = upstream  # the task connects to it: a pick is not made twice
             return False
@@ -464,7 +550,7 @@ class Exchange:
             self._report(status, replica)
 
     async def _run(self) -> tuple[int, str]:
-        proxy = self.proxy
+        ctx = self.ctx
         if self.local is not None:
             self.client.write(self.local)
             return int(self.local[9:12]), "none"
@@ -472,7 +558,7 @@ class Exchange:
             key = await self._key()
         except _BodyLate:
             self.keep_alive = False
-            timeout = proxy.limits.header_timeout
+            timeout = ctx.limits.header_timeout
             self.client.write(
                 error_response(
                     408,
@@ -482,16 +568,16 @@ class Exchange:
                 )
             )
             return 408, "none"
-        if not proxy.replicas.upstreams and proxy.config.hold_when_empty:
-            refused = await proxy.hold()
+        if not ctx.replicas.upstreams and ctx.hold_when_empty:
+            refused = await ctx.hold()
             if refused is not None:
                 self.client.write(refused)
-                proxy.load.record("none")
+                ctx.load.record("none")
                 return int(refused[9:12]), "none"
-        for _ in range(proxy.opts.max_attempts - len(self.tried)):
+        for _ in range(ctx.max_attempts - len(self.tried)):
             upstream, self.chosen = self.chosen, None
-            if upstream is None or upstream.replica_id not in proxy.replicas.upstreams:
-                upstream = proxy.replicas.pick(frozenset(self.tried), key)
+            if upstream is None or upstream.replica_id not in ctx.replicas.upstreams:
+                upstream = ctx.replicas.pick(frozenset(self.tried), key)
             if upstream is None:
                 break
             rid = str(upstream.replica_id)
@@ -499,120 +585,123 @@ class Exchange:
             try:
                 return await self._attempt(upstream), rid
             except _NotSent as e:
-                self.failures.append(f"replica {rid}: {e}")
+                self._failed(f"replica {rid}: {e}")
             finally:
                 self._end_attempt()
         if not self.tried:
-            proxy.load.record("none")
+            ctx.load.record("none")
             msg = error_response(
                 503,
                 "no_ready_replicas",
-                f"service {proxy.config.service!r} has no READY replica; "
-                f"see `fleetserve status {proxy.config.service}`",
+                f"service {ctx.service!r} has no READY replica; "
+                f"see `fleetserve status {ctx.service}`",
                 close=not self.keep_alive,
             )
         else:
             msg = error_response(
                 502,
                 "upstream_unreachable",
-                "no replica could be reached: " + "; ".join(self.failures),
+                "no replica could be reached: " + "; ".join(self.failures or ()),
                 close=not self.keep_alive,
             )
         self.client.write(msg)
         return int(msg[9:12]), "none"
 
     def _header_key(self) -> RequestKey:
-        read = self.proxy.replicas.caps.header_key
+        read = self.ctx.replicas.caps.header_key
         return NO_KEY if read is None else read(self.headers)
 
     def _body_limit(self) -> int:
         """How much of the body the policy reads (at most HIGH_WATER, where reading pauses)."""
-        return min(self.proxy.replicas.caps.body_limit, HIGH_WATER)
+        return min(self.ctx.replicas.caps.body_limit, HIGH_WATER)
 
     async def _read_body(self, limit: int) -> bytes:
         """The body, or its first `limit` bytes when it is longer (it is held, not sent, until
         a replica is chosen); raises _BodyLate past the head's time limit."""
-        if self._body_late:
+        body = self.body
+        if body.late:
             raise _BodyLate
-        self.body_event = asyncio.Event()
-        timeout = self.proxy.limits.header_timeout
-        while not self.body_complete and self.body_size < limit:
-            self.body_event.clear()
+        event = body.event = asyncio.Event()
+        timeout = self.ctx.limits.header_timeout
+        while not body.complete and body.size < limit:
+            event.clear()
             try:  # each wait is for the next bytes: a slow but steady body is fine
-                await asyncio.wait_for(self.body_event.wait(), timeout)
+                await asyncio.wait_for(event.wait(), timeout)
             except TimeoutError:
                 raise _BodyLate from None
-        return b"".join(self.body)[:limit]
+        return b"".join(body.held)[:limit]
 
     def _reads_body(self) -> bool:
         """Whether the policy reads this request's body before choosing: not a client that
         waits for `100 Continue` before sending it (the replica answers that; waiting for the
         body here would stall both until the client gives up waiting)."""
         return (
-            self.proxy.replicas.caps.body_key is not None
+            self.ctx.replicas.caps.body_key is not None
             and self.has_body
             and self.headers.get(b"expect", b"").lower() != b"100-continue"
         )
 
     async def _key(self) -> RequestKey:
         if self._reads_body():
-            if self._request_key is None:
+            body = self.body
+            if body.key is None:
                 await self._read_body(self._body_limit())
             key = self._key_of_body()
-            if self._key_later is not None:
-                key = self._request_key = await self._complete_key(key, self._key_later)
+            if body.key_later is not None:
+                key = body.key = await self._complete_key(key, body.key_later)
             return key
         return self._header_key()
 
     async def _complete_key(self, key: RequestKey, body: bytes) -> RequestKey:
         """The key with its slow part, made off the event loop (a long prompt's tokens)."""
-        self._key_later = None
-        replicas = self.proxy.replicas
-        off_loop = replicas.caps.off_loop
+        self.body.key_later = None
+        ctx = self.ctx
+        off_loop = ctx.replicas.caps.off_loop
         if off_loop is None:
             return key
         try:
             return await off_loop.complete_key(key, body)
         except Exception:
-            replicas.policy_failed("completing a request's key off the event loop failed")
+            ctx.replicas.policy_failed("completing a request's key off the event loop failed")
             return key
 
     def _key_of_body(self) -> RequestKey:
         """The body policy's key, made once (a task that takes over reuses it)."""
-        if self._request_key is None:
-            body, limit = b"".join(self.body), self._body_limit()
-            whole = self.body_complete and len(body) <= limit
-            self._request_key = self._body_key(body[:limit], whole)
-        return self._request_key
+        body = self.body
+        if body.key is None:
+            data, limit = b"".join(body.held), self._body_limit()
+            whole = body.complete and len(data) <= limit
+            body.key = self._body_key(data[:limit], whole)
+        return body.key
 
     def _body_key(self, body: bytes, complete: bool) -> RequestKey:
         """What a body policy keys on (`complete`: `body` is the whole body); a body it cannot
         read (a bug some input reaches) has no key and goes by load, never fails the request
         (the replica set logs and counts)."""
-        replicas = self.proxy.replicas
-        caps = replicas.caps
+        ctx = self.ctx
+        caps = ctx.replicas.caps
         assert caps.body_key is not None  # (only asked when the policy reads the body)
         try:
             key = caps.body_key(body, complete)
             if caps.off_loop is not None and caps.off_loop.completes_later(key, body, complete):
-                self._key_later = body  # the task completes it (`_key`)
+                self.body.key_later = body  # the task completes it (`_key`)
         except Exception:
-            replicas.policy_failed("reading a request's body for its key failed")
+            ctx.replicas.policy_failed("reading a request's body for its key failed")
             return NO_KEY
         return key
 
     async def _attempt(self, upstream: Upstream) -> int:
-        proxy = self.proxy
+        ctx = self.ctx
         rid = str(upstream.replica_id)
         try:
-            conn = await proxy.pool.acquire(upstream)
+            conn = await ctx.pool.acquire(upstream)
         except (OSError, TimeoutError) as e:
-            proxy.replicas.discard(upstream.replica_id)  # until the controller's next push
-            proxy.metrics.error(rid, "connect")
+            ctx.replicas.discard(upstream.replica_id)  # until the controller's next push
+            ctx.metrics.error(rid, "connect")
             log.warning("replica %s refused a connection: %s", rid, e or type(e).__name__)
             raise _NotSent(str(e) or type(e).__name__) from None
         if self.client.closed:
-            proxy.pool.release(conn)
+            ctx.pool.release(conn)
             raise asyncio.CancelledError
         self._waiter = asyncio.get_running_loop().create_future()
         self._send(conn, upstream)

@@ -23,6 +23,7 @@ from typing import Any
 from fleetserve.core.clock import Monotonic, SystemClock
 from fleetserve.lb.client import ClientConn
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.exchange import ExchangeContext
 from fleetserve.lb.http import Limits, error_response
 from fleetserve.lb.kv_events import KvEventsFollower
 from fleetserve.lb.metrics import LoadTracker, Metrics
@@ -102,16 +103,29 @@ class Proxy:
         self.replicas = replicas
         self.metrics = metrics or Metrics(config.service, config.policy)
         self.load = load or LoadTracker()
-        self.wake = wake
-        self.queued = 0
         self.keys = [k.encode() for k in self.opts.api_keys]
         self.pool = Pool(self.opts.connect_timeout_seconds, self.monotonic)
+        # What every connection's exchanges share: made once, handed to each ClientConn.
+        self.shared = ExchangeContext(
+            service=config.service,
+            limits=self.limits,
+            replicas=replicas,
+            pool=self.pool,
+            metrics=self.metrics,
+            load=self.load,
+            monotonic=self.monotonic,
+            read_timeout=self.opts.read_timeout_seconds,
+            max_attempts=self.opts.max_attempts,
+            hold_when_empty=config.hold_when_empty,
+            queue_size=self.opts.queue_size,
+            queue_timeout=self.opts.queue_timeout_seconds,
+            wake=wake,
+        )
         self._server: asyncio.Server | None = None
         # More listening sockets served by this process: a worker's second address family,
         # or another worker's sockets while that worker is down (fleetserve.lb.workers).
         self._more: list[asyncio.Server] = []
         self.clients: set[ClientConn] = set()  # open client connections (drained on close)
-        self._wake_task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._load_poller: ReplicaLoadPoller | None = None  # ReadsReportedLoad's
         self.kv_events: KvEventsFollower | None = None  # the engines' KV cache events
@@ -122,10 +136,20 @@ class Proxy:
         # more, never less.
         shortest = min(self.limits.header_timeout, self.limits.idle_timeout)
         self.sweep_seconds = min(1.0, max(0.05, shortest / 4))
-        self.clock = self.monotonic()
+        self.shared.clock = self.monotonic()
+
+    @property
+    def clock(self) -> float:
+        """The sweep's clock: monotonic seconds, at most one sweep old."""
+        return self.shared.clock
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a first replica (ExchangeContext.hold)."""
+        return self.shared.queued
 
     def _sweep(self) -> None:
-        now = self.clock = self.monotonic()
+        now = self.shared.clock = self.monotonic()
         head_since = now - self.sweep_seconds - self.limits.header_timeout
         idle_since = now - self.sweep_seconds - self.limits.idle_timeout
         for client in list(self.clients):
@@ -141,36 +165,6 @@ class Proxy:
             return False
         given = token.strip()
         return any(hmac.compare_digest(given, key) for key in self.keys)
-
-    async def hold(self) -> bytes | None:
-        """No replica is ready and the service scales from zero: wait for one (bounded).
-        Returns the refusal to send, or None once a replica is ready."""
-        opts = self.opts
-        service = self.config.service
-        if self.queued >= opts.queue_size:
-            return error_response(
-                503,
-                "queue_full",
-                f"service {service!r} is starting from zero and {self.queued} requests are "
-                "already waiting; retry later",
-                extra={"Retry-After": "5"},
-            )
-        self.queued += 1
-        self.metrics.set_queued(self.queued)
-        try:
-            if self.wake is not None:
-                self._wake_task = asyncio.get_running_loop().create_task(self.wake())
-            if await self.replicas.wait_ready(opts.queue_timeout_seconds):
-                return None
-        finally:
-            self.queued -= 1
-            self.metrics.set_queued(self.queued)
-        return error_response(
-            503,
-            "no_ready_replicas",
-            f"service {service!r} had no READY replica within {opts.queue_timeout_seconds:g} s",
-            extra={"Retry-After": "5"},
-        )
 
     async def serve(
         self,
@@ -190,7 +184,7 @@ class Proxy:
             self._more.remove(servers[0])
         else:
             self._server = await loop.create_server(
-                lambda: ClientConn(self),
+                lambda: ClientConn(self, self.shared),
                 host,
                 port,
                 backlog=2048,
@@ -229,7 +223,7 @@ class Proxy:
         servers = []
         for sock in sockets:
             server = await loop.create_server(
-                lambda: ClientConn(self),
+                lambda: ClientConn(self, self.shared),
                 sock=sock.dup() if copy else sock,
                 backlog=2048,
                 ssl=ssl_context,
