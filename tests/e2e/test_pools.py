@@ -312,9 +312,14 @@ def test_service_commands_keep_pool_rules_and_a_broken_pool_fails_its_queue(flee
     fleet.cli("pool", "down", "batch", "--cancel-jobs")
     assert [j.status for j in fleet.client().jobs("batch")] == ["CANCELLED"]
     # A pool whose setup fails: its queued jobs fail with the reason, new ones are refused.
-    bad = write(fleet, "bad.yaml", "pool: {workers: 1}\nsetup: sleep 2; exit 7\n")
+    # Its setup fails only once the jobs are queued (on a loaded machine three quick failures
+    # could stop the pool's launches before `jobs launch` ran, which then refuses the jobs).
+    go = fleet.home.parent / "bad-go"
+    setup = f"while [ ! -e {go} ]; do sleep 0.2; done; exit 7"
+    bad = write(fleet, "bad.yaml", f"pool: {{workers: 1}}\nsetup: {setup}\n")
     fleet.cli("pool", "apply", "-p", "bad", str(bad))
     fleet.cli("jobs", "launch", "-p", "bad", "--num-jobs", "2", str(long_job))
+    go.touch()
     fleet.wait_for("the queue failed", lambda: jobs_done(fleet, "bad", 2), timeout=60)
     jobs = fleet.client().jobs("bad")
     assert {j.status for j in jobs} == {"FAILED"}
