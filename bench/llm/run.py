@@ -251,6 +251,7 @@ class Record:
     measured: bool
     max_tokens: int
     late: float = 0.0  # sent this long after it was due (the driver's own lag)
+    turn: int = 0  # its place in its session (0: a conversation's first turn)
     ttft: float | None = None
     e2e: float | None = None
     tokens: int = 0
@@ -389,7 +390,7 @@ async def run_sessions(
                 return
             await asyncio.sleep(max(0.0, t0 + due - loop.time()))
             now = loop.time() - t0
-            rec = Record(sent=now, measured=due >= plan.warmup, max_tokens=turn.max_tokens)
+            rec = Record(sent=now, measured=due >= plan.warmup, max_tokens=turn.max_tokens, turn=k)
             rec.late = now - due
             records.append(rec)
             path, body = request_body(s, history, turn)
@@ -441,6 +442,8 @@ def summarize(
     measured = [r for r in records if r.measured]
     ok = [r for r in measured if r.done]
     ttft = [r.ttft for r in measured if r.ttft is not None]
+    first = [r.ttft for r in measured if r.ttft is not None and r.turn == 0]
+    later = [r.ttft for r in measured if r.ttft is not None and r.turn > 0]
     e2e = [r.e2e for r in ok if r.e2e is not None]
     if ok:
         last = max(r.sent + (r.e2e or 0.0) for r in ok)
@@ -473,6 +476,11 @@ def summarize(
         "warmup_requests": len(records) - len(measured),
         "ttft_p50_ms": pct(ttft, 50) * 1e3,
         "ttft_p99_ms": pct(ttft, 99) * 1e3,
+        # First turns (a new conversation: where it lands) apart from later ones (where its
+        # history is cached, or not).
+        "ttft_first_turn_p50_ms": pct(first, 50) * 1e3,
+        "ttft_later_turns_p50_ms": pct(later, 50) * 1e3,
+        "first_turns": len(first),
         "e2e_p50_s": pct(e2e, 50),
         "e2e_p99_s": pct(e2e, 99),
         "throughput_rps": len(ok) / span,
