@@ -101,6 +101,12 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class _PortTaken(Exception):
+    def __init__(self, replica: int) -> None:
+        super().__init__(replica)
+        self.replica = replica
+
+
 @dataclass
 class VllmFleet:
     """`count` vLLM replicas on loopback ports, started (and restarted) together."""
@@ -151,8 +157,26 @@ class VllmFleet:
             cmd += ["--kv-events-config", json.dumps(config)]
         return cmd + self.extra_args
 
-    def start(self, log: Callable[[str], None] = print, timeout: float = 900) -> float:
-        """Start every replica and wait until each answers /v1/models; the seconds it took."""
+    def start(
+        self, log: Callable[[str], None] = print, timeout: float = 900, tries: int = 3
+    ) -> float:
+        """Start every replica and wait until each answers /v1/models; the seconds it took.
+        A replica that could not bind a port it was given (free when chosen, taken by another
+        process on the machine before vLLM bound it, a minute later: KV events' ports) has
+        every replica started again on new ports, up to `tries` times in all."""
+        for attempt in range(1, tries + 1):
+            try:
+                return self._start_once(log, timeout)
+            except _PortTaken as e:
+                if attempt == tries:
+                    sys.exit(f"vLLM replica {e.replica} exited: a port was taken, {tries} times")
+                log(
+                    f"  vLLM replica {e.replica}: a port it was given was taken meanwhile; "
+                    "starting every replica again on new ports"
+                )
+        raise AssertionError("unreachable")
+
+    def _start_once(self, log: Callable[[str], None], timeout: float) -> float:
         t0 = time.monotonic()
         self.ports = [self._port() for _ in range(self.count)]
         env = dict(os.environ)
@@ -177,7 +201,11 @@ class VllmFleet:
             for i in sorted(waiting):
                 proc = self.running[i]
                 if proc.poll() is not None:
-                    tail = self.procs.tail(f"vllm-{i + 1}-{self.starts}.log", 8)
+                    name = f"vllm-{i + 1}-{self.starts}.log"
+                    if "Address already in use" in self.procs.tail(name, 400):
+                        self.stop()
+                        raise _PortTaken(i + 1)
+                    tail = self.procs.tail(name, 8)
                     self.stop()
                     sys.exit(f"vLLM replica {i + 1} exited ({proc.returncode}): {tail}")
                 if http_ok(f"http://127.0.0.1:{self.ports[i]}/v1/models"):

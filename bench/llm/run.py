@@ -251,6 +251,7 @@ class Record:
     measured: bool
     max_tokens: int
     late: float = 0.0  # sent this long after it was due (the driver's own lag)
+    turn: int = 0  # its place in its session (0: a conversation's first turn)
     ttft: float | None = None
     e2e: float | None = None
     tokens: int = 0
@@ -389,7 +390,7 @@ async def run_sessions(
                 return
             await asyncio.sleep(max(0.0, t0 + due - loop.time()))
             now = loop.time() - t0
-            rec = Record(sent=now, measured=due >= plan.warmup, max_tokens=turn.max_tokens)
+            rec = Record(sent=now, measured=due >= plan.warmup, max_tokens=turn.max_tokens, turn=k)
             rec.late = now - due
             records.append(rec)
             path, body = request_body(s, history, turn)
@@ -441,6 +442,8 @@ def summarize(
     measured = [r for r in records if r.measured]
     ok = [r for r in measured if r.done]
     ttft = [r.ttft for r in measured if r.ttft is not None]
+    first = [r.ttft for r in measured if r.ttft is not None and r.turn == 0]
+    later = [r.ttft for r in measured if r.ttft is not None and r.turn > 0]
     e2e = [r.e2e for r in ok if r.e2e is not None]
     if ok:
         last = max(r.sent + (r.e2e or 0.0) for r in ok)
@@ -473,6 +476,11 @@ def summarize(
         "warmup_requests": len(records) - len(measured),
         "ttft_p50_ms": pct(ttft, 50) * 1e3,
         "ttft_p99_ms": pct(ttft, 99) * 1e3,
+        # First turns (a new conversation: where it lands) apart from later ones (where its
+        # history is cached, or not).
+        "ttft_first_turn_p50_ms": pct(first, 50) * 1e3,
+        "ttft_later_turns_p50_ms": pct(later, 50) * 1e3,
+        "first_turns": len(first),
         "e2e_p50_s": pct(e2e, 50),
         "e2e_p99_s": pct(e2e, 99),
         "throughput_rps": len(ok) / span,
@@ -601,19 +609,32 @@ def table(runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> li
 
 
 def queueing_from(
-    runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]
+    runs: list[dict[str, Any]],
+    unloaded: dict[str, dict[str, Any]],
+    unloaded_rounds: list[dict[str, dict[str, Any]]] | None = None,
 ) -> dict[str, float | None]:
-    """Per workload: the lowest load at which least_load's TTFT p50 >= 3x unloaded."""
+    """Per workload: the lowest load at which least_load's TTFT p50 >= 3x unloaded (with
+    rounds: in every round, against that round's unloaded TTFT)."""
     out: dict[str, float | None] = {}
     for wl, u in unloaded.items():
-        ll = sorted(
-            (r for r in runs if r["workload"] == wl and r["policy"] == "least_load"),
-            key=lambda r: r["load"],
-        )
+        ll = [r for r in runs if r["workload"] == wl and r["policy"].split(" #")[0] == "least_load"]
         if not ll:
             continue
+
+        def base(r: dict[str, Any], wl: str = wl, u: dict[str, Any] = u) -> float:
+            got = u
+            if unloaded_rounds and r.get("round", 0) < len(unloaded_rounds):
+                got = unloaded_rounds[r.get("round", 0)].get(wl, u)
+            return float(got["ttft_p50_ms"])
+
+        loads = sorted({r["load"] for r in ll})
         out[wl] = next(
-            (r["load"] for r in ll if r["ttft_p50_ms"] >= QUEUEING * u["ttft_p50_ms"]), None
+            (
+                x
+                for x in loads
+                if all(r["ttft_p50_ms"] >= QUEUEING * base(r) for r in ll if r["load"] == x)
+            ),
+            None,
         )
     return out
 
@@ -753,13 +774,29 @@ def new_results(args: argparse.Namespace, loads: dict[str, list[float]]) -> dict
 
 
 async def measure_unloaded(
-    http: aiohttp.ClientSession, fleet: Fleet, args: argparse.Namespace, results: dict[str, Any]
+    http: aiohttp.ClientSession,
+    fleet: Fleet,
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    round_no: int = 0,
 ) -> None:
+    """The unloaded TTFT of each workload: `unloaded` holds the first round's, and
+    `unloaded_rounds` each round's (with --rounds, measured again at each round's start, as
+    a shared machine's background load changes it too)."""
     log = print if not args.quiet else (lambda *a, **k: None)
+    rounds = results.setdefault("unloaded_rounds", [])
+    while len(rounds) <= round_no:
+        rounds.append({})
     for wl in args.workloads:
         u = await unloaded_ttft(http, fleet, wl, args.seed, args.unloaded_requests, args)
-        results["unloaded"][wl] = u
-        log(f"unloaded {wl}: TTFT p50 {u['ttft_p50_ms']:.0f} ms ({u['requests']} requests)")
+        if round_no == 0:
+            results["unloaded"][wl] = u
+        rounds[round_no][wl] = u
+        log(
+            f"unloaded {wl}"
+            + (f" (round {round_no + 1})" if args.rounds > 1 else "")
+            + f": TTFT p50 {u['ttft_p50_ms']:.0f} ms ({u['requests']} requests)"
+        )
 
 
 async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
@@ -872,8 +909,8 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 label = f"{kind.split('-')[0]}:{policy}"
                 url, pid, stop = f"http://127.0.0.1:{router.port}", router.proc.pid, router.proc
             fleet = Fleet(url, vllm, real=True)
-            if n == 0:
-                await measure_unloaded(http, fleet, args, results)
+            if n % len(targets) == 0:  # each round's first target
+                await measure_unloaded(http, fleet, args, results, round_no)
             if args.rounds > 1:
                 label = f"{label} #{round_no + 1}"
             await run_workloads(
@@ -887,7 +924,9 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
             procs.stop(stop)
         vllm.stop()
-    results["queueing_from"] = queueing_from(results["runs"], results["unloaded"])
+    results["queueing_from"] = queueing_from(
+        results["runs"], results["unloaded"], results.get("unloaded_rounds")
+    )
     return results
 
 
@@ -927,9 +966,15 @@ def report(results: dict[str, Any]) -> None:
     m = results["model"]
     plan = results["plan"]
     if results.get("engine") == "vllm":
+        cache = (
+            f"{m['kv_blocks']} KV blocks ({m['kv_blocks'] * 128:,} tokens)"
+            if m.get("kv_blocks")
+            else f"KV cache {m['kv_cache_gib']:g} GiB"
+        )
         what = (
-            f"vLLM (CPU build) on {m['model']}, KV cache {m['kv_cache_gib']:g} GiB each, "
-            f"prompts x{results['prompt_scale']:g}"
+            f"vLLM (CPU build) on {m['model']}, {cache} each, max-model-len "
+            f"{m.get('max_model_len')}, prompts x{results['prompt_scale']:g}, "
+            f"seed {results['seed']}"
         )
     else:
         what = (
@@ -946,9 +991,14 @@ def report(results: dict[str, Any]) -> None:
     print("\nshare: the busiest replica's share of requests; diff: in-flight busiest - least")
     print("busy replica, mean/max of 50 ms samples; x LL: ratio to least_load, same load")
     for wl, load in results["queueing_from"].items():
-        u = results["unloaded"][wl]["ttft_p50_ms"]
+        us = [r[wl]["ttft_p50_ms"] for r in results.get("unloaded_rounds") or [] if wl in r]
+        us = us or [results["unloaded"][wl]["ttft_p50_ms"]]
         where = f"from {load:g} {UNITS[wl]}" if load is not None else "at none of the loads"
-        print(f"{wl}: least_load's TTFT p50 >= {QUEUEING:g}x unloaded ({u:.0f} ms) {where}")
+        many = " in every round" if len(us) > 1 else ""
+        print(
+            f"{wl}: least_load's TTFT p50 >= {QUEUEING:g}x unloaded "
+            f"({' / '.join(f'{u:.0f}' for u in us)} ms){many} {where}"
+        )
     for policy, found in results["lb_metrics"].items():
         threshold = results.get("max_extra_load", {}).get(policy)
         print(
