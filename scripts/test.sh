@@ -54,12 +54,12 @@ bash scripts/llm/setup.sh >/dev/null
 echo "== ruff";        ruff check . && ruff format --check .
 echo "== mypy";        mypy
 echo "== lint-imports"; lint-imports
-# The suite's files run on parallel workers (pytest-xdist, one file to a worker at a time, the
-# longest first: tests/conftest.py). Most end-to-end tests wait on processes and timers, so
-# four workers keep two cores busy. FLEETSERVE_TEST_WORKERS=0 runs it in one process.
+# The suite runs on parallel workers (pytest-xdist: a file's tests on one worker, but the tests
+# of a few long files each where a worker is free; the longest first: tests/conftest.py). Most
+# end-to-end tests wait on processes and timers, so four workers keep two cores busy. FLEETSERVE_TEST_WORKERS=0 runs it in one process.
 workers="${FLEETSERVE_TEST_WORKERS:-4}"
 if [ "$workers" = 0 ]; then
   echo "== pytest";      pytest "$@"
 else
-  echo "== pytest ($workers workers)"; pytest -n "$workers" --dist loadfile "$@"
+  echo "== pytest ($workers workers)"; pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
 fi

@@ -113,6 +113,7 @@ envs:
   VLLM_CPU_KVCACHE_SPACE: "1"
   VLLM_CPU_OMP_THREADS_BIND: nobind
   OMP_NUM_THREADS: "1"
+  VLLM_ENABLE_V1_MULTIPROCESSING: "0"
 run: |
   exec "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \\
     --model "$MODEL" --served-model-name {SERVED} --host 127.0.0.1 --port "$PORT" \\

@@ -56,6 +56,7 @@ def start_vllm(
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # no worker spinning between steps
         "VLLM_SERVER_DEV_MODE": "1",
     }
     proc = subprocess.Popen(

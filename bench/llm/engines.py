@@ -185,6 +185,9 @@ class VllmFleet:
                 "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}",
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # replicas share the machine's cores
                 "OMP_NUM_THREADS": "1",
+                # The model in the engine process: no worker process spinning on shared
+                # memory for a second after each step (examples/vllm/README.md).
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache, for resets between loads
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",

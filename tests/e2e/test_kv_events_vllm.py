@@ -68,6 +68,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # no worker spinning between steps
     }
     with open(log, "wb") as out:
         proc = subprocess.Popen(

@@ -308,10 +308,14 @@ def test_replica_metrics_read_vllm_running_and_waiting(served: Served) -> None:
 
 @dataclass
 class Load:
-    """Requests in a loop from `threads` clients until stopped (bounded in count and time)."""
+    """Requests in a loop from `threads` clients until stopped (bounded in count and time),
+    each client pausing `pause` seconds between its requests: steady traffic through the LB,
+    not a saturated engine (whose CPU would slow the new replicas an update starts and the
+    rest of a parallel suite)."""
 
     served: Served
     threads: int = 2
+    pause: float = 0.2
     max_requests: int = 3000
     max_seconds: float = 600
     ok: int = 0
@@ -334,6 +338,7 @@ class Load:
             except Exception as e:
                 with self._lock:
                     self.failures.append((start, time.monotonic(), repr(e)[:200]))
+            self._stop.wait(self.pause)
 
     def __enter__(self) -> Load:
         self._workers = [threading.Thread(target=self._run) for _ in range(self.threads)]
