@@ -61,5 +61,5 @@ workers="${FLEETSERVE_TEST_WORKERS:-4}"
 if [ "$workers" = 0 ]; then
   echo "== pytest";      pytest "$@"
 else
-  echo "== pytest ($workers workers)"; pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+  echo "== pytest ($workers workers)"; pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
