@@ -24,10 +24,9 @@ from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServiceRecord
 from fleetserve.infra.host import elsewhere, host_id
-from fleetserve.lb.config import LbConfig
+from fleetserve.lb.config import PARENT_ENV, LbConfig
 from fleetserve.lb.messages import Canary, LoadReport, ReplicaPush, RoutableReplica
-from fleetserve.lb.nginx import stop_stale_nginx
-from fleetserve.lb.workers import PARENT_ENV
+from fleetserve.lb.nginx_stale import stop_stale_nginx
 from fleetserve.oshelpers.files import open_private
 from fleetserve.oshelpers.ports import listeners_on, port_free
 from fleetserve.oshelpers.procs import (

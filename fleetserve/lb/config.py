@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleetserve.lb.messages import RoutableReplica
 from fleetserve.spec.models import LbPolicy, LoadBalancerOptions
 
+# Set on every process an LB starts (its workers, its nginx): the LB's pid, by which the
+# controller tells them from a stray process of the service (defined here, a module the
+# controller imports anyway, rather than beside the workers and the proxy).
+PARENT_ENV = "FLEETSERVE_LB_PARENT"
+
 
 class LbConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -29,10 +29,10 @@ from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import make_proxy, tls_context
-from fleetserve.lb.config import LbConfig
+from fleetserve.lb.config import PARENT_ENV, LbConfig
 from fleetserve.lb.messages import ReplicaPush
+from fleetserve.lb.nginx_stale import stop_stale_nginx
 from fleetserve.lb.proxy import Proxy
-from fleetserve.lb.workers import PARENT_ENV
 
 log = logging.getLogger("fleetserve.lb")
 # Fields apart by "|" (a retried request's upstream fields list every try, ", " apart).
@@ -128,19 +128,6 @@ http {{
   }}
 }}
 """
-
-
-def stop_stale_nginx(home: Path) -> bool:
-    """Stop the nginx master that a killed driver left in `home` (it still holds the port).
-    nginx rewrites its environment for its process title, so it is found by its pid file and
-    its command line, which names this home's config."""
-    with contextlib.suppress(OSError, ValueError):
-        pid = int((home / "nginx.pid").read_text())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"nginx" in cmdline and str(home / "nginx.conf").encode() in cmdline:
-            os.kill(pid, signal.SIGQUIT)
-            return True
-    return False
 
 
 class Nginx:

@@ -39,6 +39,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from fleetserve.lb.config import PARENT_ENV
 from fleetserve.lb.index_share import (
     CHANNEL_LIMIT,
     KEY_ENV,
@@ -52,7 +53,6 @@ from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
 
 log = logging.getLogger("fleetserve.lb")
-PARENT_ENV = "FLEETSERVE_LB_PARENT"
 
 
 @dataclass
