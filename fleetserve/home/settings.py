@@ -105,6 +105,10 @@ class HomeSettings:
     # for standbys to send clients to. Unset: derived from api_host (`advertised_url`).
     advertise_url: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in self.allowed_hosts:
+            allowed_host(name)
+
     @classmethod
     def from_env(cls) -> HomeSettings:
         return cls(**home_fields(os.environ))
@@ -189,6 +193,26 @@ def home_fields(env: Mapping[str, str]) -> dict[str, Any]:
         "ha": env_flag(env, "FLEETSERVE_HA"),
         "advertise_url": advertise_url(env.get("FLEETSERVE_ADVERTISE_URL", "")),
     }
+
+
+_ALLOWED_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+
+
+def allowed_host(name: str) -> str:
+    """An allowed host (FLEETSERVE_ALLOWED_HOSTS, --allowed-host) checked: a name or address
+    as the Host header carries it, without its port (the API compares names only, so a port
+    here would never match) or a scheme; an IPv6 address in brackets."""
+    what = f"allowed host {name[:200]!r}"
+    if _ALLOWED_HOST.fullmatch(name):
+        return name
+    if name.count(":") >= 2 and not name.startswith("["):
+        raise InvalidSpec(f"{what}: write an IPv6 address in brackets, as [{name[:200]}]")
+    if "://" in name or ":" in name or "/" in name:
+        raise InvalidSpec(
+            f"{what}: a host name or address only, without a scheme, port or path "
+            "(the API accepts any port of an allowed name)"
+        )
+    raise InvalidSpec(f"{what}: not a host name or an IP address")
 
 
 def advertise_url(raw: str) -> str | None:

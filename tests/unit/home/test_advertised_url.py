@@ -62,3 +62,32 @@ def test_a_bad_advertised_url_is_one_clear_error(raw: str, says: str) -> None:
     with pytest.raises(InvalidSpec, match="FLEETSERVE_ADVERTISE_URL") as e:
         settings(FLEETSERVE_ADVERTISE_URL=raw)
     assert says in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ("ctl.example.org:8443", "without a scheme, port or path"),
+        ("https://ctl.example.org", "without a scheme, port or path"),
+        ("ctl.example.org/api", "without a scheme, port or path"),
+        ("fd00::5", "in brackets, as [fd00::5]"),
+        ("ctl example", "not a host name"),
+        ("-ctl", "not a host name"),
+    ],
+)
+def test_an_allowed_host_with_a_port_or_scheme_is_refused_by_name(entry: str, says: str) -> None:
+    # The API compares the Host header's name only: such an entry would never match, and the
+    # advertised URL made from it would be wrong ("https://ctl.example.org:8443:9443").
+    with pytest.raises(InvalidSpec, match="allowed host") as e:
+        settings(FLEETSERVE_API_HOST="0.0.0.0", FLEETSERVE_ALLOWED_HOSTS=f"ok.example,{entry}")
+    assert says in str(e.value)
+
+
+def test_allowed_hosts_as_the_host_header_carries_them_are_accepted() -> None:
+    s = settings(
+        FLEETSERVE_API_HOST="0.0.0.0",
+        FLEETSERVE_API_PORT="9443",
+        FLEETSERVE_ALLOWED_HOSTS="[fd00::5],10.0.0.7,ctl.example.org",
+    )
+    assert s.allowed_hosts == ("[fd00::5]", "10.0.0.7", "ctl.example.org")
+    assert s.advertised_url == "http://[fd00::5]:9443"
