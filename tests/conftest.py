@@ -63,6 +63,7 @@ def work_unit(nodeid: str) -> str:
     return nodeid if path in SPLIT else path
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadfile`, but a SPLIT file's tests each a unit of their own. (xdist's
     `loadgroup` would say this with marks, but its grouping does not take on pytest 9: it
