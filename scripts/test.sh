@@ -56,7 +56,8 @@ echo "== mypy";        mypy
 echo "== lint-imports"; lint-imports
 # The suite runs on parallel workers (pytest-xdist: a file's tests on one worker, but the tests
 # of a few long files each where a worker is free; the longest first: tests/conftest.py). Most
-# end-to-end tests wait on processes and timers, so four workers keep two cores busy. FLEETSERVE_TEST_WORKERS=0 runs it in one process.
+# end-to-end tests wait on processes and timers, so four workers keep two cores busy.
+# FLEETSERVE_TEST_WORKERS=0 runs it in one process.
 # With PYTHONDONTWRITEBYTECODE set (this machine's environment sets it) no process writes .pyc
 # files, so each of the hundreds of controllers, LBs and CLI calls the suite starts would
 # compile fleetserve's sources again (~0.1 s of CPU a controller). Compile them once here;
