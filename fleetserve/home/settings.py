@@ -195,7 +195,8 @@ def home_fields(env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-_ALLOWED_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+_HOSTNAME = r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?"  # a DNS name or an IPv4 address
+_ALLOWED_HOST = re.compile(rf"\[[0-9A-Fa-f:.]+\]|{_HOSTNAME}")
 
 
 def allowed_host(name: str) -> str:
@@ -239,7 +240,7 @@ def advertise_url(raw: str) -> str | None:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host):
+        if not re.fullmatch(_HOSTNAME, host):
             raise InvalidSpec(f"{what}: {host!r} is not a host name or an IP address") from None
     netloc = f"[{host}]" if ":" in host else host
     return f"{parts.scheme}://{netloc}" + (f":{port}" if port is not None else "")
