@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import Procs, start_fleetserve, start_replica, wrk
 
 POLICIES = ("round_robin", "least_load", "prefix_affinity", "cache_aware")
+# Variants measured beside them: a name, the policy, its options.
+VARIANTS = {"cache_aware/match": ("cache_aware", {"cache_choice": "match"})}
 SYSTEM = "You are a support assistant for an online shop. Answer briefly and politely. " * 8
 
 
@@ -69,9 +71,13 @@ def main() -> None:
     try:
         ports = [start_replica(procs, i)[0] for i in (1, 2)]
         targets = {}
-        for policy in POLICIES:
-            port, _admin = start_fleetserve(procs, f"lb-{policy}", ports, policy=policy)
-            targets[policy] = f"http://127.0.0.1:{port}/"
+        plan: list[tuple[str, str, dict[str, object]]] = [(p, p, {}) for p in POLICIES]
+        plan += [(name, p, opts) for name, (p, opts) in VARIANTS.items()]
+        for name, policy, options in plan:
+            port, _admin = start_fleetserve(
+                procs, f"lb-{name.replace('/', '-')}", ports, policy=policy, options=options
+            )
+            targets[name] = f"http://127.0.0.1:{port}/"
         time.sleep(0.5)
         runs: dict[str, list[tuple[float, float, float]]] = {k: [] for k in targets}
         for r in range(args.rounds):

@@ -134,6 +134,7 @@ def start_fleetserve(
     upstreams: list[int],
     data_plane: str = "python",
     policy: str = "least_load",
+    options: dict[str, object] | None = None,
 ) -> tuple[int, int]:
     from fleetserve.lb.config import LbConfig
     from fleetserve.spec.models import LoadBalancerOptions
@@ -144,7 +145,7 @@ def start_fleetserve(
         port=port,
         admin_port=admin,
         policy=policy,  # type: ignore[arg-type]
-        options=LoadBalancerOptions(data_plane=data_plane),  # type: ignore[arg-type]
+        options=LoadBalancerOptions(data_plane=data_plane, **(options or {})),  # type: ignore[arg-type]
     )
     path = procs.workdir / f"{name}.json"
     config.write(path)

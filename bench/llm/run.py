@@ -22,6 +22,7 @@ Each run: `--warmup` seconds of arrivals that load the fleet but are not measure
 max_tokens 1): the report says from which load least_load's TTFT p50 is 3x that.
 
     .venv/bin/python bench/llm/run.py [--quick] [--policies round_robin,least_load,...]
+        (a policy@option=value entry: a variant of a policy, e.g. cache_aware@cache_choice=match)
         [--workloads chat,shared,skewed,unique] [--loads 8,16,24 | --loads chat:4,8]
         [--lb-option key=value | --lb-option policy:key=value] [--lb-workers 1]
         [--json out.json] [--plot out.png] [model options: see replica.py --help]
@@ -137,6 +138,19 @@ def parse_value(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+def split_target(target: str) -> tuple[str, dict[str, Any]]:
+    """A --policies entry: a policy, or a variant of one with its own options
+    (`cache_aware@cache_choice=match@max_extra_load=4`: the label is the whole entry)."""
+    policy, *rest = target.split("@")
+    overrides: dict[str, Any] = {}
+    for item in rest:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            sys.exit(f"--policies: {target!r}: expected policy@option=value, got {item!r}")
+        overrides[key] = parse_value(value)
+    return policy, overrides
 
 
 def lb_options(args: argparse.Namespace, policy: str) -> dict[str, Any]:
@@ -819,16 +833,17 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         procs.stop(lb.proc)
 
         for policy in args.policies:
-            options = lb_options(args, policy)
-            lb = start_lb(procs, policy, options, ports)
+            base, overrides = split_target(policy)
+            options = {**lb_options(args, base), **overrides}
+            lb = start_lb(procs, base, options, ports, label=policy)
             if isinstance(lb, str):
                 results["skipped"][policy] = lb
                 log(f"{policy}: skipped: {lb}")
                 continue
             fleet = Fleet(f"http://127.0.0.1:{lb.port}", engine)
-            results["max_extra_load"][policy] = max_extra_load(policy, options)
+            results["max_extra_load"][policy] = max_extra_load(base, options)
             await run_workloads(http, fleet, policy, args, loads, (lb.pid, replicas_pid), results)
-            if policy == "cache_aware":
+            if base == "cache_aware":
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
             procs.stop(lb.proc)
     results["queueing_from"] = queueing_from(results["runs"], results["unloaded"])
@@ -863,7 +878,8 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     # Several rounds: in order, then reversed, and so on (A B C C B A ...), so that a trend in
     # the machine's background load weighs on every target alike.
     plan = [(r, t) for r in range(args.rounds) for t in (targets if r % 2 == 0 else targets[::-1])]
-    if args.between_targets == "reset" and PRECISE in args.policies:
+    bases = {split_target(p)[0] for p in args.policies}
+    if args.between_targets == "reset" and PRECISE in bases:
         vllm.kv_events = True  # never restarted: every target's replicas publish
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
@@ -873,7 +889,7 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             if args.between_targets == "restart":
                 # cache_aware_precise: cache_aware following the engines' KV cache events,
                 # which only its replicas publish.
-                vllm.kv_events = policy == PRECISE
+                vllm.kv_events = split_target(policy)[0] == PRECISE
                 took = vllm.start(log) if n == 0 else vllm.restart(log)
                 log(f"{args.replicas} vLLM replicas up in {took:.0f} s (fresh, cold caches)")
             elif n == 0:
@@ -884,12 +900,14 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 await vllm.reset(http)  # cold caches, without a restart
                 log("prefix caches reset")
             replicas_pid = vllm.running[0].pid  # CPU of one replica (each the same process tree)
+            base = split_target(policy)[0] if kind == "fleetserve" else policy
             if kind == "fleetserve":
-                options = lb_options(args, policy)
-                lb_policy = policy
-                if policy == PRECISE:
+                base, overrides = split_target(policy)
+                options = {**lb_options(args, base), **overrides}
+                lb_policy = base
+                if base == PRECISE:
                     lb_policy = "cache_aware"
-                    options = {**lb_options(args, lb_policy), "kv_events": {}}
+                    options = {**lb_options(args, lb_policy), "kv_events": {}, **overrides}
                     options["tokenizer"] = vllm.model
                 lb = start_lb(procs, lb_policy, options, vllm.ports, label=policy)
                 if isinstance(lb, str):
@@ -898,7 +916,7 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                     continue
                 label, url, pid, stop = policy, f"http://127.0.0.1:{lb.port}", lb.pid, lb.proc
                 results["max_extra_load"][policy] = max_extra_load(lb_policy, options)
-                if policy == PRECISE:
+                if base == PRECISE:
                     await asyncio.sleep(3)  # subscribed to every replica's events
             else:
                 router = start_router(procs, kind, policy, vllm.urls)
@@ -918,7 +936,7 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             )
             if (
                 kind == "fleetserve"
-                and policy in ("cache_aware", PRECISE)
+                and base in ("cache_aware", PRECISE)
                 and not isinstance(lb, str)
             ):
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
@@ -1121,7 +1139,7 @@ def main() -> None:
     for r in args.routers:
         if r not in ROUTERS:
             sys.exit(f"no router {r!r}: {', '.join(ROUTERS)}")
-    if PRECISE in args.policies and args.engine != "vllm":
+    if any(split_target(p)[0] == PRECISE for p in args.policies) and args.engine != "vllm":
         sys.exit(f"{PRECISE} needs --engine vllm (it follows real engines' KV cache events)")
     if args.routers and args.engine != "vllm":
         sys.exit("--routers needs --engine vllm (the routers speak to real engines)")

@@ -158,6 +158,7 @@ class Exchange:
     """
 
     __slots__ = (
+        "_charged",
         "_counted",
         "_reported",
         "_settled",
@@ -165,6 +166,7 @@ class Exchange:
         "_waiter",
         "activity",
         "body",
+        "charge",
         "chosen",
         "chunked",
         "client",
@@ -225,6 +227,10 @@ class Exchange:
         self.chosen: Upstream | None = None  # picked without a task, to connect to in one
         self.failures: list[str] | None = None  # why attempts were not sent (made on the first)
         self._counted: int | None = None  # the replica whose in-flight count holds this one
+        # WeighsPrefill: the prompt blocks the pick's replica has to prefill for this request,
+        # and the replica whose `prefilling` count holds them (from send to first byte)
+        self.charge = 0
+        self._charged: tuple[int, int] | None = None
         self._settled = True
         self._waiter: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -360,8 +366,29 @@ class Exchange:
         self._counted = rid
         self.tried.add(rid)
         self.ctx.load.record(str(rid))
+        charge, self.charge = self.charge, 0
+        if charge:
+            prefilling = self.ctx.replicas.prefilling
+            prefilling[rid] = prefilling.get(rid, 0) + charge
+            self._charged = (rid, charge)
+
+    def prefilled(self) -> None:
+        """The replica answered its first byte (or the attempt ended): its prompt is no longer
+        waiting to be prefilled there."""
+        charged, self._charged = self._charged, None
+        if charged is None:
+            return
+        rid, charge = charged
+        prefilling = self.ctx.replicas.prefilling
+        left = prefilling.get(rid, 0) - charge
+        if left > 0:
+            prefilling[rid] = left
+        else:
+            prefilling.pop(rid, None)
 
     def _end_attempt(self) -> None:
+        if self._charged is not None:
+            self.prefilled()
         rid, self._counted = self._counted, None
         if rid is None:
             return
@@ -529,6 +556,7 @@ class Exchange:
         upstream = ctx.replicas.pick(frozenset(), key)
         if upstream is None:
             return False
+        self.charge = ctx.replicas.last_charge
         conn = ctx.pool.idle_conn(upstream)
         if conn is None:
             self.chosen = upstream  # the task connects to it: a pick is not made twice
@@ -578,6 +606,7 @@ class Exchange:
             upstream, self.chosen = self.chosen, None
             if upstream is None or upstream.replica_id not in ctx.replicas.upstreams:
                 upstream = ctx.replicas.pick(frozenset(self.tried), key)
+                self.charge = ctx.replicas.last_charge
             if upstream is None:
                 break
             rid = str(upstream.replica_id)

@@ -5,7 +5,8 @@ The kernel spreads connections over the processes, so a conversation's turns lan
 processes that did not see its earlier turns. Each process therefore tells the others what it
 chose: after a cache_aware choice it queues (replica, the prompt's block keys) and, every
 `interval` seconds while it has something to say, sends one batch on its control channel,
-with its in-flight counts per replica when they changed. The primary applies each worker's
+with its in-flight counts per replica (and the prompt blocks they still wait to have
+prefilled, for a policy that weighs them) when they changed. The primary applies each worker's
 batch and passes the line on, unparsed again, to the other workers; it sends its own batches
 to all of them. Each process records the others' choices in its own index
 (`PrefixIndex.record`) and adds their in-flight counts to its own (`CacheAware.peer_inflight`),
@@ -72,7 +73,9 @@ class IndexShare:
         self._records: list[tuple[int, tuple[int, ...]]] = []
         self._keys = 0
         self._sent_inflight: dict[int, int] = {}
+        self._sent_prefilling: dict[int, int] = {}
         self._peers: dict[int, dict[int, int]] = {}  # other process -> its in-flight counts
+        self._peer_prefilling: dict[int, dict[int, int]] = {}  # -> its blocks to prefill
         self._wake = asyncio.Event()
         self.dropped_keys = 0  # over MAX_BATCH_KEYS
         self.dropped_batches = 0  # not written: a full channel
@@ -104,6 +107,10 @@ class IndexShare:
         if inflight != self._sent_inflight:
             self._sent_inflight = dict(inflight)
             msg["inflight"] = list(self._sent_inflight.items())
+        prefilling = self.replicas.prefilling
+        if prefilling != self._sent_prefilling:
+            self._sent_prefilling = dict(prefilling)
+            msg["prefilling"] = list(self._sent_prefilling.items())
         if len(msg) == 2:
             return None
         return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
@@ -149,6 +156,13 @@ class IndexShare:
                 else:
                     self._peers.pop(source, None)
                 self._add_up()
+            blocks = msg.get("prefilling")
+            if blocks is not None:
+                if blocks:
+                    self._peer_prefilling[source] = {int(rid): int(n) for rid, n in blocks}
+                else:
+                    self._peer_prefilling.pop(source, None)
+                self.selector.peer_prefilling = _sum(self._peer_prefilling.values())
         except (KeyError, TypeError, ValueError) as e:
             log.warning("cache_aware: a malformed share message: %s", e)
 
@@ -156,13 +170,11 @@ class IndexShare:
         """A process is gone: its requests are no longer in flight."""
         if self._peers.pop(source, None) is not None:
             self._add_up()
+        if self._peer_prefilling.pop(source, None) is not None:
+            self.selector.peer_prefilling = _sum(self._peer_prefilling.values())
 
     def _add_up(self) -> None:
-        total: dict[int, int] = {}
-        for counts in self._peers.values():
-            for rid, n in counts.items():
-                total[rid] = total.get(rid, 0) + n
-        self.selector.peer_inflight = {rid: n for rid, n in total.items() if n}
+        self.selector.peer_inflight = _sum(self._peers.values())
 
     def snapshot_lines(self) -> Iterable[bytes]:
         """What a new process needs: this one's index and in-flight counts, and those it
@@ -170,13 +182,36 @@ class IndexShare:
         index = self.selector.index
         most = SNAPSHOT_KEYS // max(1, len(index.replicas()))
         records = list(index.snapshot(most).items())
-        yield _line(self.source, records, list(self.replicas.inflight.items()))
-        for source, counts in self._peers.items():
-            yield _line(source, [], list(counts.items()))
+        replicas = self.replicas
+        yield _line(
+            self.source,
+            records,
+            list(replicas.inflight.items()),
+            list(replicas.prefilling.items()),
+        )
+        for source in self._peers.keys() | self._peer_prefilling.keys():
+            counts = self._peers.get(source, {})
+            blocks = self._peer_prefilling.get(source, {})
+            yield _line(source, [], list(counts.items()), list(blocks.items()))
 
 
-def _line(source: int, records: list[Any], inflight: list[tuple[int, int]]) -> bytes:
+def _sum(tables: Iterable[Mapping[int, int]]) -> dict[int, int]:
+    """Per replica, the sum of the tables' counts (zeros left out)."""
+    total: dict[int, int] = {}
+    for table in tables:
+        for rid, n in table.items():
+            total[rid] = total.get(rid, 0) + n
+    return {rid: n for rid, n in total.items() if n}
+
+
+def _line(
+    source: int,
+    records: list[Any],
+    inflight: list[tuple[int, int]],
+    prefilling: list[tuple[int, int]] | None = None,
+) -> bytes:
     msg = {"op": "share", "from": source, "records": records, "inflight": inflight}
+    msg["prefilling"] = prefilling or []
     return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
 
 

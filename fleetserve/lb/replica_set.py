@@ -26,11 +26,14 @@ class ReplicaSet:
     installed, never per request."""
 
     def __init__(self, selector: Selector, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.inflight: dict[int, int] = {}
+        # WeighsPrefill: prompt blocks sent to each replica and not yet answered (exchange.py)
+        self.prefilling: dict[int, int] = {}
+        self.last_charge = 0  # the blocks the last pick's replica has to prefill for it
         self.selector = selector
         self.monotonic = monotonic  # the load balancer's clock (fleetserve.core.clock)
         self.upstreams: dict[int, Upstream] = {}
         self.order: tuple[int, ...] = ()
-        self.inflight: dict[int, int] = {}
         self.weights: dict[int, float] = {}  # shared with a weighted selector
         self.generation = 0  # bumped by each push from the controller
         self.canary: tuple[int, int] | None = None  # (new version, percent of requests)
@@ -50,6 +53,8 @@ class ReplicaSet:
     def selector(self, selector: Selector) -> None:
         self._selector = selector
         self.caps: Capabilities = capabilities(selector)
+        if self.caps.weighs_prefill is not None:
+            self.caps.weighs_prefill.prefilling = self.prefilling
 
     def replace(
         self, upstreams: list[Upstream], canary: tuple[int, int] | None = None
@@ -113,8 +118,13 @@ class ReplicaSet:
         """A replica for a request (None: none left). A policy that fails on a request (a bug
         that some input reaches) never fails the request: it is routed by least load, and
         the failure is logged (once a minute) and counted (`policy_errors`)."""
+        self.last_charge = 0
         try:
-            return self._pick(exclude, key)
+            picked = self._pick(exclude, key)
+            weighs = self.caps.weighs_prefill
+            if weighs is not None and picked is not None:
+                self.last_charge = weighs.last_uncached
+            return picked
         except Exception:
             self.policy_failed(f"the {type(self._selector).__name__} policy failed on a request")
             rid = self._fallback.select(self.order, self.inflight, exclude, NO_KEY)

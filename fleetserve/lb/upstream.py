@@ -85,6 +85,7 @@ class UpstreamConn(asyncio.Protocol):
             # does not count. A retry only follows an attempt that got no byte at all, so
             # this is the answered attempt's.
             ex.first_byte = self.pool.monotonic() - ex.sent_at
+            ex.prefilled()
         if self.rewriter is None:
             ex.to_client(data)
         ex.activity = self.pool.monotonic()

@@ -9,11 +9,20 @@ blocks as that replica holds. Each replica's keys live in an LRU of `blocks` ent
 least recently used first, as the replica's own cache evicts.
 
 Choosing (`CacheAware.select`): the replicas fewer than `max_extra_load` requests busier than
-the least loaded one are eligible (so none is ever chosen past that); among them, the one with
-the longest match (ties: the less loaded). With no match (a new conversation, a prompt nobody
-shares), the least loaded replica, ties broken by a consistent hash of the prompt's first
-block, so that the processes of one load balancer and a restarted one place the same new
-prompt on the same replica. Requests without a prompt (GET, non-JSON) go by least load.
+the least loaded one are eligible (so none is ever chosen past that). Among them, by default
+(`choice="cost"`), the one that would give this prompt its first token soonest by an estimate
+in prompt blocks: the blocks it would have to prefill for it (the prompt's blocks past what
+its cache holds), plus the blocks it still has to prefill for the requests sent to it that have
+not yet answered their first byte (the load balancer counts them: `prefilling`), plus
+`decode_weight` per request it has in flight. A conversation thus stays on the replica that
+holds its history while the queue there costs less than prefilling the history elsewhere, and
+goes elsewhere when it costs more: the trade is made per request in the unit that decides the
+time to first token, not by a fixed load margin. With `choice="match"` (the policy before
+2026-12-05): the longest match, ties to the less loaded. Either way, ties between equally good
+replicas (a new conversation, a prompt nobody shares, an idle fleet) are broken by a
+consistent hash of the prompt's first block, so that the processes of one load balancer and a
+restarted one place the same new prompt on the same replica. Requests without a prompt (GET,
+non-JSON) go by least load.
 
 Several processes of one load balancer (fleetserve.lb.index_share) share one index: each
 process tells the others its choices (`on_record`) and its in-flight counts, and applies
@@ -193,6 +202,33 @@ class PrefixIndex:
             return 0, list(among)
         return depth, [rid for rid in among if self._slot.get(rid, 0) & alive]
 
+    def depths(self, keys: Sequence[int], among: Sequence[int]) -> dict[int, float]:
+        """How many leading blocks of `keys` each of `among` holds (0 for one it holds none
+        of, or never heard of)."""
+        out: dict[int, float] = dict.fromkeys(among, 0)
+        bits = [(rid, self._slot[rid]) for rid in among if rid in self._slot]
+        alive = 0
+        for _, bit in bits:
+            alive |= bit
+        depth = 0
+        holders = self._holders
+        for key in keys:
+            if not alive:
+                break
+            held = alive & holders.get(key, 0)
+            if held != alive:
+                gone = alive & ~held
+                for rid, bit in bits:
+                    if gone & bit:
+                        out[rid] = depth
+            alive = held
+            depth += 1
+        if alive:
+            for rid, bit in bits:
+                if alive & bit:
+                    out[rid] = depth
+        return out
+
     def replicas(self) -> list[int]:
         return list(self._lru)
 
@@ -216,6 +252,12 @@ class CacheAware:
     forgets replicas, reports each choice, shares its index and reads the replicas' load."""
 
     DEFAULT_MAX_EXTRA_LOAD = 8
+    DEFAULT_CHOICE = "cost"
+    DEFAULT_DECODE_WEIGHT = 1.0
+    # The queue against the prompt's own prefill (bench/llm/results-2026-12-04c.md): below 1,
+    # as a conversation moved away costs its later turns and a second copy of its history in
+    # another cache.
+    DEFAULT_LOAD_WEIGHT = 0.25
 
     def __init__(
         self,
@@ -223,8 +265,24 @@ class CacheAware:
         block_chars: int = DEFAULT_BLOCK_CHARS,
         blocks: int = DEFAULT_BLOCKS,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        choice: str = DEFAULT_CHOICE,
+        decode_weight: float = DEFAULT_DECODE_WEIGHT,
+        load_weight: float = DEFAULT_LOAD_WEIGHT,
     ) -> None:
+        if choice not in ("cost", "match"):
+            raise ValueError(f"cache_aware's choice must be 'cost' or 'match', not {choice!r}")
         self.max_extra_load = max_extra_load
+        self.choice = choice
+        self.decode_weight = decode_weight
+        self.load_weight = load_weight
+        # The prompt blocks each replica still has to prefill for the requests sent to it that
+        # have not answered their first byte: this process's (the load balancer's ReplicaSet
+        # keeps it: WeighsPrefill) and the LB's other processes' (fleetserve.lb.index_share).
+        self.prefilling: dict[int, int] = {}
+        self.peer_prefilling: dict[int, int] = {}
+        # The blocks the last choice's replica has to prefill for that request: the load
+        # balancer adds them to `prefilling` when the request is sent, until its first byte.
+        self.last_uncached = 0
         self.block_chars = block_chars
         self.body_limit = max_body_bytes
         self.index = PrefixIndex(blocks)
@@ -283,6 +341,7 @@ class CacheAware:
                 r: max(inflight.get(r, 0) + peers.get(r, 0), reported.get(r, 0)) for r in candidates
             }
         keys = key.blocks
+        self.last_uncached = 0
         if not keys:
             picked = self.fallback.select(candidates, inflight, exclude)
             if picked is not None and self.on_record is not None:
@@ -294,26 +353,60 @@ class CacheAware:
         least = min(inflight.get(rid, 0) for rid in eligible)
         limit = least + self.max_extra_load  # this busy or more: passed over
         within = [rid for rid in eligible if inflight.get(rid, 0) < limit]
-        depth, best = self.index.match(keys, within)
-        if depth:
-            choice = min(best, key=lambda rid: inflight.get(rid, 0))
+        if self.choice == "cost":
+            depths = self.index.depths(keys, within)
+            cost = self._costs(len(keys), depths, within, inflight)
+            lowest = min(cost.values())
+            best = [rid for rid in within if cost[rid] == lowest]
+            choice = best[0] if len(best) == 1 else self._tie(key, candidates, best)
+            depth = round(depths[choice])
+            self.last_uncached = max(0, len(keys) - depth)
         else:
-            # Nobody holds any of it: the least loaded, ties broken by the first block's hash
-            # (stable across processes, unlike the keys) so every LB process agrees.
-            idle = frozenset(rid for rid in within if inflight.get(rid, 0) == least)
-            others = frozenset(rid for rid in candidates if rid not in idle)
-            first = key.prefix if key.prefix is not None else str(keys[0])
-            members = tuple(candidates)
-            ring = self._rings.get(members)
-            if ring is None:
-                if len(self._rings) >= 8:
-                    self._rings.clear()
-                ring = self._rings[members] = HashRing()
-            hashed = ring.lookup(members, first, others)
-            choice = within[0] if hashed is None else hashed  # (a replica id may be 0)
+            depth, best = self.index.match(keys, within)
+            if depth:
+                choice = min(best, key=lambda rid: inflight.get(rid, 0))
+            else:
+                # Nobody holds any of it: the least loaded, ties broken by the hash.
+                idle = [rid for rid in within if inflight.get(rid, 0) == least]
+                choice = self._tie(key, candidates, idle)
         self.index.record(choice, keys)
         if self.on_record is not None:
             self.on_record(choice, keys)
         if self.on_choice is not None:
             self.on_choice(depth, len(keys), inflight.get(choice, 0) - least)
         return choice
+
+    def _costs(
+        self,
+        blocks: int,
+        depths: Mapping[int, float],
+        within: Sequence[int],
+        inflight: Mapping[int, int],
+    ) -> dict[int, float]:
+        """Each replica's estimate of this prompt's wait for its first token, in prompt
+        blocks (the module's docstring)."""
+        mine, peers, weight = self.prefilling, self.peer_prefilling, self.decode_weight
+        scale = self.load_weight
+        return {
+            rid: blocks
+            - depths.get(rid, 0)
+            + scale * (mine.get(rid, 0) + peers.get(rid, 0) + weight * inflight.get(rid, 0))
+            for rid in within
+        }
+
+    def _tie(self, key: RequestKey, candidates: Sequence[int], tied: Sequence[int]) -> int:
+        """One of `tied` by a consistent hash of the prompt's first block (stable across
+        processes, unlike the keys), so every LB process agrees."""
+        if len(tied) == 1:
+            return tied[0]
+        keep = frozenset(tied)
+        others = frozenset(rid for rid in candidates if rid not in keep)
+        first = key.prefix if key.prefix is not None else str(key.blocks[0])
+        members = tuple(candidates)
+        ring = self._rings.get(members)
+        if ring is None:
+            if len(self._rings) >= 8:
+                self._rings.clear()
+            ring = self._rings[members] = HashRing()
+        hashed = ring.lookup(members, first, others)
+        return tied[0] if hashed is None else hashed  # (a replica id may be 0)

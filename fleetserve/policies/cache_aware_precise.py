@@ -73,6 +73,26 @@ class BlendedIndex(PrefixIndex):
         # The policy's metrics count in the approximate index's blocks: convert back.
         return max(1, round(best / tokens_per_block)), [r for r in among if depth[r] == best]
 
+    def depths(self, keys: Sequence[int], among: Sequence[int]) -> dict[int, float]:
+        """As PrefixIndex.depths, in the approximate index's blocks, each live replica's from
+        what its engine holds (its tokens converted with the request's characters per
+        token)."""
+        req = self.request
+        if req is None or not req.tokens or req.text_chars <= 0:
+            return super().depths(keys, among)
+        live = self.precise.match(req.tokens, among)
+        if not live:
+            return super().depths(keys, among)
+        tokens_per_block = self.block_chars * len(req.tokens) / req.text_chars
+        out = super().depths(keys, [rid for rid in among if rid not in live])
+        for rid in among:
+            if rid in live:
+                out[rid] = live[rid] / tokens_per_block
+        if self.on_precise is not None:
+            best = max((out[rid] * tokens_per_block for rid in among), default=0.0)
+            self.on_precise(int(best), len(req.tokens))
+        return out
+
 
 class PreciseCacheAware(CacheAware):
     """cache_aware with a precise index (see the module's docstring). A whole body's key
@@ -87,8 +107,13 @@ class PreciseCacheAware(CacheAware):
         block_chars: int = DEFAULT_BLOCK_CHARS,
         blocks: int = DEFAULT_BLOCKS,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        choice: str = CacheAware.DEFAULT_CHOICE,
+        decode_weight: float = CacheAware.DEFAULT_DECODE_WEIGHT,
+        load_weight: float = CacheAware.DEFAULT_LOAD_WEIGHT,
     ) -> None:
-        super().__init__(max_extra_load, block_chars, blocks, max_body_bytes)
+        super().__init__(
+            max_extra_load, block_chars, blocks, max_body_bytes, choice, decode_weight, load_weight
+        )
         self.precise = precise
         self.tokenizer = tokenizer
         self.index = self.blended = BlendedIndex(blocks, block_chars, precise)

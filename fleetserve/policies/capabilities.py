@@ -17,6 +17,8 @@ fleetserve.lb.
   among the processes.
 - `SharesIndex`: keeps one index across the LB's processes (fleetserve.lb.index_share).
 - `ReadsReportedLoad`: polls the replicas' own load metrics into `reported`.
+- `WeighsPrefill`: counts, per replica, the prompt blocks it still has to prefill (what the
+  selector said of each request sent there, until that request's first byte).
 
 A key reader that fails on some input (a bug) never fails the request: the load balancer
 routes it without a key, and logs and counts the failure.
@@ -107,6 +109,7 @@ class SharesIndex(Protocol):
 
     on_record: Callable[[int, tuple[int, ...]], None] | None
     peer_inflight: dict[int, int]
+    peer_prefilling: dict[int, int]  # (WeighsPrefill's, of the other processes)
 
     @property
     def index(self) -> SharedIndex: ...
@@ -124,6 +127,17 @@ class ReadsReportedLoad(Protocol):
         ...
 
 
+@runtime_checkable
+class WeighsPrefill(Protocol):
+    """The selector says, after each choice, how many prompt blocks the chosen replica has to
+    prefill for that request (`last_uncached`); the load balancer adds them to the replica's
+    count in `prefilling` (its own dict, installed in the selector) when it sends the request
+    and takes them off at the request's first byte or end."""
+
+    last_uncached: int
+    prefilling: dict[int, int]
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a selector can do besides choosing, found once (`capabilities`)."""
@@ -137,6 +151,7 @@ class Capabilities:
     takes_turns: TakesTurns | None = None
     shares_index: SharesIndex | None = None
     reported: dict[int, int] | None = None
+    weighs_prefill: WeighsPrefill | None = None
 
 
 def capabilities(selector: Selector) -> Capabilities:
@@ -153,4 +168,5 @@ def capabilities(selector: Selector) -> Capabilities:
         takes_turns=selector if isinstance(selector, TakesTurns) else None,
         shares_index=selector if isinstance(selector, SharesIndex) else None,
         reported=selector.reported if isinstance(selector, ReadsReportedLoad) else None,
+        weighs_prefill=selector if isinstance(selector, WeighsPrefill) else None,
     )

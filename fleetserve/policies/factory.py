@@ -47,6 +47,9 @@ def make_selector(
     session_cookie: str | None = None,
     cache_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     precise: PreciseParts | None = None,
+    cache_choice: str = CacheAware.DEFAULT_CHOICE,
+    cache_decode_weight: float = CacheAware.DEFAULT_DECODE_WEIGHT,
+    cache_load_weight: float = CacheAware.DEFAULT_LOAD_WEIGHT,
 ) -> Selector:
     """The selector for a `load_balancing_policy` name."""
     if precise is not None and policy != "cache_aware":
@@ -73,8 +76,19 @@ def make_selector(
                 cache_block_chars,
                 cache_blocks,
                 cache_max_body_bytes,
+                cache_choice,
+                cache_decode_weight,
+                cache_load_weight,
             )
-        return CacheAware(extra, cache_block_chars, cache_blocks, cache_max_body_bytes)
+        return CacheAware(
+            extra,
+            cache_block_chars,
+            cache_blocks,
+            cache_max_body_bytes,
+            cache_choice,
+            cache_decode_weight,
+            cache_load_weight,
+        )
     raise ValueError(f"unknown load_balancing_policy {policy!r}; use one of {', '.join(POLICIES)}")
 
 
@@ -96,4 +110,7 @@ def selector_for(
         session_cookie=options.session_cookie,
         cache_max_body_bytes=options.cache_max_body_bytes,
         precise=precise,
+        cache_choice=options.cache_choice,
+        cache_decode_weight=options.cache_decode_weight,
+        cache_load_weight=options.cache_load_weight,
     )

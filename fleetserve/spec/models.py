@@ -418,6 +418,14 @@ class LoadBalancerOptions(_Strict):
     # 2,048 x 256 characters, ~128K tokens).
     cache_block_chars: Annotated[int, Field(ge=8, le=4096)] = 256
     cache_blocks: Annotated[int, Field(ge=16, le=1_000_000)] = 2048
+    # cache_aware: how it chooses among the replicas within max_extra_load. "cost": the one
+    # whose estimated wait for this prompt's first token is least, in prompt blocks (the
+    # blocks it would prefill for it + cache_load_weight x (those it still prefills for
+    # requests not yet answered + cache_decode_weight per request in flight)); "match": the
+    # longest match (the rule before 2026-12-05). docs/load-balancer.md.
+    cache_choice: Literal["cost", "match"] = "cost"
+    cache_decode_weight: Annotated[float, Field(ge=0, le=1000)] = 1.0
+    cache_load_weight: Annotated[float, Field(ge=0, le=1000)] = 0.25
     # cache_aware: a request body up to this size is read before choosing (larger: its head).
     cache_max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024)] = 256 * 1024
     # cache_aware: read each replica's Prometheus metrics this often (vLLM, SGLang and TGI

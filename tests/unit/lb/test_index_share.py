@@ -108,7 +108,33 @@ async def test_applying_others_batches() -> None:
     lines = [json.loads(x) for x in share.snapshot_lines()]
     assert lines[0]["from"] == 0 and lines[0]["inflight"] == [[1, 2]]
     assert [rid for rid, _ in lines[0]["records"]] == [2]
-    assert lines[1] == {"op": "share", "from": 3, "records": [], "inflight": [[1, 7]]}
+    assert lines[1] == {
+        "op": "share",
+        "from": 3,
+        "records": [],
+        "inflight": [[1, 7]],
+        "prefilling": [],
+    }
+
+
+async def test_blocks_to_prefill_are_shared_added_up_and_forgotten() -> None:
+    """The cost choice weighs the other processes' prompt blocks not yet prefilled, per
+    replica: they go out when they change, add up per replica, and leave with their process."""
+    share, sel, replicas = share_of([], source=0)
+    replicas.prefilling[1] = 12
+    msg = json.loads(share.batch() or b"{}")
+    assert msg["prefilling"] == [[1, 12]]
+    assert "prefilling" not in json.loads(share.batch() or b'{"x": 1}')  # unchanged: not sent
+    share.apply({"op": "share", "from": 2, "prefilling": [[1, 5], [2, 3]]})
+    share.apply({"op": "share", "from": 3, "prefilling": [[2, 4]]})
+    assert sel.peer_prefilling == {1: 5, 2: 7}
+    share.apply({"op": "share", "from": 3, "prefilling": []})
+    assert sel.peer_prefilling == {1: 5, 2: 3}
+    lines = [json.loads(x) for x in share.snapshot_lines()]
+    assert lines[0]["prefilling"] == [[1, 12]]
+    assert {x["from"]: x["prefilling"] for x in lines[1:]} == {2: [[1, 5], [2, 3]]}
+    share.forget_peer(2)
+    assert sel.peer_prefilling == {}
 
 
 # -- real load-balancer processes ---------------------------------------------------------------

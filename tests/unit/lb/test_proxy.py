@@ -447,3 +447,80 @@ async def test_in_flight_counts_return_to_zero_on_every_exit_path(start: Start) 
         async with s.get(f"{lb}/none") as r:  # nothing routable: a 503, nothing counted
             assert r.status == 503
     assert replicas.inflight == {}
+
+
+async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: Start) -> None:
+    """cache_aware's cost choice weighs the prompt blocks each replica still has to prefill:
+    the load balancer counts a request's blocks on its replica from the send to the answer's
+    first body byte (not its head), and drops them when an attempt ends without one."""
+    release = asyncio.Event()
+    heads = 0
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        nonlocal heads
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # the head at once
+        heads += 1
+        await release.wait()  # the prefill
+        await resp.write(b"data: token\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stream)
+    replica = await start(app)
+    dropped = 0
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal dropped
+        await reader.readuntil(b"\r\n\r\n")
+        dropped += 1
+        writer.transport.abort()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    bad = server.sockets[0].getsockname()[1]
+    lb, replicas, _ = await make_lb_proxy(
+        start,
+        "cache_aware",
+        [Upstream(1, f"http://127.0.0.1:{replica}", 1)],
+        workers=1,
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there " * 200}]}
+    try:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=body))
+            for _ in range(200):
+                if heads:
+                    break
+                await asyncio.sleep(0.01)
+            blocks = len("\x1euser\x1f" + "hello there " * 200) // 256
+            assert replicas.prefilling == {1: blocks}  # head sent, no token yet: still counted
+            release.set()
+            async with await task as r:
+                assert r.status == 200 and await r.read() == b"data: token\n\n"
+            assert replicas.prefilling == {}
+            # An attempt that ends unanswered drops its count; the retry's is counted anew.
+            release.clear()
+            replicas.replace(
+                [
+                    Upstream(2, f"http://127.0.0.1:{bad}", 1),
+                    Upstream(1, f"http://127.0.0.1:{replica}", 1),
+                ]
+            )
+            other = {"model": "m", "messages": [{"role": "user", "content": "new words " * 200}]}
+            seen = heads
+            task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=other))
+            for _ in range(200):
+                if heads > seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert dropped == 1  # (its first replica: the one that held nothing of it)
+            blocks = len("\x1euser\x1f" + "new words " * 200) // 256
+            assert replicas.prefilling == {1: blocks}  # the dropped attempt's count is gone
+            release.set()
+            async with await task as r:
+                assert r.status == 200 and await r.read() == b"data: token\n\n"
+            assert replicas.prefilling == {}
+    finally:
+        server.close()

@@ -358,3 +358,122 @@ def test_each_choice_is_told_and_a_snapshot_rebuilds_the_index() -> None:
         fresh.record(rid, keys)
     assert fresh._lru == sel.index._lru
     assert all(len(keys) <= 5 for keys in sel.index.snapshot(most=5).values())
+
+
+def test_depths_are_each_replicas_own_leading_run() -> None:
+    index = PrefixIndex(blocks=100)
+    index.record(1, [10, 11, 12, 13])
+    index.record(2, [10, 11])
+    index.record(3, [99])
+    assert index.depths([10, 11, 12, 14], [1, 2, 3, 4]) == {1: 3, 2: 2, 3: 0, 4: 0}
+    assert index.depths([10, 11, 12, 13], [1, 2]) == {1: 4, 2: 2}
+    assert index.depths([], [1]) == {1: 0}
+    # A block held out of order does not count past the first miss.
+    index.record(4, [11, 12])
+    assert index.depths([10, 11, 12], [4]) == {4: 0}
+
+
+def history(turns: int) -> bytes:
+    """A conversation `turns` exchanges long, each turn ~400 characters."""
+    parts: list[str] = []
+    for i in range(turns):
+        parts += [f"question {i} " * 30, f"answer {i} " * 30]
+    return chat(*parts, f"question {turns} " * 5)
+
+
+def test_the_cost_choice_trades_a_history_against_the_prefill_queued_ahead() -> None:
+    """A conversation's next turn stays where its history is cached while the prefill queued
+    there costs less than prefilling the history elsewhere; past that it goes elsewhere, and
+    the replica it chose is told how many blocks it must prefill."""
+    assert CacheAware().choice == "cost" and CacheAware().load_weight == 0.25  # the defaults
+    sel = CacheAware(block_chars=32, load_weight=1.0)  # the queue at full weight
+    load = {1: 0, 2: 0}
+    early = key_of(sel, history(3))
+    home = sel.select([1, 2], load, frozenset(), early)
+    assert home is not None
+    away = 2 if home == 1 else 1
+    assert sel.last_uncached == len(early.blocks)  # a cold index: all of it
+    later = key_of(sel, history(4))
+    held = len(early.blocks)
+    # Two requests decoding at home, none elsewhere: the history still wins.
+    load[home] = 2
+    assert sel.select([1, 2], load, frozenset(), later) == home
+    assert sel.last_uncached == len(later.blocks) - held
+    # Home's queue of prompts not yet prefilled now costs more than the history: elsewhere.
+    sel.prefilling[home] = len(later.blocks) - 1  # (+ 2 decoding) > all home holds of it
+    nxt = key_of(sel, history(5))
+    assert sel.select([1, 2], load, frozenset(), nxt) == away
+    assert sel.last_uncached == len(nxt.blocks)
+    # The same queue told by another LB process weighs the same.
+    sel.prefilling.clear()
+    sel.peer_prefilling = {away: 10 * len(nxt.blocks)}
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(6))) == home
+
+
+def test_the_match_choice_keeps_the_longest_match_whatever_is_queued() -> None:
+    sel = CacheAware(block_chars=32, choice="match")
+    load = {1: 0, 2: 0}
+    home = sel.select([1, 2], load, frozenset(), key_of(sel, history(3)))
+    assert home is not None
+    sel.prefilling[home] = 10_000
+    load[home] = 3
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(4))) == home
+    assert sel.last_uncached == 0  # nothing charged: the match choice weighs no queue
+
+
+def test_the_cost_choice_still_honours_the_load_bound_and_spreads_new_prompts() -> None:
+    sel = CacheAware(max_extra_load=2, block_chars=32)
+    load = {1: 0, 2: 0}
+    key = key_of(sel, history(8))
+    home = sel.select([1, 2], load, frozenset(), key)
+    assert home is not None
+    load[home] = 2  # at the bound: passed over, whatever it holds
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(9))) != home
+    # New prompts on an idle fleet: both replicas get some, each always the same one.
+    fresh = CacheAware(block_chars=32)
+    idle = {1: 0, 2: 0}
+    picks = [
+        fresh.select([1, 2], idle, frozenset(), key_of(fresh, chat("x", system=f"s{i} " * 40)))
+        for i in range(40)
+    ]
+    assert set(picks) == {1, 2}
+    again = CacheAware(block_chars=32)
+    assert picks == [
+        again.select([1, 2], idle, frozenset(), key_of(again, chat("x", system=f"s{i} " * 40)))
+        for i in range(40)
+    ]
+
+
+def test_cost_options_are_checked() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from fleetserve.spec.models import LoadBalancerOptions
+
+    with pytest.raises(ValueError, match="'cost' or 'match'"):
+        CacheAware(choice="nearest")
+    with pytest.raises(ValidationError, match="cache_choice"):
+        LoadBalancerOptions(cache_choice="nearest")
+    with pytest.raises(ValidationError, match="cache_decode_weight"):
+        LoadBalancerOptions(cache_decode_weight=-1)
+    with pytest.raises(ValidationError, match="cache_load_weight"):
+        LoadBalancerOptions(cache_load_weight=1e9)
+    sel = make_selector(
+        "cache_aware", cache_choice="match", cache_decode_weight=2.5, cache_load_weight=0.5
+    )
+    assert isinstance(sel, CacheAware) and sel.choice == "match" and sel.decode_weight == 2.5
+    assert sel.load_weight == 0.5
+
+
+def test_the_load_weight_scales_the_queue_against_the_history() -> None:
+    """The same queue at home: weighed in full it sends the turn away; at a quarter of its
+    weight the cached history wins."""
+    picks = {}
+    for weight in (1.0, 0.25):
+        sel = CacheAware(block_chars=32, load_weight=weight)
+        load = {1: 0, 2: 0}
+        home = sel.select([1, 2], load, frozenset(), key_of(sel, history(4)))
+        assert home is not None
+        sel.prefilling[home] = len(key_of(sel, history(4)).blocks) + 2
+        picks[weight] = sel.select([1, 2], load, frozenset(), key_of(sel, history(5))) == home
+    assert picks == {1.0: False, 0.25: True}
