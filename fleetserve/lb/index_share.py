@@ -47,7 +47,9 @@ MAX_BATCH_KEYS = 2048  # per batch (one per INTERVAL_SECONDS at most)
 MAX_BUFFERED = 1 << 20  # unsent bytes on a channel past which batches are dropped
 SNAPSHOT_KEYS = 1 << 18  # of the index, in all, sent to a new worker
 CHANNEL_LIMIT = 1 << 24  # the longest line a control channel reads
+MAX_COUNT = 1 << 31  # the largest count (requests, prompt blocks) of one replica a peer may say
 Send = Callable[[bytes], None]
+_UNSENT = {-1: -1}  # differs from any table of counts: the next batch sends them
 
 
 def is_share(msg: Mapping[str, Any]) -> bool:
@@ -123,7 +125,13 @@ class IndexShare:
             await asyncio.sleep(self.interval)
             line = self.batch()
             if line is not None:
+                dropped = self.dropped_batches
                 self.send(line)
+                if self.dropped_batches != dropped:
+                    # Not written (a full channel): the counts go again in the next batch,
+                    # or the others would keep this line's predecessor's for good.
+                    self._sent_inflight = self._sent_prefilling = _UNSENT
+                    continue
             if not self._sent_inflight and not self._records:
                 self._wake.clear()
             dropped = self.dropped_keys or self.dropped_batches
@@ -152,18 +160,18 @@ class IndexShare:
             counts = msg.get("inflight")
             if counts is not None:
                 if counts:
-                    self._peers[source] = {int(rid): int(n) for rid, n in counts}
+                    self._peers[source] = _counts(counts)
                 else:
                     self._peers.pop(source, None)
                 self._add_up()
             blocks = msg.get("prefilling")
             if blocks is not None:
                 if blocks:
-                    self._peer_prefilling[source] = {int(rid): int(n) for rid, n in blocks}
+                    self._peer_prefilling[source] = _counts(blocks)
                 else:
                     self._peer_prefilling.pop(source, None)
                 self.selector.peer_prefilling = _sum(self._peer_prefilling.values())
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
             log.warning("cache_aware: a malformed share message: %s", e)
 
     def forget_peer(self, source: int) -> None:
@@ -193,6 +201,23 @@ class IndexShare:
             counts = self._peers.get(source, {})
             blocks = self._peer_prefilling.get(source, {})
             yield _line(source, [], list(counts.items()), list(blocks.items()))
+
+
+def _counts(table: Any) -> dict[int, int]:
+    """A table of counts per replica as sent: a list of [replica id, count] pairs of
+    integers, each count in 0..MAX_COUNT; anything else raises ValueError (the whole table is
+    dropped: a wrong count would steer every choice)."""
+    if not isinstance(table, list):
+        raise ValueError(f"a table of counts must be a list, not {type(table).__name__}")
+    out: dict[int, int] = {}
+    for pair in table:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"a count must be a [replica, count] pair, not {pair!r:.60}")
+        rid, n = pair
+        if type(rid) is not int or type(n) is not int or not 0 <= n <= MAX_COUNT:
+            raise ValueError(f"a count out of bounds or not an integer: {pair!r:.60}")
+        out[rid] = n
+    return out
 
 
 def _sum(tables: Iterable[Mapping[int, int]]) -> dict[int, int]:

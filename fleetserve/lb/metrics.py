@@ -115,6 +115,14 @@ class Metrics:
             registry=self.registry,
         )
         self._reported: dict[int, int] | None = None  # the poller's live dict, when one runs
+        self.queued_blocks = Gauge(
+            "fleetserve_lb_replica_queued_prompt_blocks",
+            "cache_aware (cost): prompt blocks sent to each replica whose streamed answer has "
+            "not begun (the prefill the LB counts as queued there; read at scrape time).",
+            ["service", "replica"],
+            registry=self.registry,
+        )
+        self._queued_blocks: dict[int, int] | None = None  # the ReplicaSet's live dict
         self.service = service
         self.policy = policy
         self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
@@ -159,10 +167,19 @@ class Metrics:
         self.inflight.clear()
         for rid in routable | set(inflight):
             self.inflight.labels(self.service, self.policy, str(rid)).set(inflight.get(rid, 0))
+        if self._queued_blocks is not None:
+            self.queued_blocks.clear()
+            blocks = self._queued_blocks
+            for rid in routable | set(blocks):
+                self.queued_blocks.labels(self.service, str(rid)).set(blocks.get(rid, 0))
         if self._reported is not None:
             self.reported_load.clear()
             for rid, load in list(self._reported.items()):
                 self.reported_load.labels(self.service, str(rid)).set(load)
+
+    def watch_queued_blocks(self, blocks: dict[int, int]) -> None:
+        """Export these counts (ReplicaSet.prefilling, this process's) per replica."""
+        self._queued_blocks = blocks
 
     def watch_reported(self, reported: dict[int, int]) -> None:
         """Export the replicas' reported loads (this dict, kept by the metrics poller)."""

@@ -212,6 +212,8 @@ class Proxy:
             )
             self._load_poller.start()
             self.metrics.watch_reported(reported)
+        if self.replicas.caps.weighs_prefill is not None:
+            self.metrics.watch_queued_blocks(self.replicas.prefilling)
         return self._server
 
     async def listen_on(

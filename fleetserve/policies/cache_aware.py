@@ -12,17 +12,18 @@ Choosing (`CacheAware.select`): the replicas fewer than `max_extra_load` request
 the least loaded one are eligible (so none is ever chosen past that). Among them, by default
 (`choice="cost"`), the one that would give this prompt its first token soonest by an estimate
 in prompt blocks: the blocks it would have to prefill for it (the prompt's blocks past what
-its cache holds), plus the blocks it still has to prefill for the requests sent to it that have
-not yet answered their first byte (the load balancer counts them: `prefilling`), plus
-`decode_weight` per request it has in flight. A conversation thus stays on the replica that
-holds its history while the queue there costs less than prefilling the history elsewhere, and
-goes elsewhere when it costs more: the trade is made per request in the unit that decides the
-time to first token, not by a fixed load margin. With `choice="match"` (the policy before
-2026-12-05): the longest match, ties to the less loaded. Either way, ties between equally good
-replicas (a new conversation, a prompt nobody shares, an idle fleet) are broken by a
-consistent hash of the prompt's first block, so that the processes of one load balancer and a
-restarted one place the same new prompt on the same replica. Requests without a prompt (GET,
-non-JSON) go by least load.
+its cache holds), plus `load_weight` x (the blocks it still has to prefill for the streamed
+requests sent to it that have not yet answered their first byte, which the load balancer
+counts: `prefilling`; plus `decode_weight` per request it has in flight). A conversation
+thus stays on the replica that holds its history while the queue there costs less than
+prefilling the history elsewhere, and goes elsewhere when it costs more: the trade is made
+per request in the unit that decides the time to first token, not by a fixed load margin.
+With `choice="match"` (the policy before 2026-12-05): the longest match, ties to the less
+loaded. Between equally good replicas (cost: the same cost; match: a new conversation, a
+prompt nobody shares) the less loaded wins, then a consistent hash of the prompt's first
+block, so that the processes of one load balancer and a restarted one place the same new
+prompt on the same replica. Requests without a prompt (GET, non-JSON) or with one shorter
+than a block go by least load (cost: the least queue first).
 
 Several processes of one load balancer (fleetserve.lb.index_share) share one index: each
 process tells the others its choices (`on_record`) and its in-flight counts, and applies
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -65,17 +67,29 @@ def _part_text(content: object) -> str:
     return ""
 
 
+_STREAM = re.compile(rb'"stream"\s*:\s*true')
+
+
 def prompt_text(body: bytes) -> str | None:
     """The prompt of an OpenAI-style JSON body, rendered so that a later turn of the same
     conversation starts with an earlier turn's rendering: chat `messages` (role and content of
     each, in order), else `prompt` (a string, or the first of a list), else `input`. None when
     the body is not such JSON."""
+    return parse_prompt(body)[0]
+
+
+def parse_prompt(body: bytes) -> tuple[str | None, bool]:
+    """`prompt_text` of the body, and whether it asks for a streamed answer."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
+        return None, False
     if not isinstance(doc, dict):
-        return None
+        return None, False
+    return _render(doc), doc.get("stream") is True
+
+
+def _render(doc: dict[str, object]) -> str | None:
     messages = doc.get("messages")
     if isinstance(messages, list) and messages:
         parts = []
@@ -316,11 +330,17 @@ class CacheAware:
     def body_key(self, body: bytes, complete: bool) -> RequestKey:
         """The prompt's blocks: of a whole body, parsed; of a longer one (its first
         `body_limit` bytes), its first prompt field's start."""
-        text = prompt_text(body) if complete else prompt_prefix(body, 1 << 20)
+        if complete:
+            text, streams = parse_prompt(body)
+        else:
+            text, streams = prompt_prefix(body, 1 << 20), _STREAM.search(body) is not None
         if text is None:
             return NO_KEY
         return RequestKey(
-            prefix=text[: self.block_chars], blocks=self.keys(text), text_chars=len(text)
+            prefix=text[: self.block_chars],
+            blocks=self.keys(text),
+            text_chars=len(text),
+            streams=streams,
         )
 
     def forget(self, replica: int) -> None:
@@ -343,6 +363,9 @@ class CacheAware:
         keys = key.blocks
         self.last_uncached = 0
         if not keys:
+            if self.choice == "cost" and (self.prefilling or self.peer_prefilling):
+                # No prompt to match (or one shorter than a block): the least queue.
+                candidates = self._least_queued(candidates, inflight, exclude)
             picked = self.fallback.select(candidates, inflight, exclude)
             if picked is not None and self.on_record is not None:
                 self.on_record(picked, ())  # (the other processes hear of its load)
@@ -358,9 +381,15 @@ class CacheAware:
             cost = self._costs(len(keys), depths, within, inflight)
             lowest = min(cost.values())
             best = [rid for rid in within if cost[rid] == lowest]
+            if len(best) > 1:  # (the least loaded of them, then the hash)
+                fewest = min(inflight.get(rid, 0) for rid in best)
+                best = [rid for rid in best if inflight.get(rid, 0) == fewest]
             choice = best[0] if len(best) == 1 else self._tie(key, candidates, best)
             depth = round(depths[choice])
-            self.last_uncached = max(0, len(keys) - depth)
+            # Counted as queued until the first byte: a streamed answer's first token. A
+            # whole answer's first byte comes at its end, after all of its decoding: not
+            # counted (its request still weighs as one in flight).
+            self.last_uncached = max(0, len(keys) - depth) if key.streams else 0
         else:
             depth, best = self.index.match(keys, within)
             if depth:
@@ -393,6 +422,24 @@ class CacheAware:
             + scale * (mine.get(rid, 0) + peers.get(rid, 0) + weight * inflight.get(rid, 0))
             for rid in within
         }
+
+    def _least_queued(
+        self, candidates: Sequence[int], inflight: Mapping[int, int], exclude: frozenset[int]
+    ) -> list[int]:
+        """The replicas (not excluded, within max_extra_load) with the least queue: prompt
+        blocks not yet answered, plus cache_decode_weight per request in flight."""
+        eligible = [rid for rid in candidates if rid not in exclude]
+        if not eligible:
+            return eligible
+        limit = min(inflight.get(rid, 0) for rid in eligible) + self.max_extra_load
+        mine, peers, weight = self.prefilling, self.peer_prefilling, self.decode_weight
+        queue = {
+            rid: mine.get(rid, 0) + peers.get(rid, 0) + weight * inflight.get(rid, 0)
+            for rid in eligible
+            if inflight.get(rid, 0) < limit
+        }
+        least = min(queue.values())
+        return [rid for rid, q in queue.items() if q == least]
 
     def _tie(self, key: RequestKey, candidates: Sequence[int], tied: Sequence[int]) -> int:
         """One of `tied` by a consistent hash of the prompt's first block (stable across

@@ -70,8 +70,10 @@ class BlendedIndex(PrefixIndex):
             self.on_precise(int(best), len(req.tokens))
         if best <= 0:
             return 0, list(among)
-        # The policy's metrics count in the approximate index's blocks: convert back.
-        return max(1, round(best / tokens_per_block)), [r for r in among if depth[r] == best]
+        # The policy's metrics count in the approximate index's blocks: convert back (never
+        # more than the prompt's keys: the engine's tokens include the chat template's).
+        blocks = min(len(keys), max(1, round(best / tokens_per_block)))
+        return blocks, [r for r in among if depth[r] == best]
 
     def depths(self, keys: Sequence[int], among: Sequence[int]) -> dict[int, float]:
         """As PrefixIndex.depths, in the approximate index's blocks, each live replica's from
@@ -85,9 +87,11 @@ class BlendedIndex(PrefixIndex):
             return super().depths(keys, among)
         tokens_per_block = self.block_chars * len(req.tokens) / req.text_chars
         out = super().depths(keys, [rid for rid in among if rid not in live])
+        # (the engine's tokens include the chat template's: never more than the prompt's keys)
+        most = len(keys)
         for rid in among:
             if rid in live:
-                out[rid] = live[rid] / tokens_per_block
+                out[rid] = min(most, live[rid] / tokens_per_block)
         if self.on_precise is not None:
             best = max((out[rid] * tokens_per_block for rid in among), default=0.0)
             self.on_precise(int(best), len(req.tokens))

@@ -32,6 +32,7 @@ class RequestKey:
     # length of the text `blocks` were cut from (to compare the two indexes' matches).
     tokens: tuple[int, ...] = ()
     text_chars: int = 0
+    streams: bool = False  # the body asks for a streamed answer ("stream": true)
 
 
 NO_KEY = RequestKey()

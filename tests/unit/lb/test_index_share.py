@@ -314,3 +314,60 @@ async def test_other_policies_share_nothing(
     await push(config, {"a": a, "b": b}, {"a": 1, "b": 2})
     got = [await post_fresh(config.port, conversation(c, 1)) for c in range(8)]
     assert set(got) == {"a", "b"}
+
+
+async def test_malformed_counts_are_dropped_whole_and_never_crash() -> None:
+    """Counts steer every choice: a table that is not a list of [replica, count] pairs of
+    integers in bounds is logged and dropped whole (the last good one stays)."""
+    share, sel, _ = share_of([], source=0)
+    share.apply({"op": "share", "from": 2, "prefilling": [[1, 5]], "inflight": [[1, 2]]})
+    bad_tables = [
+        json.loads(b"[[1, Infinity]]"),
+        [[1, 10**400]],
+        [[1, -1000]],
+        [[1, True]],
+        [[1, 2.5]],
+        {"12": "3"},
+        [[1, 2, 3]],
+        "12",
+    ]
+    for bad in bad_tables:
+        share.apply({"op": "share", "from": 2, "prefilling": bad})
+        share.apply({"op": "share", "from": 2, "inflight": bad})
+        assert sel.peer_prefilling == {1: 5} and sel.peer_inflight == {1: 2}, bad
+    share.apply(json.loads(b'{"op": "share", "from": Infinity, "prefilling": []}'))
+    assert sel.peer_prefilling == {1: 5}
+
+
+async def test_counts_not_written_go_again() -> None:
+    """A batch dropped on a full channel must not leave the others with stale counts: the
+    next batch carries them again, even when they are now empty."""
+    sent: list[bytes] = []
+    full = True
+    share: IndexShare | None = None
+
+    def send(line: bytes) -> None:
+        assert share is not None
+        if full:
+            share.dropped_batches += 1
+        else:
+            sent.append(line)
+
+    share, _, replicas = share_of([], source=1)
+    share.send = send
+    share.interval = 0.001
+    task = asyncio.get_running_loop().create_task(share.run())
+    try:
+        replicas.inflight[2] = 1
+        replicas.prefilling[2] = 9
+        share.record(2, (5,))
+        await asyncio.sleep(0.02)
+        del replicas.inflight[2], replicas.prefilling[2]  # ended while the channel was full
+        await asyncio.sleep(0.02)
+        assert not sent and share.dropped_batches >= 2
+        full = False
+        await asyncio.sleep(0.05)
+        last = json.loads(sent[-1])
+        assert last["inflight"] == [] and last["prefilling"] == []
+    finally:
+        task.cancel()

@@ -480,13 +480,29 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
 
     server = await asyncio.start_server(drop, "127.0.0.1", 0)
     bad = server.sockets[0].getsockname()[1]
-    lb, replicas, _ = await make_lb_proxy(
+    lb, replicas, proxy = await make_lb_proxy(
         start,
         "cache_aware",
         [Upstream(1, f"http://127.0.0.1:{replica}", 1)],
         workers=1,
     )
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello there " * 200}]}
+
+    def gauge() -> str:
+        from prometheus_client import generate_latest
+
+        proxy.metrics.sync_inflight(replicas.inflight, set(replicas.upstreams))
+        text = generate_latest(proxy.metrics.registry).decode()
+        return "\n".join(
+            line.split("{")[1]
+            for line in text.splitlines()
+            if line.startswith("fleetserve_lb_replica_queued_prompt_blocks{")
+        )
+
+    body = {
+        "model": "m",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hello there " * 200}],
+    }
     try:
         async with aiohttp.ClientSession() as s:
             task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=body))
@@ -496,6 +512,7 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
                 await asyncio.sleep(0.01)
             blocks = len("\x1euser\x1f" + "hello there " * 200) // 256
             assert replicas.prefilling == {1: blocks}  # head sent, no token yet: still counted
+            assert gauge().endswith(f'replica="1",service="svc"}} {float(blocks)}')
             release.set()
             async with await task as r:
                 assert r.status == 200 and await r.read() == b"data: token\n\n"
@@ -508,7 +525,11 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
                     Upstream(1, f"http://127.0.0.1:{replica}", 1),
                 ]
             )
-            other = {"model": "m", "messages": [{"role": "user", "content": "new words " * 200}]}
+            other = {
+                "model": "m",
+                "stream": True,
+                "messages": [{"role": "user", "content": "new words " * 200}],
+            }
             seen = heads
             task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=other))
             for _ in range(200):
@@ -522,5 +543,18 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
             async with await task as r:
                 assert r.status == 200 and await r.read() == b"data: token\n\n"
             assert replicas.prefilling == {}
+            # A whole (not streamed) answer's first byte comes after its decoding: not counted.
+            release.clear()
+            whole = {**other, "stream": False}
+            seen = heads
+            task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=whole))
+            for _ in range(200):
+                if heads > seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert heads > seen and replicas.inflight and replicas.prefilling == {}
+            release.set()
+            async with await task as r:
+                assert r.status == 200 and await r.read() == b"data: token\n\n"
     finally:
         server.close()

@@ -29,9 +29,9 @@ def chat(*turns: str, system: str = SYSTEM) -> bytes:
 
 
 def key_of(sel: CacheAware, body: bytes) -> RequestKey:
-    text = prompt_text(body)
-    assert text is not None
-    return RequestKey(prefix=text[: sel.block_chars], blocks=sel.keys(text))
+    key = sel.body_key(body, True)
+    assert key.blocks and key.streams  # (chat() asks for a stream)
+    return key
 
 
 def test_a_later_turn_renders_as_an_extension_of_the_earlier_one() -> None:
@@ -477,3 +477,46 @@ def test_the_load_weight_scales_the_queue_against_the_history() -> None:
         sel.prefilling[home] = len(key_of(sel, history(4)).blocks) + 2
         picks[weight] = sel.select([1, 2], load, frozenset(), key_of(sel, history(5))) == home
     assert picks == {1.0: False, 0.25: True}
+
+
+def test_only_a_streamed_answer_is_counted_as_queued_until_its_first_byte() -> None:
+    """A whole answer's first byte comes after all its decoding: counting its prompt as
+    queued until then would make its replica look busier than it is."""
+    sel = CacheAware(block_chars=32)
+    body = json.loads(history(2))
+    streamed = sel.body_key(json.dumps(body).encode(), True)
+    whole = sel.body_key(json.dumps({**body, "stream": False}).encode(), True)
+    assert streamed.streams and not whole.streams and streamed.blocks == whole.blocks
+    load = {1: 0, 2: 0}
+    sel.select([1, 2], load, frozenset(), whole)
+    assert sel.last_uncached == 0
+    sel.select([1, 2], load, frozenset(), streamed)
+    assert sel.last_uncached == 0  # all of it held now
+    longer = sel.body_key(history(3), True)
+    sel.select([1, 2], load, frozenset(), longer)
+    assert 0 < sel.last_uncached < len(longer.blocks)
+    # A body longer than body_limit: its head says whether it streams.
+    head = json.dumps({"stream": True, "messages": [{"role": "user", "content": "y" * 999}]})
+    assert sel.body_key(head.encode()[:500], False).streams
+    assert not sel.body_key(head.replace("true", "false").encode()[:500], False).streams
+
+
+def test_a_prompt_too_short_to_match_goes_to_the_least_queue() -> None:
+    sel = CacheAware(block_chars=256)
+    short = sel.body_key(chat("hi", system="Be brief."), True)
+    assert short.blocks == ()
+    load = {1: 1, 2: 3}
+    assert sel.select([1, 2], load, frozenset(), short) == 1  # nothing queued: least load
+    sel.prefilling[1] = 500  # a long prefill waits on replica 1
+    assert sel.select([1, 2], load, frozenset(), short) == 2
+    assert sel.select([1, 2], load, frozenset({2}), short) == 1  # (exclusions still hold)
+    assert CacheAware(choice="match").select([1, 2], load, frozenset(), short) == 1
+
+
+def test_equal_costs_go_to_the_less_loaded_replica() -> None:
+    """With the queue weighed at 0 every replica that holds nothing costs the same: the less
+    loaded one still gets a new prompt."""
+    sel = CacheAware(block_chars=32, load_weight=0)
+    load = {1: 4, 2: 0, 3: 4}
+    for i in range(10):
+        assert sel.select([1, 2, 3], load, frozenset(), key_of(sel, chat(f"new {i} " * 20))) == 2

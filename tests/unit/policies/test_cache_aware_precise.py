@@ -74,3 +74,22 @@ def test_forget_forgets_both_indexes() -> None:
     store(kv, 1, 4)
     p.forget(1)
     assert kv.trusts() == {}
+
+
+def test_an_engine_match_never_counts_more_blocks_than_the_prompt_has() -> None:
+    """The engine's tokens include the chat template's: a replica holding all of them matches
+    the prompt's 4 approximate blocks, not more (a cost below zero, a hit rate past 100%)."""
+    p, kv = policy()
+    kv.set_trust(1, Trust.LIVE)
+    kv.set_trust(2, Trust.LIVE)
+    store(kv, 1, 16)  # all 256 tokens: 4.0 blocks at 64 tokens a block
+    text = TEXT + "y" * 76  # a partial fifth block: 4 keys, 1,100 characters
+    longer = RequestKey(
+        prefix=text[:256], blocks=block_keys(text, 256), tokens=TOKENS, text_chars=len(text)
+    )  # 256 tokens at 59.6 a block: 4.3 blocks' worth of tokens for 4 keys
+    p.blended.request = longer
+    try:
+        assert p.blended.depths(longer.blocks, [1, 2]) == {1: 4, 2: 0}
+        assert p.blended.match(longer.blocks, [1, 2]) == (4, [1])
+    finally:
+        p.blended.request = None
