@@ -14,6 +14,9 @@ from fleetserve.infra.git import GitSource, clone, clone_commands, shown_url
 from fleetserve.infra.local import LocalHandle, LocalInfra
 from tests.unit.infra.test_local import request
 
+# Not test_local's "tok-1": that file, run beside this one, looks for processes by token.
+TOKEN = "tok-git"
+
 
 def git(*args: str, cwd: Path) -> str:
     env = {
@@ -120,18 +123,22 @@ async def test_the_local_infra_clones_the_workdir_and_runs_in_it(
 ) -> None:
     url, _ = repo
     infra = LocalInfra(tmp_path / "home", grace_seconds=2, home_id="bbbb0000bbbb")
-    req = request(tmp_path, workdir=None, workdir_git=GitSource(url, "v1"), setup="cat server.py")
+    req = request(
+        tmp_path, token=TOKEN, workdir=None, workdir_git=GitSource(url, "v1"), setup="cat server.py"
+    )
     launched = await infra.launch(dataclasses.replace(req, run="sleep 60"))
     try:
         h = LocalHandle.from_json(launched.handle)
         assert (Path(h.dir) / "workdir" / "server.py").read_text() == "one"
         assert "one" in infra.log_path("svc", 1).read_text()  # setup ran in the clone
     finally:
-        await infra.terminate(launched.handle, "tok-1")
+        await infra.terminate(launched.handle, TOKEN)
 
 
 async def test_a_failed_clone_fails_the_launch_with_its_reason(tmp_path: Path) -> None:
     infra = LocalInfra(tmp_path / "home", grace_seconds=2, home_id="bbbb0000bbbb")
-    req = request(tmp_path, workdir=None, workdir_git=GitSource(f"file://{tmp_path}/none"))
+    req = request(
+        tmp_path, token=TOKEN, workdir=None, workdir_git=GitSource(f"file://{tmp_path}/none")
+    )
     with pytest.raises(TerminalError, match=r"workdir: cloning file://.*/none failed: "):
         await infra.launch(req)
