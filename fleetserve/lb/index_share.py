@@ -157,19 +157,9 @@ class IndexShare:
             for rid, keys in msg.get("records", ()):
                 if rid in routable:  # (a replica that left since must not come back)
                     record(rid, keys)
-            counts = msg.get("inflight")
-            if counts is not None:
-                if counts:
-                    self._peers[source] = _counts(counts)
-                else:
-                    self._peers.pop(source, None)
+            if _take(self._peers, source, msg.get("inflight")):
                 self._add_up()
-            blocks = msg.get("prefilling")
-            if blocks is not None:
-                if blocks:
-                    self._peer_prefilling[source] = _counts(blocks)
-                else:
-                    self._peer_prefilling.pop(source, None)
+            if _take(self._peer_prefilling, source, msg.get("prefilling")):
                 self.selector.peer_prefilling = _sum(self._peer_prefilling.values())
         except (KeyError, TypeError, ValueError, ArithmeticError) as e:
             log.warning("cache_aware: a malformed share message: %s", e)
@@ -218,6 +208,18 @@ def _counts(table: Any) -> dict[int, int]:
             raise ValueError(f"a count out of bounds or not an integer: {pair!r:.60}")
         out[rid] = n
     return out
+
+
+def _take(tables: dict[int, dict[int, int]], source: int, table: Any) -> bool:
+    """A process's table of counts (None: not in this message, nothing changes; empty: it
+    has none) into `tables`; whether they changed."""
+    if table is None:
+        return False
+    if table:
+        tables[source] = _counts(table)
+    else:
+        tables.pop(source, None)
+    return True
 
 
 def _sum(tables: Iterable[Mapping[int, int]]) -> dict[int, int]:

@@ -362,23 +362,25 @@ class CacheAware:
             }
         keys = key.blocks
         self.last_uncached = 0
-        if not keys:
-            if self.choice == "cost" and (self.prefilling or self.peer_prefilling):
-                # No prompt to match (or one shorter than a block): the least queue.
-                candidates = self._least_queued(candidates, inflight, exclude)
-            picked = self.fallback.select(candidates, inflight, exclude)
-            if picked is not None and self.on_record is not None:
-                self.on_record(picked, ())  # (the other processes hear of its load)
-            return picked
+        queued = self.choice == "cost" and bool(self.prefilling or self.peer_prefilling)
+        if not keys and not queued:
+            return self._by_load(candidates, inflight, exclude)
         eligible = [rid for rid in candidates if rid not in exclude]
         if not eligible:
             return None
         least = min(inflight.get(rid, 0) for rid in eligible)
         limit = least + self.max_extra_load  # this busy or more: passed over
         within = [rid for rid in eligible if inflight.get(rid, 0) < limit]
+        if not keys:
+            # No prompt to match (or one shorter than a block): the least queue, then load.
+            queue = {rid: self._queue(rid, inflight) for rid in within}
+            shortest = min(queue.values())
+            return self._by_load([r for r in within if queue[r] == shortest], inflight, exclude)
         if self.choice == "cost":
             depths = self.index.depths(keys, within)
-            cost = self._costs(len(keys), depths, within, inflight)
+            n = len(keys)
+            weight = self.load_weight
+            cost = {rid: n - depths[rid] + weight * self._queue(rid, inflight) for rid in within}
             lowest = min(cost.values())
             best = [rid for rid in within if cost[rid] == lowest]
             if len(best) > 1:  # (the least loaded of them, then the hash)
@@ -405,41 +407,22 @@ class CacheAware:
             self.on_choice(depth, len(keys), inflight.get(choice, 0) - least)
         return choice
 
-    def _costs(
-        self,
-        blocks: int,
-        depths: Mapping[int, float],
-        within: Sequence[int],
-        inflight: Mapping[int, int],
-    ) -> dict[int, float]:
-        """Each replica's estimate of this prompt's wait for its first token, in prompt
-        blocks (the module's docstring)."""
-        mine, peers, weight = self.prefilling, self.peer_prefilling, self.decode_weight
-        scale = self.load_weight
-        return {
-            rid: blocks
-            - depths.get(rid, 0)
-            + scale * (mine.get(rid, 0) + peers.get(rid, 0) + weight * inflight.get(rid, 0))
-            for rid in within
-        }
+    def _queue(self, rid: int, inflight: Mapping[int, int]) -> float:
+        """What waits on a replica before a new prompt's prefill, in prompt blocks: the blocks
+        it still prefills for requests not yet answered (this process's and the others') and
+        `decode_weight` per request in flight."""
+        queued = self.prefilling.get(rid, 0) + self.peer_prefilling.get(rid, 0)
+        return queued + self.decode_weight * inflight.get(rid, 0)
 
-    def _least_queued(
+    def _by_load(
         self, candidates: Sequence[int], inflight: Mapping[int, int], exclude: frozenset[int]
-    ) -> list[int]:
-        """The replicas (not excluded, within max_extra_load) with the least queue: prompt
-        blocks not yet answered, plus cache_decode_weight per request in flight."""
-        eligible = [rid for rid in candidates if rid not in exclude]
-        if not eligible:
-            return eligible
-        limit = min(inflight.get(rid, 0) for rid in eligible) + self.max_extra_load
-        mine, peers, weight = self.prefilling, self.peer_prefilling, self.decode_weight
-        queue = {
-            rid: mine.get(rid, 0) + peers.get(rid, 0) + weight * inflight.get(rid, 0)
-            for rid in eligible
-            if inflight.get(rid, 0) < limit
-        }
-        least = min(queue.values())
-        return [rid for rid, q in queue.items() if q == least]
+    ) -> int | None:
+        """The least loaded of `candidates` (no prompt to place by): the other processes
+        still hear of the choice (its load)."""
+        picked = self.fallback.select(candidates, inflight, exclude)
+        if picked is not None and self.on_record is not None:
+            self.on_record(picked, ())
+        return picked
 
     def _tie(self, key: RequestKey, candidates: Sequence[int], tied: Sequence[int]) -> int:
         """One of `tied` by a consistent hash of the prompt's first block (stable across

@@ -50,14 +50,23 @@ class BlendedIndex(PrefixIndex):
         self.request: RequestKey | None = None
         self.on_precise: Callable[[int, int], None] | None = None  # (tokens matched, of)
 
-    def match(self, keys: Sequence[int], among: Sequence[int]) -> tuple[int, list[int]]:
+    def _live(self, among: Sequence[int]) -> tuple[RequestKey, dict[int, int], float] | None:
+        """For the request being placed: the live replicas' matches in engine tokens and the
+        request's tokens per approximate block; None when only the approximate index can say
+        (no tokens, or no replica of `among` followed live)."""
         req = self.request
         if req is None or not req.tokens or req.text_chars <= 0:
-            return super().match(keys, among)
+            return None
         live = self.precise.match(req.tokens, among)
         if not live:
+            return None
+        return req, live, self.block_chars * len(req.tokens) / req.text_chars
+
+    def match(self, keys: Sequence[int], among: Sequence[int]) -> tuple[int, list[int]]:
+        found = self._live(among)
+        if found is None:
             return super().match(keys, among)
-        tokens_per_block = self.block_chars * len(req.tokens) / req.text_chars
+        req, live, tokens_per_block = found
         depth: dict[int, float] = {}
         for rid in among:
             if rid in live:
@@ -79,13 +88,10 @@ class BlendedIndex(PrefixIndex):
         """As PrefixIndex.depths, in the approximate index's blocks, each live replica's from
         what its engine holds (its tokens converted with the request's characters per
         token)."""
-        req = self.request
-        if req is None or not req.tokens or req.text_chars <= 0:
+        found = self._live(among)
+        if found is None:
             return super().depths(keys, among)
-        live = self.precise.match(req.tokens, among)
-        if not live:
-            return super().depths(keys, among)
-        tokens_per_block = self.block_chars * len(req.tokens) / req.text_chars
+        req, live, tokens_per_block = found
         out = super().depths(keys, [rid for rid in among if rid not in live])
         # (the engine's tokens include the chat template's: never more than the prompt's keys)
         most = len(keys)

@@ -67,21 +67,8 @@ def make_selector(
     if policy == "prefix_affinity":
         return PrefixAffinity(max_extra_load or PrefixAffinity.DEFAULT_MAX_EXTRA_LOAD, prefix_chars)
     if policy == "cache_aware":
-        extra = max_extra_load or CacheAware.DEFAULT_MAX_EXTRA_LOAD
-        if precise is not None:
-            return PreciseCacheAware(
-                precise.index,
-                precise.tokenizer,
-                extra,
-                cache_block_chars,
-                cache_blocks,
-                cache_max_body_bytes,
-                cache_choice,
-                cache_decode_weight,
-                cache_load_weight,
-            )
-        return CacheAware(
-            extra,
+        settings = (
+            max_extra_load or CacheAware.DEFAULT_MAX_EXTRA_LOAD,
             cache_block_chars,
             cache_blocks,
             cache_max_body_bytes,
@@ -89,6 +76,9 @@ def make_selector(
             cache_decode_weight,
             cache_load_weight,
         )
+        if precise is not None:
+            return PreciseCacheAware(precise.index, precise.tokenizer, *settings)
+        return CacheAware(*settings)
     raise ValueError(f"unknown load_balancing_policy {policy!r}; use one of {', '.join(POLICIES)}")
 
 

@@ -267,18 +267,23 @@ async def test_a_malformed_request_gets_a_400_and_the_lb_carries_on(start: Start
         assert r.status == 200
 
 
+async def start_dropper() -> tuple[asyncio.Server, list[int]]:
+    """A replica that reads a request's head and closes without a byte of answer (it died),
+    and the requests it dropped (one item each)."""
+    dropped: list[int] = []
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        dropped.append(1)
+        writer.transport.abort()
+
+    return await asyncio.start_server(drop, "127.0.0.1", 0), dropped
+
+
 async def test_a_request_the_replica_dropped_unanswered_is_retried_elsewhere(start: Start) -> None:
     """A replica that reads the request and closes without a byte of answer (it died): the
     POST, body included, goes to another replica instead of failing."""
-    dropped = 0
-
-    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal dropped
-        await reader.readuntil(b"\r\n\r\n")
-        dropped += 1
-        writer.transport.abort()
-
-    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    server, dropped = await start_dropper()
     bad = server.sockets[0].getsockname()[1]
     good = await start(upstream_app("good"))
     lb, _ = await make_lb(
@@ -293,7 +298,7 @@ async def test_a_request_the_replica_dropped_unanswered_is_retried_elsewhere(sta
                     assert r.status == 200
                     body = await r.json()
                     assert body["replica"] == "good" and body["bytes"] == 1000
-        assert dropped >= 1
+        assert len(dropped) >= 1
     finally:
         server.close()
 
@@ -470,15 +475,7 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
     app = web.Application()
     app.router.add_post("/v1/chat/completions", stream)
     replica = await start(app)
-    dropped = 0
-
-    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal dropped
-        await reader.readuntil(b"\r\n\r\n")
-        dropped += 1
-        writer.transport.abort()
-
-    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    server, dropped = await start_dropper()
     bad = server.sockets[0].getsockname()[1]
     lb, replicas, proxy = await make_lb_proxy(
         start,
@@ -498,6 +495,13 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
             if line.startswith("fleetserve_lb_replica_queued_prompt_blocks{")
         )
 
+    async def heads_past(seen: int) -> None:
+        """Until the replica sent the head of one more answer (2 s at most)."""
+        for _ in range(200):
+            if heads > seen:
+                return
+            await asyncio.sleep(0.01)
+
     body = {
         "model": "m",
         "stream": True,
@@ -506,10 +510,7 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
     try:
         async with aiohttp.ClientSession() as s:
             task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=body))
-            for _ in range(200):
-                if heads:
-                    break
-                await asyncio.sleep(0.01)
+            await heads_past(0)
             blocks = len("\x1euser\x1f" + "hello there " * 200) // 256
             assert replicas.prefilling == {1: blocks}  # head sent, no token yet: still counted
             assert gauge().endswith(f'replica="1",service="svc"}} {float(blocks)}')
@@ -532,11 +533,8 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
             }
             seen = heads
             task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=other))
-            for _ in range(200):
-                if heads > seen:
-                    break
-                await asyncio.sleep(0.01)
-            assert dropped == 1  # (its first replica: the one that held nothing of it)
+            await heads_past(seen)
+            assert len(dropped) == 1  # (its first replica: the one that held nothing of it)
             blocks = len("\x1euser\x1f" + "new words " * 200) // 256
             assert replicas.prefilling == {1: blocks}  # the dropped attempt's count is gone
             release.set()
@@ -548,10 +546,7 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
             whole = {**other, "stream": False}
             seen = heads
             task = asyncio.ensure_future(s.post(f"{lb}/v1/chat/completions", json=whole))
-            for _ in range(200):
-                if heads > seen:
-                    break
-                await asyncio.sleep(0.01)
+            await heads_past(seen)
             assert heads > seen and replicas.inflight and replicas.prefilling == {}
             release.set()
             async with await task as r:
