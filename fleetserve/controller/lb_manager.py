@@ -249,11 +249,12 @@ class LbManager:
             return None
 
     async def stop_process(self, pid: int | None, create_time: float | None) -> None:
-        """SIGTERM one LB process (it drains), SIGKILL after 5 s."""
+        """SIGTERM one LB process (it drains its requests for up to 5 s, its workers at the
+        same time), SIGKILL after 8 s."""
         if pid is not None and process_alive(pid, create_time):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            for _ in range(50):
+            for _ in range(80):
                 if not process_alive(pid, create_time):
                     break
                 await asyncio.sleep(0.1)

@@ -19,6 +19,7 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import make_proxy, tls_context, worker_count
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.handover import HandoverServer, arrange, take
 from fleetserve.lb.index_share import CHANNEL_LIMIT, KEY_ENV, IndexShare, channel_full, is_share
 from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.metrics import load_report
@@ -49,7 +50,16 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     # (fleetserve.lb.workers). SO_REUSEPORT always: the kernel spreads connections over the
     # workers, and a load balancer with new settings starts beside the old one before the old
     # one stops (no refused connection).
-    listeners = {i: listening_sockets(config.host, config.port) for i in range(count)}
+    # A load balancer it replaces hands over its sockets (fleetserve.lb.handover): the same
+    # queues, so that no connection waiting in them is reset when the old one stops.
+    taken = take(config.service, config.host, config.port)
+    listeners = arrange(
+        taken[0] if taken else [], count, lambda: listening_sockets(config.host, config.port)
+    )
+    handover = HandoverServer(
+        config.service, config.host, config.port, lambda: [listeners[i] for i in sorted(listeners)]
+    )
+    handover.start()
     caps = proxy.replicas.caps
     supervisor = None
     sharing: asyncio.Task[None] | None = None
@@ -95,12 +105,21 @@ async def serve(config: LbConfig, config_path: Path) -> None:
         ", TLS" if config.tls_certfile else "",
         ", API keys required" if config.options.api_keys else "",
     )
+    if taken:
+        log.info(
+            "listening on the %s sockets of the load balancer it replaces (pid %s)",
+            sum(len(g) for g in taken[0]),
+            taken[1],
+        )
     await _until_signalled()
+    handover.close()
     if sharing is not None:
         sharing.cancel()
+    # The workers and this process drain at once (the controller waits for the whole stop).
+    stops = [proxy.close()]
     if supervisor is not None:
-        await supervisor.stop()
-    await proxy.close()
+        stops.append(supervisor.stop())
+    await asyncio.gather(*stops)
     await admin.cleanup()
 
 

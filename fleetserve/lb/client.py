@@ -54,6 +54,9 @@ class Listener(Protocol):
     @property
     def keys(self) -> list[bytes]: ...
 
+    @property
+    def draining(self) -> bool: ...
+
     def authorized(self, header: bytes | None) -> bool: ...
 
 
@@ -437,8 +440,8 @@ class ClientConn(asyncio.Protocol):
         if ex.upgrade:
             self.close()
             return
-        if not ex.keep_alive or not ex.body.complete:
-            self.close_after_write()
+        if not ex.keep_alive or not ex.body.complete or (self.listener.draining and not queue):
+            self.close_after_write()  # (a stopping load balancer keeps no idle connection)
             return
         if queue:
             self._start(queue[0])
@@ -485,6 +488,19 @@ class ClientConn(asyncio.Protocol):
                     Rejection.HEADER_TIMEOUT if fresh else Rejection.IDLE_TIMEOUT
                 )
                 self.close()
+
+    def idle(self) -> bool:
+        """Between two requests of a kept-alive connection (it answered one)."""
+        return not (self.queue or self.in_head or self.closed or self.building is None)
+
+    def busy(self, first_request_due: bool) -> bool:
+        """A stopping load balancer waits for this connection: a request queued or in
+        progress, a head being read, or (`first_request_due`) no request yet."""
+        if self.queue:
+            return True
+        if self.closed or self.dead or self.tunnel is not None:
+            return False
+        return self.in_head or (first_request_due and self.building is None)
 
     # transport helpers
     def write(self, data: bytes) -> None:

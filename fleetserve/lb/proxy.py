@@ -32,6 +32,8 @@ from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.upstream import Pool
 
 DEFAULT_MAX_CONNECTIONS = 10_000
+# At a stop, how long a connection accepted before it may take to send its first request.
+FIRST_REQUEST_GRACE = 1.0
 
 
 def listening_sockets(host: str, port: int) -> list[socket.socket]:
@@ -104,6 +106,7 @@ class Proxy:
         self.metrics = metrics or Metrics(config.service, config.policy)
         self.load = load or LoadTracker()
         self.keys = [k.encode() for k in self.opts.api_keys]
+        self.draining = False  # stopping (`close`): no connection is kept alive
         self.pool = Pool(self.opts.connect_timeout_seconds, self.monotonic)
         # What every connection's exchanges share: made once, handed to each ClientConn.
         self.shared = ExchangeContext(
@@ -263,8 +266,18 @@ class Proxy:
             self._kv_events_started = False
             await self.kv_events.stop()
         loop = asyncio.get_running_loop()  # (real time: this waits for real)
-        deadline = loop.time() + drain_seconds
-        while loop.time() < deadline and any(c.queue for c in self.clients):
+        now = loop.time()
+        deadline = now + drain_seconds
+        # From now on a connection closes once its requests are answered, and one idle between
+        # requests closes at once. One accepted before the stop whose first request is not read
+        # yet (its client sent it, or is sending it) gets a moment for it: closing it unread
+        # would fail a request the client had every reason to think accepted.
+        self.draining = True
+        first_by = now + min(FIRST_REQUEST_GRACE, drain_seconds)
+        for client in list(self.clients):
+            if client.idle():
+                client.close()
+        while (now := loop.time()) < deadline and any(c.busy(now < first_by) for c in self.clients):
             await asyncio.sleep(0.05)
         for client in list(self.clients):
             client.close()

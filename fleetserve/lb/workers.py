@@ -275,9 +275,10 @@ class Supervisor:
             self._watch.cancel()
         for index in list(self.covering):
             self.uncover(index)
-        # The workers' sockets leave with the workers, as they always did: kept open here, the
-        # kernel would go on queueing connections on them (a load balancer replacing this one
-        # beside it would not get them) until this process exits and they are reset.
+        # The workers' sockets leave with the workers: kept open here while this process
+        # drains, the kernel would go on queueing connections on them. (A load balancer that
+        # replaces this one holds the same sockets (fleetserve.lb.handover) and takes what
+        # queues there; one that could not take them over never would.)
         for index, socks in self.listeners.items():
             if index != 0:
                 for sock in socks:

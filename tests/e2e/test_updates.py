@@ -172,6 +172,8 @@ def test_an_update_that_changes_the_lb_settings_replaces_it_without_a_failed_req
     assert load.failures == []
     log = fleet.cli("logs", "--no-follow", "lbset", "--load-balancer").stdout
     assert "policy least_load" in log
+    # The new one listens on the old one's sockets (fleetserve.lb.handover): same queues.
+    assert "sockets of the load balancer it replaces" in log
     with fleet.client() as c:
         events = [e.message for e in c.events("lbset", 200)]
     assert "load balancer settings changed: replacing it" in events
