@@ -101,6 +101,10 @@ class Executor:
         self.launches: dict[ReplicaId, asyncio.Task[None]] = {}
         self.terminations: dict[ReplicaId, asyncio.Task[None]] = {}
         self.inflight_of: Callable[[ReplicaId], int] = lambda _rid: 0  # from the LB's load report
+        # `down`: drains under way end at once (the LB is told to route nothing and its load
+        # is no longer read, so a request in flight in the last report would hold the down for
+        # the whole drain).
+        self.drains_cut = False
         # A launch that found its zone full (or lost its host during setup): the row goes and
         # the spot placer hears of it (the planner creates another replica).
         self.on_no_capacity: Callable[[ReplicaRecord, NoCapacity], None] = lambda _r, _e: None
@@ -260,8 +264,16 @@ class Executor:
         second lets the push that removes it from the LB's set land."""
         deadline = self.clock.now() + seconds
         await self.clock.sleep(min(1.0, seconds))
-        while self.clock.now() < deadline and self.inflight_of(replica_id) > 0:
+        while (
+            not self.drains_cut
+            and self.clock.now() < deadline
+            and self.inflight_of(replica_id) > 0
+        ):
             await self.clock.sleep(0.2)
+
+    def cut_drains(self) -> None:
+        """The service goes down: replicas being drained stop waiting for their requests."""
+        self.drains_cut = True
 
     async def _terminate(
         self,

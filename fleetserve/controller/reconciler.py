@@ -912,6 +912,7 @@ class ServiceReconciler:
         if svc.lb_pid is not None and self.lb.is_running(svc):
             # Nothing is routable any more: stop sending traffic before stopping replicas.
             await self.lb.push(svc, [], self.clock.now(), force=True)
+        self.executor.cut_drains()  # a scale-down's drain must not hold the down
         by_id = {r.replica_id: r for r in replicas}
         for action in plan_shutdown(replicas):
             self.prober.forget(self.key(action.replica_id))

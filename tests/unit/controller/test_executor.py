@@ -157,3 +157,21 @@ async def test_drain_is_bounded_by_drain_seconds(setup: Setup) -> None:
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=0.2)
     assert setup.infra.terminated == [("svc/1", "token-1")]
     assert 120 <= setup.clock.now() - start < 122
+
+
+async def test_a_drain_under_way_ends_when_the_service_goes_down(setup: Setup) -> None:
+    """`down` cuts drains short: the LB routes nothing more and its load is not read again,
+    so a request in flight in its last report would otherwise hold the down for the whole
+    drain (seen: `down` waited the 120 s default after a spot fallback's scale-down)."""
+    row = await setup.launched()
+    start = setup.clock.now()
+    setup.executor.inflight_of = lambda _rid: 1  # the last report, never refreshed
+    setup.executor.terminate(
+        row, ReplicaStatus.READY, "scaled down", TerminationCause.SCALE_DOWN, drain_seconds=120
+    )
+    await asyncio.sleep(0)
+    await setup.clock.sleep(10)
+    setup.executor.cut_drains()
+    await asyncio.wait_for(setup.executor.wait_idle(), timeout=0.2)
+    assert setup.infra.terminated == [("svc/1", "token-1")]
+    assert setup.clock.now() - start < 12

@@ -17,7 +17,7 @@ from fleetserve.controller.reconciler import ServiceReconciler
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ServicePhase
+from fleetserve.core.types import ServicePhase, TerminationCause
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.store import Store
 
@@ -145,6 +145,33 @@ async def test_down_stops_every_replica_then_the_lb_then_forgets_the_service(
     assert lb.stopped == [("good", pid)]
     assert store.get_service("good") is None and store.list_replicas("good") == []
     assert infra.forgotten == ["good"]
+
+
+async def test_down_does_not_wait_for_a_scale_down_drain(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    """A replica draining (scale-down, requests in flight in the LB's last report) when the
+    service goes down: the down stops it at once rather than after the drain's 120 s."""
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        rec.executor.inflight_of = lambda _rid: 3
+        rec.executor.terminate(
+            store.replica("good", 2),
+            ReplicaStatus.READY,
+            "scaled down",
+            TerminationCause.SCALE_DOWN,
+            drain_seconds=120,
+        )
+        await settle()
+        start = clock.now()
+        store.update_service("good", clock.now(), phase=ServicePhase.SHUTTING_DOWN)
+        assert await asyncio.wait_for(rec.reconcile_once(), 5) is True
+    assert clock.now() - start < 5  # fake time: the drain's sleeps advance it
+    assert sorted(str(h) for h, _ in infra.terminated) == ["good/1", "good/2"]
+    assert store.get_service("good") is None
 
 
 async def test_a_restart_relaunches_a_cut_short_launch_and_adopts_the_rest(
