@@ -265,9 +265,7 @@ class Executor:
         deadline = self.clock.now() + seconds
         await self.clock.sleep(min(1.0, seconds))
         while (
-            not self.drains_cut
-            and self.clock.now() < deadline
-            and self.inflight_of(replica_id) > 0
+            not self.drains_cut and self.clock.now() < deadline and self.inflight_of(replica_id) > 0
         ):
             await self.clock.sleep(0.2)
 
