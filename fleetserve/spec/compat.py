@@ -89,7 +89,27 @@ def compat_warnings(spec: ServiceTask, infra_name: str) -> list[str]:
                     f"{where}.image_id: a VM image does not apply on the {infra_name} infra; "
                     "the run command runs on this machine's OS"
                 )
+    lines.extend(_nginx_warnings(spec))
     return lines
+
+
+# What the nginx data plane does not do (fleetserve/lb/nginx.py): it balances by least_conn.
+_NGINX_IGNORES = ("prefix_affinity", "cache_aware")
+
+
+def _nginx_warnings(spec: ServiceTask) -> list[str]:
+    """A policy the nginx data plane replaces by least_conn: accepted, said so."""
+    service = spec.service
+    if service.load_balancer.data_plane != "nginx":
+        return []
+    policy = service.load_balancing_policy
+    if policy not in _NGINX_IGNORES:
+        return []
+    return [
+        f"service.load_balancing_policy: {policy} is not applied by data_plane: nginx (it "
+        "balances by least_conn, and its cache and prefix options have no effect); use "
+        "data_plane: python for it"
+    ]
 
 
 def compat_errors(spec: ServiceTask, has_container_runtime: bool) -> list[str]:

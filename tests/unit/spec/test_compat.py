@@ -101,3 +101,26 @@ def test_a_git_workdir_runs_here() -> None:
     """Cloned at launch on the local infra (fleetserve.infra.git): not a compat refusal."""
     spec = parse_spec(HEAD + "workdir: {url: 'https://github.com/x/y.git', ref: main}\n")
     assert compat_errors(spec, has_container_runtime=False) == []
+
+
+@pytest.mark.parametrize(
+    ("policy", "plane", "warned"),
+    [
+        ("cache_aware", "nginx", True),
+        ("prefix_affinity", "nginx", True),
+        ("cache_aware", "python", False),
+        ("least_load", "nginx", False),
+    ],
+)
+def test_a_cache_policy_under_nginx_is_said_to_be_least_conn(
+    policy: str, plane: str, warned: bool
+) -> None:
+    spec = parse_spec(
+        f"service:\n  readiness_probe: /\n  load_balancing_policy: {policy}\n"
+        f"  load_balancer: {{data_plane: {plane}}}\nrun: python -m http.server $PORT\n"
+    )
+    lines = [w for w in compat_warnings(spec, "local") if w.startswith("service.")]
+    assert bool(lines) is warned
+    if warned:
+        assert f"{policy} is not applied by data_plane: nginx" in lines[0]
+        assert "least_conn" in lines[0]
