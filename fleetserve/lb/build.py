@@ -17,6 +17,7 @@ from fleetserve.lb.messages import ReplicaPush
 from fleetserve.lb.proxy import DEFAULT_MAX_CONNECTIONS, Proxy
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.wake import may_send_to
+from fleetserve.policies.cache_aware_precise import PreciseCacheAware
 from fleetserve.policies.factory import PreciseParts, make_selector, selector_for
 from fleetserve.spec.models import LoadBalancerOptions
 
@@ -123,6 +124,8 @@ def make_proxy(config: LbConfig, worker: int = 0, clock: Monotonic | None = None
     if caps.reports_choices is not None:
         caps.reports_choices.on_choice = proxy.metrics.prompt_blocks
     if precise is not None:
+        if isinstance(replicas.selector, PreciseCacheAware):
+            replicas.selector.blended.on_precise = proxy.metrics.precise_tokens
         upstreams = replicas  # its set is replaced by each push: read it each round
         proxy.kv_events = KvEventsFollower(
             precise[0],

@@ -123,6 +123,16 @@ class Metrics:
             registry=self.registry,
         )
         self._queued_blocks: dict[int, int] | None = None  # the ReplicaSet's live dict
+        precise_tokens = Counter(
+            "fleetserve_lb_precise_prompt_tokens",
+            "cache_aware's precise mode: prompt tokens of the requests placed with the engines' "
+            "KV cache events (`prompt`), and the most of them one replica's engine held "
+            "(`matched`; matched / prompt: the hit rate the events promised).",
+            ["service", "kind"],
+            registry=self.registry,
+        )
+        self._precise_prompt = precise_tokens.labels(service, "prompt")
+        self._precise_matched = precise_tokens.labels(service, "matched")
         self.service = service
         self.policy = policy
         self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
@@ -155,6 +165,10 @@ class Metrics:
         if extra_load > self._extra_load_max:
             self._extra_load_max = extra_load
             self._extra_load.set(extra_load)
+
+    def precise_tokens(self, matched: int, prompt: int) -> None:
+        self._precise_prompt.inc(prompt)
+        self._precise_matched.inc(matched)
 
     def error(self, replica: str, kind: str) -> None:
         self.upstream_errors.labels(self.service, self.policy, replica, kind).inc()

@@ -98,9 +98,12 @@ class BlendedIndex(PrefixIndex):
         for rid in among:
             if rid in live:
                 out[rid] = min(most, live[rid] / tokens_per_block)
-        if self.on_precise is not None:
-            best = max((out[rid] * tokens_per_block for rid in among), default=0.0)
-            self.on_precise(int(best), len(req.tokens))
+        if self.on_precise is not None:  # in the engine's tokens, as `match` reports
+            best = max(
+                (live[rid] if rid in live else out[rid] * tokens_per_block for rid in among),
+                default=0.0,
+            )
+            self.on_precise(int(min(best, len(req.tokens))), len(req.tokens))
         return out
 
 

@@ -124,6 +124,13 @@ async def test_the_lb_routes_to_the_engine_that_holds_the_prompt(
         assert seen == [2, 2, 2]
         names = {m.name for m in proxy.metrics.registry.collect()}
         assert "fleetserve_lb_kv_events_replicas" in names
+        # What the events promised: 3 requests of len(tokens), each with `full` held.
+        reg = proxy.metrics.registry
+        for kind, want in (("prompt", 3 * len(tokens)), ("matched", 3 * full)):
+            got = reg.get_sample_value(
+                "fleetserve_lb_precise_prompt_tokens_total", {"service": "svc", "kind": kind}
+            )
+            assert got == want, (kind, got, want)
     finally:
         await proxy.close(0.1)
 
