@@ -340,7 +340,12 @@ class ServiceReconciler:
                 # Finish what the previous controller started, for the same cause (a row
                 # written before causes were recorded has one from migration 0009).
                 cause = r.termination_cause or TerminationCause.FAILURE
-                final = r.status if deletes_row(cause) else ReplicaStatus.FAILED
+                if deletes_row(cause):
+                    final = r.status
+                elif cause is TerminationCause.PREEMPTION:
+                    final = ReplicaStatus.PREEMPTED  # not a failure of the replica's own
+                else:
+                    final = ReplicaStatus.FAILED
                 self.executor.terminate(r, final, r.reason or "terminating", cause)
             elif r.status in _RUNNING and r.handle and self._away(r):
                 continue  # another host's: lost (the first round replaces it)

@@ -174,6 +174,44 @@ async def test_down_does_not_wait_for_a_scale_down_drain(
     assert store.get_service("good") is None
 
 
+@pytest.mark.parametrize(
+    ("cause", "final"),
+    [
+        (TerminationCause.PREEMPTION, ReplicaStatus.PREEMPTED),
+        (TerminationCause.FAILURE, ReplicaStatus.FAILED),
+    ],
+)
+async def test_a_restart_finishes_a_stop_with_the_status_of_its_cause(
+    store: Store,
+    settings: Settings,
+    clock: FakeClock,
+    cause: TerminationCause,
+    final: ReplicaStatus,
+) -> None:
+    """The controller died while stopping a replica: its successor finishes the stop and
+    records how it ended by the cause written on the row (a preemption stays PREEMPTED: not
+    a failure, which the crash-loop count and `status` would blame on the replica)."""
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        stopping = store.update_replica(
+            store.replica("good", 2),
+            clock.now(),
+            "terminating: lost",
+            status=ReplicaStatus.SHUTTING_DOWN,
+            termination_cause=cause,
+        )
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await rec.recover()
+        await asyncio.wait_for(rec.executor.wait_idle(), 5)
+    assert (str(stopping.handle), stopping.launch_token) in [
+        (str(h), t) for h, t in infra.terminated
+    ]
+    assert store.replica("good", 2).status is final
+
+
 async def test_a_restart_relaunches_a_cut_short_launch_and_adopts_the_rest(
     store: Store, settings: Settings, clock: FakeClock
 ) -> None:
