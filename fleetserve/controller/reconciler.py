@@ -340,6 +340,7 @@ class ServiceReconciler:
                 # Finish what the previous controller started, for the same cause (a row
                 # written before causes were recorded has one from migration 0009).
                 cause = r.termination_cause or TerminationCause.FAILURE
+                final: ReplicaStatus
                 if deletes_row(cause):
                     final = r.status
                 elif cause is TerminationCause.PREEMPTION:
