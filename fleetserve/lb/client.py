@@ -495,10 +495,11 @@ class ClientConn(asyncio.Protocol):
 
     def busy(self, first_request_due: bool) -> bool:
         """A stopping load balancer waits for this connection: a request queued or in
-        progress, a head being read, or (`first_request_due`) no request yet."""
-        if self.queue:
-            return True
-        if self.closed or self.dead or self.tunnel is not None:
+        progress, an answer not yet flushed, a head being read, or (`first_request_due`) no
+        request yet."""
+        if self.queue or self.closed:  # closed: what it was sent still flushing (until
+            return True  # connection_lost takes it out of the listener's clients)
+        if self.dead or self.tunnel is not None:
             return False
         return self.in_head or (first_request_due and self.building is None)
 

@@ -34,8 +34,12 @@ from collections.abc import Callable
 log = logging.getLogger("fleetserve.lb")
 
 TAKE_TIMEOUT = 2.0  # seconds a new load balancer waits for the old one's answer
-MAX_SOCKETS = 256  # what one answer may carry (a process per core, two address families)
-BIND_RETRY_SECONDS = 0.5  # the old one holds the name until it exits: try again this often
+# What one answer may carry: the kernel's SCM_MAX_FD (load_balancer.workers <= 64 processes,
+# two address families each: 128 at most).
+MAX_SOCKETS = 253
+# The load balancer this one replaced holds the name until its stop begins: try again this
+# often, so that one replacing this one soon after still finds it.
+BIND_RETRY_SECONDS = 0.05
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -68,6 +72,17 @@ def _fits(sock: socket.socket, wanted: set[tuple[int, tuple[str, int]]]) -> bool
     return (sock.family, (str(name[0]), int(name[1]))) in wanted
 
 
+def _covers(group: list[socket.socket], wanted: set[tuple[int, tuple[str, int]]]) -> bool:
+    """One listening socket on each wanted address, and nothing else."""
+    if not all(_fits(s, wanted) for s in group):
+        return False
+    names = set()
+    for s in group:
+        name = s.getsockname()
+        names.add((s.family, (str(name[0]), int(name[1]))))
+    return names == wanted and len(group) == len(wanted)
+
+
 def take(service: str, host: str, port: int) -> tuple[list[list[socket.socket]], int] | None:
     """The listening sockets of the load balancer of `service` on host:port that this one
     replaces, grouped as its processes held them, and its pid; None if none answers, if it
@@ -87,26 +102,35 @@ def take(service: str, host: str, port: int) -> tuple[list[list[socket.socket]],
         for fd in fds:
             os.close(fd)
         return None  # no load balancer before this one (or one that does not hand over)
-    socks = [socket.socket(fileno=fd) for fd in fds]
+    socks: list[socket.socket] = []
+    pending = list(fds)  # not yet owned by a socket object
     try:
+        while pending:
+            socks.append(socket.socket(fileno=pending[0]))  # OSError: not a socket
+            pending.pop(0)
         sizes = json.loads(message)["groups"]
         ok = (
             isinstance(sizes, list)
             and all(isinstance(n, int) and n > 0 for n in sizes)
             and sum(sizes) == len(socks)
         )
-    except (ValueError, KeyError, TypeError):
+    except Exception:  # a malformed answer (not sockets, bad JSON, too deep): none is used
         ok = False
+    for fd in pending:
+        os.close(fd)
+    groups: list[list[socket.socket]] = []
+    if ok:
+        at = 0
+        for n in sizes:
+            groups.append(socks[at : at + n])
+            at += n
     wanted = wanted_addresses(host, port)
-    if not ok or not socks or not all(_fits(s, wanted) for s in socks):
+    # Every group (one process's sockets) must listen on each of the address's families.
+    if not ok or not groups or not all(_covers(g, wanted) for g in groups):
         log.warning("handover: the sockets received are not this address's: made new ones")
         for s in socks:
             s.close()
         return None
-    groups, at = [], 0
-    for n in sizes:
-        groups.append(socks[at : at + n])
-        at += n
     for s in socks:
         s.setblocking(False)
     return groups, pid
@@ -187,11 +211,13 @@ def arrange(
     taken: list[list[socket.socket]], count: int, make: Callable[[], list[socket.socket]]
 ) -> dict[int, list[socket.socket]]:
     """`count` processes' listening sockets from the groups taken over: group i is process
-    i's; a process beyond them gets new ones (`make`); groups beyond the processes go to
-    them in turn (a process serves several queues)."""
+    i's; a process beyond them gets new ones (`make`); groups beyond the processes are
+    every process's (each accepts from those queues too: the kernel keeps sending them a
+    share of the connections, which no one process should take alone)."""
     listeners: dict[int, list[socket.socket]] = {}
     for i in range(count):
         listeners[i] = list(taken[i]) if i < len(taken) else make()
     for j in range(count, len(taken)):
-        listeners[j % count].extend(taken[j])
+        for i in range(count):
+            listeners[i].extend(taken[j])
     return listeners

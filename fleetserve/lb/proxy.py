@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import socket
 import ssl
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -107,6 +108,9 @@ class Proxy:
         self.load = load or LoadTracker()
         self.keys = [k.encode() for k in self.opts.api_keys]
         self.draining = False  # stopping (`close`): no connection is kept alive
+        # TLS connections accepted whose handshake may not be done (weak: one that failed
+        # its handshake never becomes a client and goes with its transport).
+        self.handshaking: weakref.WeakSet[ClientConn] = weakref.WeakSet()
         self.pool = Pool(self.opts.connect_timeout_seconds, self.monotonic)
         # What every connection's exchanges share: made once, handed to each ClientConn.
         self.shared = ExchangeContext(
@@ -187,7 +191,7 @@ class Proxy:
             self._more.remove(servers[0])
         else:
             self._server = await loop.create_server(
-                lambda: ClientConn(self, self.shared),
+                self._factory(ssl_context),
                 host,
                 port,
                 backlog=2048,
@@ -228,7 +232,7 @@ class Proxy:
         servers = []
         for sock in sockets:
             server = await loop.create_server(
-                lambda: ClientConn(self, self.shared),
+                self._factory(ssl_context),
                 sock=sock.dup() if copy else sock,
                 backlog=2048,
                 ssl=ssl_context,
@@ -237,6 +241,20 @@ class Proxy:
             servers.append(server)
         self._more.extend(servers)
         return servers
+
+    def _factory(self, ssl_context: ssl.SSLContext | None) -> Callable[[], ClientConn]:
+        """The protocol factory: called at accept. A TLS connection is a client (its
+        `connection_made`) only once its handshake is done: until then `handshaking` holds
+        it, so that a stop gives it the first request's grace too."""
+        if ssl_context is None:
+            return lambda: ClientConn(self, self.shared)
+
+        def accepted() -> ClientConn:
+            conn = ClientConn(self, self.shared)
+            self.handshaking.add(conn)
+            return conn
+
+        return accepted
 
     def stop_listening(self, servers: list[asyncio.Server]) -> None:
         for server in servers:
@@ -277,7 +295,10 @@ class Proxy:
         for client in list(self.clients):
             if client.idle():
                 client.close()
-        while (now := loop.time()) < deadline and any(c.busy(now < first_by) for c in self.clients):
+        while (now := loop.time()) < deadline and (
+            any(c.busy(now < first_by) for c in self.clients)
+            or (now < first_by and any(c.transport is None for c in self.handshaking))
+        ):
             await asyncio.sleep(0.05)
         for client in list(self.clients):
             client.close()

@@ -4,17 +4,23 @@ and a stopping one answers what it accepted: no request is lost when the setting
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
+import threading
 from pathlib import Path
 
 import aiohttp
 import psutil
 import pytest
+import trustme
+from aiohttp import web
 
 from fleetserve.lb import handover
+from fleetserve.lb.build import tls_context
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.handover import HandoverServer, arrange, handover_name, take
 from fleetserve.lb.proxy import Proxy, listening_sockets
@@ -191,7 +197,8 @@ def test_arrange_spreads_the_groups_over_the_processes() -> None:
 
     a, b, c = ([socket.socket()] for _ in range(3))
     try:
-        assert arrange([a, b, c], 2, make) == {0: [*a, *c], 1: b}  # a process serves two
+        # A group beyond the processes is every process's (no one takes its share alone).
+        assert arrange([a, b, c], 2, make) == {0: [*a, *c], 1: [*b, *c]}
         assert made == []
         three = arrange([a], 3, make)
         assert three[0] == a and len(made) == 2 and three[1] != three[2]
@@ -231,3 +238,148 @@ async def test_a_stopping_proxy_reads_a_request_sent_just_after_the_stop(start: 
     await asyncio.wait_for(closing, 5)
     for w in (late_w, idle_w):
         w.close()
+
+
+def _answer_once(service: str, port: int, message: bytes, fds: list[int]) -> threading.Thread:
+    """A process of this user on the service's name that answers one request with
+    `message` and `fds` (a stale, buggy or hostile answer), in a thread."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(handover_name(service, "127.0.0.1", port))
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                socket.send_fds(conn, [message], fds)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    ["a pipe, not a socket", "a socket and a pipe", "JSON nested past the recursion limit"],
+)
+def test_a_malformed_answer_is_refused_whole_and_leaks_nothing(answer: str) -> None:
+    """What a buggy (or another) process of this user answers cannot crash the new load
+    balancer or leave descriptors open: take falls back (None), and closes all it got."""
+    port = closed_port()
+    good = listening_sockets("127.0.0.1", port)
+    read_end, write_end = os.pipe()
+    message, fds = {
+        "a pipe, not a socket": (b'{"groups": [1]}', [read_end]),
+        "a socket and a pipe": (b'{"groups": [2]}', [good[0].fileno(), read_end]),
+        "JSON nested past the recursion limit": (b"[" * 60000, [good[0].fileno()]),
+    }[answer]
+    before = _open_fds()
+    thread = _answer_once("svc", port, message, fds)
+    try:
+        assert take("svc", "127.0.0.1", port) is None
+        thread.join(5)
+        assert _open_fds() == before  # nothing received stays open
+    finally:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        good[0].close()
+
+
+def test_a_group_without_one_of_the_address_families_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The address resolves to two families; the old load balancer's processes each had a
+    socket on one only: taken as is, nothing would listen on the other."""
+    port = closed_port()
+    v4 = listening_sockets("127.0.0.1", port)
+    wanted = {(socket.AF_INET, ("127.0.0.1", port)), (socket.AF_INET6, ("::1", port))}
+    monkeypatch.setattr(handover, "wanted_addresses", lambda _h, _p: wanted)
+    thread = _answer_once("svc", port, b'{"groups": [1]}', [v4[0].fileno()])
+    try:
+        assert take("svc", "127.0.0.1", port) is None
+        thread.join(5)
+    finally:
+        v4[0].close()
+
+
+async def test_a_stopping_proxy_flushes_an_answer_to_a_slow_reader(start: Start) -> None:
+    """An answer read whole from the replica but not yet taken by its client (in the
+    connection's buffer): the stop waits (within its drain) until it is flushed, rather than
+    return, and exit, with it in the buffer. Small kernel buffers on both sides keep most
+    of the answer in the load balancer."""
+    size = 200_000  # under the connection's high-water mark: read whole from the replica
+
+    async def big(_request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * size)
+
+    app = web.Application()
+    app.router.add_get("/big", big)
+    a = await start(app)
+    replicas = ReplicaSet(make_selector("least_load"))
+    replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    proxy = Proxy(LbConfig(service="svc", port=0, admin_port=0), replicas)
+    await proxy.serve("127.0.0.1", 0)
+    assert proxy._server is not None
+    for listening in proxy._server.sockets:  # the accepted connection inherits it
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", proxy.port))
+    reader, writer = await asyncio.open_connection(sock=raw, limit=65536)
+    writer.transport.pause_reading()  # a slow client: reads nothing for now
+    writer.write(b"GET /big HTTP/1.1\r\nHost: lb\r\n\r\n")
+    await asyncio.sleep(0.5)  # the whole answer left the replica; the LB holds the rest
+    closing = asyncio.create_task(proxy.close(drain_seconds=5))
+    await asyncio.sleep(0.3)
+    assert not closing.done()  # still flushing
+    writer.transport.resume_reading()
+    data = await asyncio.wait_for(reader.read(), 10)
+    await asyncio.wait_for(closing, 5)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and len(body) == size
+    writer.close()
+
+
+async def test_a_stopping_proxy_waits_for_a_tls_handshake_begun_before(
+    start: Start, tmp_path: Path
+) -> None:
+    """A TLS connection accepted before the stop whose handshake comes a moment later: it is
+    not a client yet (no connection_made before the handshake), and still gets the first
+    request's grace."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.cert_chain_pems[0].write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    a = await start(upstream_app("a"))
+    cfg = LbConfig(
+        service="svc", port=0, admin_port=0, tls_certfile=str(certfile), tls_keyfile=str(keyfile)
+    )
+    replicas = ReplicaSet(make_selector("least_load"))
+    replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
+    proxy = Proxy(cfg, replicas)
+    await proxy.serve("127.0.0.1", 0, tls_context(cfg))
+    raw = socket.create_connection(("127.0.0.1", proxy.port))  # accepted; no ClientHello yet
+    await asyncio.sleep(0.1)
+    assert len(proxy.clients) == 0 and len(proxy.handshaking) == 1
+    closing = asyncio.create_task(proxy.close())
+    await asyncio.sleep(0.3)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+
+    def request() -> bytes:
+        with client_ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(b"GET /late HTTP/1.1\r\nHost: lb\r\n\r\n")
+            data = b""
+            with contextlib.suppress(ssl.SSLError, OSError):
+                while chunk := tls.recv(65536):
+                    data += chunk
+            return data
+
+    answer = await asyncio.to_thread(request)
+    await asyncio.wait_for(closing, 5)
+    assert answer.startswith(b"HTTP/1.1 200 OK") and b'"replica": "a"' in answer
