@@ -483,8 +483,10 @@ async def test_a_worker_outlives_a_killed_primary_that_left_its_batches_unread(
             # The worker serves these (the stopped primary serves none), and sends its index
             # batches into the channel nobody reads.
             # (A connection the kernel hands the stopped primary gets no answer: 0.3 s each.)
-            served = await asyncio.to_thread(_chat_posts, config.port, 30, "unread", 0.3)
-            assert served.count(200) >= 10, served
+            # The kernel hashes each connection to one of the two sockets: of 40, fewer than
+            # 8 reach the worker about once in 20,000 runs (30 and 10 failed about once in 50).
+            served = await asyncio.to_thread(_chat_posts, config.port, 40, "unread", 0.3)
+            assert served.count(200) >= 8, served
         finally:
             proc.kill()
         proc.wait(10)
