@@ -105,6 +105,9 @@ class Executor:
         # is no longer read, so a request in flight in the last report would hold the down for
         # the whole drain).
         self.drains_cut = False
+        # A load balancer replaced by a newer one still finishing requests: its requests are
+        # in no load report, so a drain waits for it to be done (within its bound).
+        self.lb_retiring: Callable[[], bool] = lambda: False
         # A launch that found its zone full (or lost its host during setup): the row goes and
         # the spot placer hears of it (the planner creates another replica).
         self.on_no_capacity: Callable[[ReplicaRecord, NoCapacity], None] = lambda _r, _e: None
@@ -260,12 +263,15 @@ class Executor:
         task.add_done_callback(lambda _t: self._done(self.terminations, rec.replica_id))
 
     async def _drain(self, replica_id: ReplicaId, seconds: float) -> None:
-        """Wait until the LB reports no request in flight to the replica (bounded). The first
-        second lets the push that removes it from the LB's set land."""
+        """Wait until the LB reports no request in flight to the replica, and no replaced LB
+        is still finishing requests (bounded). The first second lets the push that removes it
+        from the LB's set land."""
         deadline = self.clock.now() + seconds
         await self.clock.sleep(min(1.0, seconds))
         while (
-            not self.drains_cut and self.clock.now() < deadline and self.inflight_of(replica_id) > 0
+            not self.drains_cut
+            and self.clock.now() < deadline
+            and (self.inflight_of(replica_id) > 0 or self.lb_retiring())
         ):
             await self.clock.sleep(0.2)
 

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,20 @@ class LbState:
     pushed: object = None  # what was pushed last (replicas and canary split)
     pushed_at: float = 0.0
     children: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # Load balancers replaced by a newer one, finishing their requests: pid -> create time.
+    retiring: dict[int, float | None] = field(default_factory=dict)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+# A retired load balancer that has not exited this long past its drain is killed.
+RETIRE_MARGIN_SECONDS = 5.0
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a load balancer and its workers: its process group (it leads its own session,
+    started by `LbManager.start`)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _auth(svc: ServiceRecord) -> dict[str, str]:
@@ -262,8 +277,55 @@ class LbManager:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
+    def retire(
+        self, service: str, pid: int | None, create_time: float | None, drain_seconds: float
+    ) -> None:
+        """A newer load balancer took over: SIGQUIT the old one, which stops accepting and lets
+        its requests finish for up to `drain_seconds` (a long stream is not cut), in the
+        background; its process group is killed if it outlives that (and a margin)."""
+        if pid is None or not process_alive(pid, create_time):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGQUIT)
+        state = self._state.setdefault(service, LbState())
+        state.retiring[pid] = create_time
+        task = asyncio.get_running_loop().create_task(
+            self._retired(state, pid, create_time, drain_seconds + RETIRE_MARGIN_SECONDS)
+        )
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+
+    async def _retired(
+        self, state: LbState, pid: int, create_time: float | None, within: float
+    ) -> None:
+        try:
+            deadline = time.monotonic() + within
+            while process_alive(pid, create_time) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            if process_alive(pid, create_time):
+                log.warning("load balancer %s outlived its drain: killed", pid)
+                _kill_group(pid)
+        finally:
+            state.retiring.pop(pid, None)
+
+    def retiring(self, service: str) -> bool:
+        """Whether a replaced load balancer of the service still finishes requests (a
+        replica's drain waits for it: its requests are in no load report)."""
+        state = self._state.get(service)
+        return state is not None and any(
+            process_alive(pid, ct) for pid, ct in state.retiring.items()
+        )
+
     async def stop(self, service: str, pid: int | None, create_time: float | None) -> None:
-        """Stop the service's LB for good (`down`): its process, a stray nginx, its config."""
+        """Stop the service's LB for good (`down`): its process, a stray nginx, its config, and
+        any replaced one still finishing requests (the replicas are going too)."""
+        state = self._state.get(service)
+        if state is not None:
+            for old, ct in list(state.retiring.items()):
+                if process_alive(old, ct):
+                    _kill_group(old)
+            for task in list(state.tasks):
+                task.cancel()
         await self.stop_process(pid, create_time)
         stop_stale_nginx(self.config_path(service).with_suffix(".nginx"))  # if its driver died
         self.config_path(service).unlink(missing_ok=True)

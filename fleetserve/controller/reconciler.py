@@ -193,6 +193,7 @@ class ServiceReconciler:
         self.history = History(step=settings.history_step)  # the dashboard's charts
         self._lb_checked: tuple[int, int | None] | None = None  # (version, LB pid) compared
         self.executor.inflight_of = self.scaler.inflight_of
+        self.executor.lb_retiring = lambda: self.lb.retiring(self.name)
         self.executor.on_no_capacity = self._no_capacity
         self.spot: SpotPlacement | None = None  # a spot service's placer, made on first use
         self._full_until: dict[bool, float] = {}  # spot/on-demand: no launch before this
@@ -743,7 +744,8 @@ class ServiceReconciler:
         # The wake URL names the controller that started the LB: after a takeover (or a
         # restart on another port) the LB stays, and held requests still reach the fleet
         # through the load report that every round reads.
-        ignore = {"replicas", "admin_port", "wake_url"}
+        # (Its drain is the controller's setting when it started: not a reason to replace it.)
+        ignore = {"replicas", "admin_port", "wake_url", "drain_seconds"}
         return running.model_dump(exclude=ignore) != wanted.model_dump(exclude=ignore)
 
     async def _ensure_lb(self, svc: ServiceRecord, spec: ServiceTask) -> ServiceRecord:
@@ -805,7 +807,12 @@ class ServiceReconciler:
                 self.settings.api_scheme,
                 self.infra.name,
             )
-            config = config.model_copy(update={"replicas": upstream_payload(self._endpoints(svc))})
+            config = config.model_copy(
+                update={
+                    "replicas": upstream_payload(self._endpoints(svc)),
+                    "drain_seconds": self.settings.drain_seconds,
+                }
+            )
             pid, create_time = await self.lb.start(svc, config)
         except FleetserveError as e:
             return self.store.update_service(
@@ -818,7 +825,9 @@ class ServiceReconciler:
             self.name, self.clock.now(), "service", f"load balancer started on port {port}"
         )
         if old is not None:
-            await self.lb.stop_process(*old)
+            # The old one stops accepting at once and finishes its requests in the background
+            # (up to drain_seconds: a long stream is not cut); replicas' drains wait for it.
+            self.lb.retire(self.name, *old, self.settings.drain_seconds)
         return self.store.update_service(
             self.name,
             self.clock.now(),

@@ -26,18 +26,31 @@ from fleetserve.lb.metrics import load_report
 from fleetserve.lb.proxy import listening_sockets
 from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
 from fleetserve.lb.rotation import SharedCounter
-from fleetserve.lb.workers import Supervisor
+from fleetserve.lb.workers import STOP_DRAIN_SECONDS, Supervisor
 
 log = logging.getLogger("fleetserve.lb")
 LINGER_SECONDS = 5.0  # a worker whose primary was killed serves this long more
 
 
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
+async def _until_signalled() -> signal.Signals:
+    """The first of SIGTERM, SIGINT (a stop) and SIGQUIT (a retirement: a load balancer
+    with new settings replaces this one) to come."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    came: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def got(sig: signal.Signals) -> None:
+        if not came.done():
+            came.set_result(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        loop.add_signal_handler(sig, got, sig)
+    return await came
+
+
+def drain_for(config: LbConfig, sig: signal.Signals) -> float:
+    """How long the requests in progress get: a retirement, the config's drain_seconds (a
+    long LLM stream keeps going while the new load balancer takes the new ones); a stop, 5 s."""
+    return config.drain_seconds if sig == signal.SIGQUIT else STOP_DRAIN_SECONDS
 
 
 async def serve(config: LbConfig, config_path: Path) -> None:
@@ -111,14 +124,20 @@ async def serve(config: LbConfig, config_path: Path) -> None:
             sum(len(g) for g in taken[0]),
             taken[1],
         )
-    await _until_signalled()
+    sig = await _until_signalled()
+    drain = drain_for(config, sig)
+    log.info(
+        "%s: letting the requests in progress finish (up to %g s)",
+        "retired for a new load balancer" if sig == signal.SIGQUIT else "stopping",
+        drain,
+    )
     handover.close()
     if sharing is not None:
         sharing.cancel()
     # The workers and this process drain at once (the controller waits for the whole stop).
-    stops = [proxy.close()]
+    stops = [proxy.close(drain)]
     if supervisor is not None:
-        stops.append(supervisor.stop())
+        stops.append(supervisor.stop(drain, retire=sig == signal.SIGQUIT))
     await asyncio.gather(*stops)
     await admin.cleanup()
 
@@ -175,14 +194,17 @@ async def serve_worker(
 
     serving = False
     stopping = False
+    drain = STOP_DRAIN_SECONDS
 
-    def stop() -> None:
-        nonlocal stopping
-        stopping = True
-        writer.close()
+    def stop(sig: signal.Signals) -> None:
+        nonlocal stopping, drain
+        if not stopping:
+            stopping = True
+            drain = drain_for(config, sig)
+            writer.close()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        loop.add_signal_handler(sig, stop, sig)
 
     async def next_line() -> bytes:
         # A primary killed with bytes of ours unread resets the channel: that is its end too.
@@ -233,7 +255,7 @@ async def serve_worker(
     else:
         for sock in (*primary, *([] if serving else own)):
             sock.close()
-    await proxy.close()
+    await proxy.close(drain)
 
 
 def _fds(text: str) -> list[int]:

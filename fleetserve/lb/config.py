@@ -4,6 +4,7 @@ API keys), read once at start."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +34,10 @@ class LbConfig(BaseModel):
     admin_secret: str | None = None
     # The wake-up call's credential (fleetserve.lb.wake.wake_token of the admin secret).
     wake_token: str | None = None
+    # Retired (SIGQUIT: a load balancer with new settings replaces it), it lets the requests
+    # in progress finish for up to this long (the controller's drain_seconds); a stop
+    # (SIGTERM) gives them 5 s.
+    drain_seconds: Annotated[float, Field(ge=0, le=3600)] = 5.0
     # The routable set when the process starts (a restarted LB serves at once); pushes follow.
     replicas: list[RoutableReplica] = Field(default_factory=list)
 

@@ -245,7 +245,8 @@ async def serve(config: LbConfig, config_path: Path) -> None:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGQUIT (retired for a load balancer with new settings) stops nginx gracefully too.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     tail.cancel()

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -53,6 +54,11 @@ from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.rotation import FD_ENV as ROTATION_FD_ENV
 
 log = logging.getLogger("fleetserve.lb")
+# A stop (SIGTERM: `down`, a controller's orphan sweep): the requests in progress get this long.
+# A retirement (SIGQUIT: replaced by a load balancer with new settings) gets the config's
+# drain_seconds instead (fleetserve.lb.config).
+STOP_DRAIN_SECONDS = 5.0
+WORKER_EXIT_MARGIN = 3.0  # past its drain, a worker that has not exited is killed
 
 
 @dataclass
@@ -269,7 +275,10 @@ class Supervisor:
         answers = await asyncio.gather(*(ask(link) for link in list(self.links.values())))
         return [a for a in answers if a is not None]
 
-    async def stop(self) -> None:
+    async def stop(self, drain_seconds: float = STOP_DRAIN_SECONDS, retire: bool = False) -> None:
+        """Stop the workers: SIGTERM (they drain up to STOP_DRAIN_SECONDS), or with `retire`
+        SIGQUIT (up to the config's drain_seconds, as this process); killed past
+        `drain_seconds` and a margin."""
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
@@ -286,14 +295,17 @@ class Supervisor:
         for link in self.links.values():
             if link.reading is not None:
                 link.reading.cancel()
-            if link.proc.poll() is None:
-                link.proc.terminate()  # a stop, not a crash: the worker goes at once
+            if link.proc.poll() is None:  # a stop, not a crash: the worker drains and goes
+                link.proc.send_signal(signal.SIGQUIT if retire else signal.SIGTERM)
             link.writer.close()
-        for link in self.links.values():
+
+        async def reap(proc: subprocess.Popen[bytes]) -> None:
             try:
-                await asyncio.to_thread(link.proc.wait, 5)
+                await asyncio.to_thread(proc.wait, drain_seconds + WORKER_EXIT_MARGIN)
             except subprocess.TimeoutExpired:
-                link.proc.kill()
+                proc.kill()
+
+        await asyncio.gather(*(reap(link.proc) for link in self.links.values()))
 
 
 def _add_counts(a: list[int], b: list[int]) -> list[int]:

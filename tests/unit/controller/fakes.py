@@ -126,6 +126,8 @@ class FakeLb:
         self.stopped: list[tuple[str | None, int | None]] = []
         self.checked_ports: list[tuple[str, int]] = []
         self.loads: list[str] = []  # the services whose load report was read, in order
+        self.retired: list[tuple[str, int | None, float]] = []  # (service, pid, drain)
+        self.still_retiring: set[str] = set()  # services a test says have one finishing
 
     def is_running(self, svc: ServiceRecord) -> bool:
         return svc.lb_pid is not None and self.pids.get(svc.name) == svc.lb_pid
@@ -158,6 +160,15 @@ class FakeLb:
 
     def running_config(self, service: str) -> LbConfig | None:
         return self.configs.get(service)
+
+    def retire(
+        self, service: str, pid: int | None, create_time: float | None, drain_seconds: float
+    ) -> None:
+        self.retired.append((service, pid, drain_seconds))
+        self.still_retiring.add(service)
+
+    def retiring(self, service: str) -> bool:
+        return service in self.still_retiring
 
     async def stop_process(self, pid: int | None, create_time: float | None) -> None:
         self.stopped.append((None, pid))

@@ -3,9 +3,13 @@ admin calls (push, load) against a mock transport."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -13,13 +17,14 @@ import httpx
 import psutil
 import pytest
 
+from fleetserve.controller import lb_manager
 from fleetserve.controller.lb_manager import LB_SERVICE_ENV, LbManager
 from fleetserve.controller.settings import Settings
 from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServicePhase, ServiceRecord
 from fleetserve.lb.messages import LoadReport
 from fleetserve.oshelpers.ports import free_port
-from fleetserve.oshelpers.procs import HOME_ID_ENV
+from fleetserve.oshelpers.procs import HOME_ID_ENV, started
 
 HOME_ID = "h0me1d"
 
@@ -150,3 +155,76 @@ async def test_a_failed_push_is_sent_again_next_round(lb: LbManager, api: AdminA
     assert await lb.push(A, E1, now=100.5) is True
     assert await lb.push(A, E1, now=101.0) is True
     assert len([r for r in api.to(41_001) if r.method == "PUT"]) == 2
+
+
+# -- retire -----------------------------------------------------------------------------------
+
+
+def _session_leader(script: str) -> subprocess.Popen[bytes]:
+    """A process in a session (and process group) of its own, as LbManager.start makes."""
+    return subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+
+
+async def test_a_retired_lb_gets_sigquit_and_counts_as_retiring_until_it_exits(
+    lb: LbManager,
+) -> None:
+    proc = _session_leader(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGQUIT, lambda *a: (time.sleep(1), sys.exit(0)))\n"
+        "time.sleep(60)\n"
+    )
+    try:
+        await asyncio.sleep(0.5)  # its handler installed
+        lb.retire("web", proc.pid, started(psutil.Process(proc.pid)), drain_seconds=30)
+        assert lb.retiring("web") and not lb.retiring("other")
+        await asyncio.to_thread(proc.wait, 10)
+        assert proc.returncode == 0  # it went by itself (its SIGQUIT handler), not killed
+        assert not lb.retiring("web")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_retired_lb_that_outlives_its_drain_is_killed_with_its_workers(
+    lb: LbManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lb_manager, "RETIRE_MARGIN_SECONDS", 0.5)
+    # A "primary" that ignores SIGQUIT, with a "worker" in its process group.
+    proc = _session_leader(
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGQUIT, signal.SIG_IGN)\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "time.sleep(60)\n"
+    )
+    worker = None
+    try:
+        await asyncio.sleep(1.0)
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 1
+        worker = children[0]
+        lb.retire("web", proc.pid, started(psutil.Process(proc.pid)), drain_seconds=0.5)
+        await asyncio.to_thread(proc.wait, 10)
+        assert proc.returncode == -signal.SIGKILL
+        assert psutil.wait_procs([worker], timeout=5)[1] == []  # the group went
+        await asyncio.sleep(0.1)
+        assert not lb.retiring("web")
+    finally:
+        proc.kill()
+        proc.wait()
+        if worker is not None and worker.is_running():
+            worker.kill()
+
+
+async def test_down_kills_a_retiring_lb(lb: LbManager) -> None:
+    proc = _session_leader(
+        "import signal, time\nsignal.signal(signal.SIGQUIT, signal.SIG_IGN)\ntime.sleep(60)\n"
+    )
+    try:
+        await asyncio.sleep(0.5)
+        lb.retire("web", proc.pid, started(psutil.Process(proc.pid)), drain_seconds=300)
+        await lb.stop("web", None, None)
+        await asyncio.to_thread(proc.wait, 5)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()

@@ -212,6 +212,50 @@ async def test_a_restart_finishes_a_stop_with_the_status_of_its_cause(
     assert store.replica("good", 2).status is final
 
 
+async def test_new_lb_settings_retire_the_old_lb_and_drains_wait_for_it(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    """New load-balancer settings: a new LB starts (with the controller's drain_seconds),
+    the old one is retired (it finishes its requests in the background: the round is not
+    held), and a replica's drain waits while it still does (its requests are in no report)."""
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        old = store.service("good").lb_pid
+        # The running LB's settings differ from the spec's (as after an update of them; the
+        # reconciler compares at each new version or LB pid: told to look again here).
+        lb.configs["good"] = lb.configs["good"].model_copy(update={"policy": "round_robin"})
+        rec._lb_checked = None
+        await run_rounds(clock, [rec], rounds=1)
+        svc = store.service("good")
+        assert svc.lb_pid != old and lb.retired == [("good", old, settings.drain_seconds)]
+        assert lb.started[-1].drain_seconds == settings.drain_seconds
+        assert all(s != (None, old) for s in lb.stopped)  # not stopped: retired
+        assert "load balancer settings changed: replacing it" in [
+            e.message for e in store.list_events("good", 50)
+        ]
+        # A replica drained now waits for the retiring LB, then goes once it is done.
+        rec.executor.inflight_of = lambda _rid: 0
+        start = clock.now()
+        rec.executor.terminate(
+            store.replica("good", 2),
+            ReplicaStatus.READY,
+            "scaled down",
+            TerminationCause.SCALE_DOWN,
+            drain_seconds=120,
+        )
+
+        async def finish_later() -> None:
+            await clock.sleep(30)
+            lb.still_retiring.discard("good")
+
+        await asyncio.gather(finish_later(), asyncio.wait_for(rec.executor.wait_idle(), 5))
+    assert 30 <= clock.now() - start < 35
+    assert "good/2" in [str(h) for h, _ in infra.terminated]
+
+
 async def test_a_restart_relaunches_a_cut_short_launch_and_adopts_the_rest(
     store: Store, settings: Settings, clock: FakeClock
 ) -> None:

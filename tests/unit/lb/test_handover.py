@@ -383,3 +383,48 @@ async def test_a_stopping_proxy_waits_for_a_tls_handshake_begun_before(
     answer = await asyncio.to_thread(request)
     await asyncio.wait_for(closing, 5)
     assert answer.startswith(b"HTTP/1.1 200 OK") and b'"replica": "a"' in answer
+
+
+async def test_a_retired_load_balancer_finishes_streams_longer_than_a_stops_drain(
+    start: Start, tmp_path: Path
+) -> None:
+    """SIGQUIT (retired for a load balancer with new settings): the primary and its worker
+    stop accepting and let their requests finish for up to the config's drain_seconds; here
+    streams of 7 s, past the 5 s a stop (SIGTERM) gives, end whole. Then both exit."""
+
+    async def slow_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(7):
+            await resp.write(f"data: {i}\n\n".encode())
+            await asyncio.sleep(1.0)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/stream", slow_stream)
+    url = f"http://127.0.0.1:{await start(app)}"
+    config = _lb("svc", closed_port()).model_copy(update={"drain_seconds": 15.0})
+    proc = await start_lb_process(config, tmp_path)
+    workers = await wait_workers(proc)
+    try:
+        await _ready(config)
+        await _push(config, url)
+
+        async def one() -> bytes:
+            async with (
+                aiohttp.ClientSession() as s,  # a connection each: both processes get some
+                s.get(f"http://127.0.0.1:{config.port}/stream") as r,
+            ):
+                return await r.read()
+
+        streams = [asyncio.create_task(one()) for _ in range(6)]
+        await asyncio.sleep(1.0)
+        proc.send_signal(signal.SIGQUIT)
+        bodies = await asyncio.wait_for(asyncio.gather(*streams), 20)
+        assert all(b.endswith(b"data: [DONE]\n\n") and b.count(b"data:") == 8 for b in bodies)
+        assert await asyncio.to_thread(proc.wait, 15) == 0
+        assert psutil.wait_procs(workers, timeout=10)[1] == []
+    finally:
+        _stop(proc, [w for w in workers if w.is_running()])
