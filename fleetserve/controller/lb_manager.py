@@ -210,7 +210,8 @@ class LbManager:
                     self._state[svc.name].pushed = None  # a new process knows no replicas yet
                     return proc.pid, create_time
             await asyncio.sleep(0.1)
-        await self.stop(svc.name, proc.pid, create_time)
+        # Only this process: a load balancer being retired finishes its requests still.
+        await self.stop_process(proc.pid, create_time)
         raise TerminalError("load balancer did not answer within 10 s of its start")
 
     async def push(
@@ -265,7 +266,7 @@ class LbManager:
 
     async def stop_process(self, pid: int | None, create_time: float | None) -> None:
         """SIGTERM one LB process (it drains its requests for up to 5 s, its workers at the
-        same time), SIGKILL after 8 s."""
+        same time), SIGKILL (its process group) after 8 s."""
         if pid is not None and process_alive(pid, create_time):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -274,8 +275,8 @@ class LbManager:
                     break
                 await asyncio.sleep(0.1)
             else:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                if process_alive(pid, create_time):
+                    _kill_group(pid)  # with its workers (one could be wedged past its drain)
 
     def retire(
         self, service: str, pid: int | None, create_time: float | None, drain_seconds: float

@@ -750,6 +750,7 @@ class ServiceReconciler:
 
     async def _ensure_lb(self, svc: ServiceRecord, spec: ServiceTask) -> ServiceRecord:
         old: tuple[int | None, float | None] | None = None
+        old_drain: float | None = None  # the old one's own bound, if it can be retired
         host = lb_host(spec, self.infra.name)
         if self.lb.is_running(svc):
             if not self._lb_outdated(svc, spec):
@@ -757,6 +758,11 @@ class ServiceReconciler:
             # New settings: start a new load balancer beside the old one (SO_REUSEPORT), then
             # stop the old one, which finishes its requests.
             old = (svc.lb_pid, svc.lb_create_time)
+            # Read before the new one's start rewrites the file. One started by an older
+            # fleetserve (no drain_seconds in its config) has no SIGQUIT handler: stopped.
+            running = self.lb.running_config(svc.name)
+            if running is not None and "drain_seconds" in running.model_fields_set:
+                old_drain = running.drain_seconds
             self.store.add_event(
                 self.name,
                 self.clock.now(),
@@ -824,10 +830,12 @@ class ServiceReconciler:
         self.store.add_event(
             self.name, self.clock.now(), "service", f"load balancer started on port {port}"
         )
-        if old is not None:
+        if old is not None and old_drain is not None:
             # The old one stops accepting at once and finishes its requests in the background
-            # (up to drain_seconds: a long stream is not cut); replicas' drains wait for it.
-            self.lb.retire(self.name, *old, self.settings.drain_seconds)
+            # (up to its drain_seconds: a long stream is not cut); replicas' drains wait for it.
+            self.lb.retire(self.name, *old, old_drain)
+        elif old is not None:
+            await self.lb.stop_process(*old)
         return self.store.update_service(
             self.name,
             self.clock.now(),

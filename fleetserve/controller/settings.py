@@ -79,7 +79,8 @@ class Settings(HomeSettings):
             replica_netns=env.get("FLEETSERVE_REPLICA_NETNS") or "auto",
             cgroups=env_choice(env, CGROUPS_ENV, CGROUPS_MODES),
             autoscale_interval=num("FLEETSERVE_AUTOSCALE_INTERVAL", 1.0),
-            drain_seconds=num("FLEETSERVE_DRAIN_SECONDS", 120.0),
+            # (also a replaced load balancer's drain: LbConfig.drain_seconds allows 0-3600)
+            drain_seconds=env_bounded(env, "FLEETSERVE_DRAIN_SECONDS", 120.0, 0.0, 3600.0),
             launch_timeout=num("FLEETSERVE_LAUNCH_TIMEOUT", 1800.0),
             log_cap_bytes=int(num("FLEETSERVE_LOG_CAP_BYTES", 100 * 1024 * 1024)),
             max_body_bytes=int(num("FLEETSERVE_MAX_BODY_BYTES", 2 * 1024 * 1024)),

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -32,19 +33,25 @@ log = logging.getLogger("fleetserve.lb")
 LINGER_SECONDS = 5.0  # a worker whose primary was killed serves this long more
 
 
-async def _until_signalled() -> signal.Signals:
-    """The first of SIGTERM, SIGINT (a stop) and SIGQUIT (a retirement: a load balancer
-    with new settings replaces this one) to come."""
-    loop = asyncio.get_running_loop()
-    came: asyncio.Future[signal.Signals] = loop.create_future()
+class _Signals:
+    """SIGTERM, SIGINT (a stop) and SIGQUIT (a retirement: a load balancer with new settings
+    replaces this one), handled from the start of the process (Python's default for SIGQUIT
+    is to dump core). The first decides the drain (`drain_for`); a SIGTERM or SIGINT after a
+    SIGQUIT cuts the retirement's drain to a stop's (`hurry`: `down`, an orphan sweep)."""
 
-    def got(sig: signal.Signals) -> None:
-        if not came.done():
-            came.set_result(sig)
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.first: asyncio.Future[signal.Signals] = loop.create_future()
+        self.hurry: list[Callable[[], None]] = []
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+            loop.add_signal_handler(sig, self._got, sig)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
-        loop.add_signal_handler(sig, got, sig)
-    return await came
+    def _got(self, sig: signal.Signals) -> None:
+        if not self.first.done():
+            self.first.set_result(sig)
+        elif sig != signal.SIGQUIT:
+            for act in self.hurry:
+                act()
 
 
 def drain_for(config: LbConfig, sig: signal.Signals) -> float:
@@ -55,6 +62,7 @@ def drain_for(config: LbConfig, sig: signal.Signals) -> float:
 
 async def serve(config: LbConfig, config_path: Path) -> None:
     """The primary: serves traffic, the admin API, and supervises the other workers."""
+    signals = _Signals()
     count = worker_count(config)
     proxy = make_proxy(config)
     tls = tls_context(config)
@@ -124,8 +132,11 @@ async def serve(config: LbConfig, config_path: Path) -> None:
             sum(len(g) for g in taken[0]),
             taken[1],
         )
-    sig = await _until_signalled()
+    sig = await signals.first
     drain = drain_for(config, sig)
+    signals.hurry.append(lambda: proxy.shorten_drain(STOP_DRAIN_SECONDS))
+    if supervisor is not None:
+        signals.hurry.append(supervisor.hurry)
     log.info(
         "%s: letting the requests in progress finish (up to %g s)",
         "retired for a new load balancer" if sig == signal.SIGQUIT else "stopping",
@@ -202,6 +213,8 @@ async def serve_worker(
             stopping = True
             drain = drain_for(config, sig)
             writer.close()
+        elif sig != signal.SIGQUIT:  # retiring, then told to stop: a stop's drain
+            proxy.shorten_drain(STOP_DRAIN_SECONDS)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         loop.add_signal_handler(sig, stop, sig)

@@ -108,6 +108,8 @@ class Proxy:
         self.load = load or LoadTracker()
         self.keys = [k.encode() for k in self.opts.api_keys]
         self.draining = False  # stopping (`close`): no connection is kept alive
+        self.drain_until: float | None = None  # `close`'s deadline (loop time)
+        self.drain_cap: float | None = None  # `shorten_drain` before `close` began
         # TLS connections accepted whose handshake may not be done (weak: one that failed
         # its handshake never becomes a client and goes with its transport).
         self.handshaking: weakref.WeakSet[ClientConn] = weakref.WeakSet()
@@ -262,6 +264,13 @@ class Proxy:
             if server in self._more:
                 self._more.remove(server)
 
+    def shorten_drain(self, seconds: float) -> None:
+        """Let the requests in progress have at most `seconds` more (a retirement's long
+        drain cut to a stop's)."""
+        self.drain_cap = seconds if self.drain_cap is None else min(self.drain_cap, seconds)
+        if self.drain_until is not None:
+            self.drain_until = min(self.drain_until, asyncio.get_running_loop().time() + seconds)
+
     @property
     def port(self) -> int:
         assert self._server is not None
@@ -285,7 +294,9 @@ class Proxy:
             await self.kv_events.stop()
         loop = asyncio.get_running_loop()  # (real time: this waits for real)
         now = loop.time()
-        deadline = now + drain_seconds
+        if self.drain_cap is not None:
+            drain_seconds = min(drain_seconds, self.drain_cap)
+        self.drain_until = now + drain_seconds
         # From now on a connection closes once its requests are answered, and one idle between
         # requests closes at once. One accepted before the stop whose first request is not read
         # yet (its client sent it, or is sending it) gets a moment for it: closing it unread
@@ -295,7 +306,7 @@ class Proxy:
         for client in list(self.clients):
             if client.idle():
                 client.close()
-        while (now := loop.time()) < deadline and (
+        while (now := loop.time()) < self.drain_until and (
             any(c.busy(now < first_by) for c in self.clients)
             or (now < first_by and any(c.transport is None for c in self.handshaking))
         ):

@@ -275,6 +275,12 @@ class Supervisor:
         answers = await asyncio.gather(*(ask(link) for link in list(self.links.values())))
         return [a for a in answers if a is not None]
 
+    def hurry(self) -> None:
+        """Retiring, then told to stop: the workers' drains cut to a stop's (SIGTERM)."""
+        for link in self.links.values():
+            if link.proc.poll() is None:
+                link.proc.send_signal(signal.SIGTERM)
+
     async def stop(self, drain_seconds: float = STOP_DRAIN_SECONDS, retire: bool = False) -> None:
         """Stop the workers: SIGTERM (they drain up to STOP_DRAIN_SECONDS), or with `retire`
         SIGQUIT (up to the config's drain_seconds, as this process); killed past
@@ -282,6 +288,9 @@ class Supervisor:
         self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
+        # A worker not ready yet may not handle SIGQUIT yet (Python's default: dump core): it
+        # serves nothing, so a stop (SIGTERM) is all it needs.
+        unready = set(self.covering)
         for index in list(self.covering):
             self.uncover(index)
         # The workers' sockets leave with the workers: kept open here while this process
@@ -296,7 +305,8 @@ class Supervisor:
             if link.reading is not None:
                 link.reading.cancel()
             if link.proc.poll() is None:  # a stop, not a crash: the worker drains and goes
-                link.proc.send_signal(signal.SIGQUIT if retire else signal.SIGTERM)
+                quit_ = retire and link.index not in unready
+                link.proc.send_signal(signal.SIGQUIT if quit_ else signal.SIGTERM)
             link.writer.close()
 
         async def reap(proc: subprocess.Popen[bytes]) -> None:

@@ -19,6 +19,7 @@ from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus
 from fleetserve.core.types import ServicePhase, TerminationCause
 from fleetserve.infra.base import Infra, InstanceKind
+from fleetserve.lb.config import LbConfig
 from fleetserve.store import Store
 
 from .fakes import FakeInfra, FakeLb, create_service, host_of, service_yaml, settle
@@ -254,6 +255,26 @@ async def test_new_lb_settings_retire_the_old_lb_and_drains_wait_for_it(
         await asyncio.gather(finish_later(), asyncio.wait_for(rec.executor.wait_idle(), 5))
     assert 30 <= clock.now() - start < 35
     assert "good/2" in [str(h) for h, _ in infra.terminated]
+
+
+async def test_an_lb_started_by_an_older_fleetserve_is_stopped_not_retired(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    """A running LB whose config has no drain_seconds was started by a fleetserve without
+    SIGQUIT handling (Python's default would dump core and cut its requests at once): it is
+    stopped as before (SIGTERM, 5 s of drain)."""
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        old = store.service("good").lb_pid
+        written = lb.configs["good"].model_dump(mode="json", exclude={"drain_seconds"})
+        lb.configs["good"] = LbConfig.model_validate({**written, "policy": "round_robin"})
+        rec._lb_checked = None
+        await run_rounds(clock, [rec], rounds=1)
+    assert store.service("good").lb_pid != old
+    assert lb.retired == [] and (None, old) in lb.stopped
 
 
 async def test_a_restart_relaunches_a_cut_short_launch_and_adopts_the_rest(

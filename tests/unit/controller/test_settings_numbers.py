@@ -40,3 +40,12 @@ def test_good_values_are_taken() -> None:
     assert (s.reconcile_interval, s.probe_interval) == (0.5, 10.0)
     with pytest.raises(InvalidSpec, match=r"=99999999999999999999 is out of range"):
         settings(FLEETSERVE_API_HEADER_TIMEOUT="99999999999999999999")
+
+
+@pytest.mark.parametrize("raw", ["7200", "-1"])
+def test_the_drain_is_bounded_as_a_load_balancer_config_takes_it(raw: str) -> None:
+    """It is also a retired load balancer's drain (LbConfig.drain_seconds, 0 to 3600): a
+    value past that would have made every load balancer refuse its own config at start."""
+    with pytest.raises(InvalidSpec, match="FLEETSERVE_DRAIN_SECONDS"):
+        settings(FLEETSERVE_DRAIN_SECONDS=raw)
+    assert settings(FLEETSERVE_DRAIN_SECONDS="3600").drain_seconds == 3600

@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -385,17 +386,13 @@ async def test_a_stopping_proxy_waits_for_a_tls_handshake_begun_before(
     assert answer.startswith(b"HTTP/1.1 200 OK") and b'"replica": "a"' in answer
 
 
-async def test_a_retired_load_balancer_finishes_streams_longer_than_a_stops_drain(
-    start: Start, tmp_path: Path
-) -> None:
-    """SIGQUIT (retired for a load balancer with new settings): the primary and its worker
-    stop accepting and let their requests finish for up to the config's drain_seconds; here
-    streams of 7 s, past the 5 s a stop (SIGTERM) gives, end whole. Then both exit."""
+def _slow_stream_app(seconds: int) -> web.Application:
+    """A replica streaming one event a second for `seconds`, then `[DONE]`."""
 
     async def slow_stream(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(7):
+        for i in range(seconds):
             await resp.write(f"data: {i}\n\n".encode())
             await asyncio.sleep(1.0)
         await resp.write(b"data: [DONE]\n\n")
@@ -404,27 +401,70 @@ async def test_a_retired_load_balancer_finishes_streams_longer_than_a_stops_drai
 
     app = web.Application()
     app.router.add_get("/stream", slow_stream)
-    url = f"http://127.0.0.1:{await start(app)}"
+    return app
+
+
+async def _streams(port: int, count: int) -> list[asyncio.Task[bytes]]:
+    async def one() -> bytes:
+        try:
+            async with (
+                aiohttp.ClientSession() as s,  # a connection each: both processes get some
+                s.get(f"http://127.0.0.1:{port}/stream") as r,
+            ):
+                return await r.read()
+        except aiohttp.ClientError as e:
+            return f"<{type(e).__name__}>".encode()
+
+    return [asyncio.create_task(one()) for _ in range(count)]
+
+
+async def test_a_retired_load_balancer_finishes_streams_longer_than_a_stops_drain(
+    start: Start, tmp_path: Path
+) -> None:
+    """SIGQUIT (retired for a load balancer with new settings): the primary and its worker
+    stop accepting and let their requests finish for up to the config's drain_seconds; here
+    streams of 7 s, past the 5 s a stop (SIGTERM) gives, end whole. Then both exit."""
+    url = f"http://127.0.0.1:{await start(_slow_stream_app(7))}"
     config = _lb("svc", closed_port()).model_copy(update={"drain_seconds": 15.0})
     proc = await start_lb_process(config, tmp_path)
     workers = await wait_workers(proc)
     try:
         await _ready(config)
         await _push(config, url)
-
-        async def one() -> bytes:
-            async with (
-                aiohttp.ClientSession() as s,  # a connection each: both processes get some
-                s.get(f"http://127.0.0.1:{config.port}/stream") as r,
-            ):
-                return await r.read()
-
-        streams = [asyncio.create_task(one()) for _ in range(6)]
+        streams = await _streams(config.port, 6)
         await asyncio.sleep(1.0)
         proc.send_signal(signal.SIGQUIT)
         bodies = await asyncio.wait_for(asyncio.gather(*streams), 20)
         assert all(b.endswith(b"data: [DONE]\n\n") and b.count(b"data:") == 8 for b in bodies)
         assert await asyncio.to_thread(proc.wait, 15) == 0
         assert psutil.wait_procs(workers, timeout=10)[1] == []
+    finally:
+        _stop(proc, [w for w in workers if w.is_running()])
+
+
+async def test_a_stop_after_a_retirement_cuts_its_drain_to_a_stops(
+    start: Start, tmp_path: Path
+) -> None:
+    """Retiring (SIGQUIT, a 60 s drain), then SIGTERM (`down`, a restarted controller's sweep):
+    the primary and its worker exit within a stop's 5 s, rather than the retirement's 60."""
+    url = f"http://127.0.0.1:{await start(_slow_stream_app(30))}"
+    config = _lb("svc", closed_port()).model_copy(update={"drain_seconds": 60.0})
+    proc = await start_lb_process(config, tmp_path)
+    workers = await wait_workers(proc)
+    try:
+        await _ready(config)
+        await _push(config, url)
+        streams = await _streams(config.port, 4)
+        await asyncio.sleep(1.0)
+        proc.send_signal(signal.SIGQUIT)
+        await asyncio.sleep(1.0)
+        assert proc.poll() is None  # retiring: its streams go on
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 15) == 0
+        assert time.monotonic() - stopped_at < 9  # 5 s of drain, and the exit
+        assert psutil.wait_procs(workers, timeout=5)[1] == []
+        bodies = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        assert not any(b.endswith(b"data: [DONE]\n\n") for b in bodies)  # cut, as a stop cuts
     finally:
         _stop(proc, [w for w in workers if w.is_running()])
