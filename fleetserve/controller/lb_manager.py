@@ -89,8 +89,13 @@ RETIRE_MARGIN_SECONDS = 5.0
 def _kill_group(pid: int) -> None:
     """SIGKILL a load balancer and its workers: its process group (it leads its own session,
     started by `LbManager.start`)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:
         os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # not a group's leader (not started by `start`): the process
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    except PermissionError:
+        pass
 
 
 def _auth(svc: ServiceRecord) -> dict[str, str]:
