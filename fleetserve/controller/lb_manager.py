@@ -262,6 +262,11 @@ class LbManager:
         except (httpx.HTTPError, ValueError):  # ValueError: pydantic's ValidationError too
             return None
 
+    def restore_config(self, service: str, config: LbConfig) -> None:
+        """Write back the config of the load balancer that runs (a failed start of its
+        replacement overwrote the file)."""
+        config.write(self.config_path(service))
+
     def running_config(self, service: str) -> LbConfig | None:
         """The config the running LB was started with (its file), if readable."""
         try:

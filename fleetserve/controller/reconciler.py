@@ -751,12 +751,13 @@ class ServiceReconciler:
     async def _ensure_lb(self, svc: ServiceRecord, spec: ServiceTask) -> ServiceRecord:
         old: tuple[int | None, float | None] | None = None
         old_drain: float | None = None  # the old one's own bound, if it can be retired
+        running: LbConfig | None = None  # the old one's config, as its file said
         host = lb_host(spec, self.infra.name)
         if self.lb.is_running(svc):
             if not self._lb_outdated(svc, spec):
                 return svc
-            # New settings: start a new load balancer beside the old one (SO_REUSEPORT), then
-            # stop the old one, which finishes its requests.
+            # New settings: start a new load balancer beside the old one (on its sockets),
+            # then retire the old one, which finishes its requests.
             old = (svc.lb_pid, svc.lb_create_time)
             # Read before the new one's start rewrites the file. One started by an older
             # fleetserve (no drain_seconds in its config) has no SIGQUIT handler: stopped.
@@ -821,6 +822,18 @@ class ServiceReconciler:
             )
             pid, create_time = await self.lb.start(svc, config)
         except FleetserveError as e:
+            if old is not None:
+                # The old one serves on, recorded (else it would run on unseen, with its old
+                # settings, beside the next one); its config file back as it was, and the
+                # replacement tried again next round.
+                if running is not None:
+                    self.lb.restore_config(svc.name, running)
+                self._lb_checked = None
+                return self.store.update_service(
+                    self.name,
+                    self.clock.now(),
+                    lb_error=f"load balancer (new settings, the old one still serves): {e.message}",
+                )
             return self.store.update_service(
                 self.name,
                 self.clock.now(),

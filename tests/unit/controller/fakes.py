@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from fleetserve.core.errors import TerminalError
 from fleetserve.core.types import Endpoint, ServiceRecord
 from fleetserve.infra.base import InstanceKind, InstanceState, Launched, LaunchRequest, Location
 from fleetserve.lb.config import LbConfig
@@ -128,6 +129,7 @@ class FakeLb:
         self.loads: list[str] = []  # the services whose load report was read, in order
         self.retired: list[tuple[str, int | None, float]] = []  # (service, pid, drain)
         self.still_retiring: set[str] = set()  # services a test says have one finishing
+        self.fail_starts = 0  # the next starts that fail (after writing their config)
 
     def is_running(self, svc: ServiceRecord) -> bool:
         return svc.lb_pid is not None and self.pids.get(svc.name) == svc.lb_pid
@@ -137,6 +139,10 @@ class FakeLb:
 
     async def start(self, svc: ServiceRecord, config: LbConfig) -> tuple[int, float]:
         self.check_port(svc.name, config.port)
+        if self.fail_starts > 0:
+            self.fail_starts -= 1
+            self.configs[svc.name] = config  # as LbManager.start writes the file first
+            raise TerminalError("load balancer did not answer within 10 s of its start")
         self._next_pid += 1
         self.pids[svc.name] = self._next_pid
         self.configs[svc.name] = config
@@ -166,6 +172,9 @@ class FakeLb:
     ) -> None:
         self.retired.append((service, pid, drain_seconds))
         self.still_retiring.add(service)
+
+    def restore_config(self, service: str, config: LbConfig) -> None:
+        self.configs[service] = config
 
     def retiring(self, service: str) -> bool:
         return service in self.still_retiring

@@ -257,6 +257,33 @@ async def test_new_lb_settings_retire_the_old_lb_and_drains_wait_for_it(
     assert "good/2" in [str(h) for h, _ in infra.terminated]
 
 
+async def test_a_failed_replacement_leaves_the_old_lb_recorded_and_is_tried_again(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    """The new LB (new settings) does not start: the old one serves on and stays the
+    service's (before, its pid was dropped and it ran on unseen beside the next one), its
+    config file is put back, the error is shown, and the next round tries again."""
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        old = store.service("good").lb_pid
+        running = lb.configs["good"].model_copy(update={"policy": "round_robin"})
+        lb.configs["good"] = running
+        rec._lb_checked = None
+        lb.fail_starts = 1
+        await run_rounds(clock, [rec], rounds=1)
+        svc = store.service("good")
+        assert svc.lb_pid == old and lb.retired == [] and lb.stopped == []
+        assert "the old one still serves" in (svc.lb_error or "")
+        assert lb.configs["good"] == running  # the running one's config, restored
+        await run_rounds(clock, [rec], rounds=1)
+        svc = store.service("good")
+    assert svc.lb_pid != old and svc.lb_error is None
+    assert [(s, p) for s, p, _ in lb.retired] == [("good", old)]
+
+
 async def test_an_lb_started_by_an_older_fleetserve_is_stopped_not_retired(
     store: Store, settings: Settings, clock: FakeClock
 ) -> None:
