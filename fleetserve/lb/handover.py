@@ -31,6 +31,8 @@ import socket
 import struct
 from collections.abc import Callable
 
+from fleetserve.lb.proxy import listen_addresses
+
 log = logging.getLogger("fleetserve.lb")
 
 TAKE_TIMEOUT = 2.0  # seconds a new load balancer waits for the old one's answer
@@ -57,8 +59,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
 
 def wanted_addresses(host: str, port: int) -> set[tuple[int, tuple[str, int]]]:
     """(family, (address, port)) of each socket `listening_sockets(host, port)` makes."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    return {(family, (str(address[0]), int(address[1]))) for family, _, _, _, address in infos}
+    return {(f, (str(a[0]), int(a[1]))) for f, _, a in listen_addresses(host, port)}
 
 
 def _fits(sock: socket.socket, wanted: set[tuple[int, tuple[str, int]]]) -> bool:

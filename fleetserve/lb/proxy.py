@@ -37,19 +37,25 @@ DEFAULT_MAX_CONNECTIONS = 10_000
 FIRST_REQUEST_GRACE = 1.0
 
 
-def listening_sockets(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets on host:port (one per address family it resolves to), with
-    SO_REUSEPORT: what `serve` binds, made ahead so that another process can hold them too (a
-    worker's queue outlives the worker: fleetserve.lb.workers)."""
+def listen_addresses(host: str, port: int) -> list[tuple[int, int, tuple[Any, ...]]]:
+    """(family, protocol, address) of each socket a load balancer listens on for host:port
+    (one per address `host` resolves to, each once)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    out: list[tuple[int, int, tuple[Any, ...]]] = []
+    for family, _, proto, _, address in infos:
+        if all((family, address) != (f, a) for f, _, a in out):
+            out.append((family, proto, address))
+    return out
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on host:port (`listen_addresses`), with SO_REUSEPORT: what `serve`
+    binds, made ahead so that another process can hold them too (a worker's queue outlives
+    the worker: fleetserve.lb.workers)."""
     made: list[socket.socket] = []
-    seen = set()
     try:
-        for family, kind, proto, _, address in infos:
-            if (family, address) in seen:
-                continue
-            seen.add((family, address))
-            sock = socket.socket(family, kind, proto)
+        for family, proto, address in listen_addresses(host, port):
+            sock = socket.socket(family, socket.SOCK_STREAM, proto)
             made.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -144,12 +144,13 @@ def block_size(url: str) -> int:
     raise AssertionError("vLLM's /metrics has no vllm:cache_config_info{block_size=...}")
 
 
-def stream_chat(served: Served) -> list[tuple[float, bytes]]:
-    """One streamed chat answer of 48 tokens: each `data:` line and when it arrived."""
+def stream_chat(served: Served, max_tokens: int = 48) -> list[tuple[float, bytes]]:
+    """One streamed chat answer of `max_tokens` tokens: each `data:` line and when it
+    arrived."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "tell me about the fleet"}],
-        "max_tokens": 48,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
     }
@@ -399,3 +400,54 @@ def test_a_replica_killed_under_load_loses_only_its_requests_in_flight(served: S
     late = [f for f in load.failures if f[0] > killed_at]
     assert late == [], late
     assert len(load.failures) <= load.threads, load.failures  # at most one in flight per client
+
+
+def test_new_lb_settings_do_not_cut_streams_in_progress(served: Served, tmp_path: Path) -> None:
+    """An update of the load balancer's settings only (applied in place: the vLLM replicas
+    stay) while long answers stream: the old load balancer is retired and finishes them
+    (up to FLEETSERVE_DRAIN_SECONDS), past the 5 s that a stop gives; the new one serves."""
+    current = served.fleet.client().service(NAME)
+    envs = ["SERVED_MODEL_NAME=tiny"] + (["ROLLOUT=2"] if current.active_version > 1 else [])
+    changed = tmp_path / "service.yaml"
+    changed.write_text(
+        EXAMPLE.read_text().replace(
+            "    replica_metrics_seconds: 1",
+            "    replica_metrics_seconds: 1\n    max_extra_load: 6",
+        )
+    )
+    results: list[list[tuple[float, bytes]]] = []
+    errors: list[str] = []
+
+    def one() -> None:
+        try:
+            results.append(stream_chat(served, max_tokens=1500))
+        except Exception as e:  # the test fails on it below
+            errors.append(repr(e))
+
+    streams = [threading.Thread(target=one) for _ in range(2)]
+    began = time.monotonic()
+    for t in streams:
+        t.start()
+    time.sleep(2)
+    out = served.fleet.cli(
+        "update",
+        NAME,
+        str(changed),
+        *env_args(served.python, served.model, *envs),
+        timeout=300,
+        cwd=REPO,
+    )
+    assert "the replicas moved to it in place" in out.stdout, out.stdout  # vLLM not restarted
+    for t in streams:
+        t.join(300)
+    assert errors == [], errors
+    assert len(results) == 2
+    for events in results:
+        assert events[-1][1] == b"data: [DONE]"
+        # The whole answer: its last chunk ends it at max_tokens (vLLM sends a few tokens a
+        # chunk when the CPU is busy, so chunks are not counted).
+        assert json.loads(events[-2][1][6:])["choices"][0]["finish_reason"] == "length"
+    assert max(e[-1][0] for e in results) - began > 8  # they outlived a stop's 5 s drain
+    log = served.fleet.cli("logs", "--no-follow", NAME, "--load-balancer").stdout
+    assert "retired for a new load balancer" in log
+    assert chat(served, [{"role": "user", "content": "after"}])["choices"]

@@ -17,7 +17,7 @@ from fleetserve.controller.reconciler import ServiceReconciler
 from fleetserve.controller.settings import Settings
 from fleetserve.core.clock import FakeClock
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ServicePhase, TerminationCause
+from fleetserve.core.types import ReplicaRecord, ServicePhase, TerminationCause
 from fleetserve.infra.base import Infra, InstanceKind
 from fleetserve.lb.config import LbConfig
 from fleetserve.store import Store
@@ -61,6 +61,13 @@ async def run_rounds(clock: FakeClock, recs: list[ServiceReconciler], rounds: in
         clock.advance(ROUND)
         await asyncio.gather(*(rec.reconcile_once() for rec in recs))
         await settle()
+
+
+def scale_down(rec: ServiceReconciler, row: ReplicaRecord) -> None:
+    """Stop `row` as a scale-down does: drained first (up to 120 s)."""
+    rec.executor.terminate(
+        row, ReplicaStatus.READY, "scaled down", TerminationCause.SCALE_DOWN, drain_seconds=120
+    )
 
 
 @pytest.mark.parametrize("shared_prober", [False, True], ids=["own-probers", "one-prober"])
@@ -159,13 +166,7 @@ async def test_down_does_not_wait_for_a_scale_down_drain(
         rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
         await run_rounds(clock, [rec], rounds=4)
         rec.executor.inflight_of = lambda _rid: 3
-        rec.executor.terminate(
-            store.replica("good", 2),
-            ReplicaStatus.READY,
-            "scaled down",
-            TerminationCause.SCALE_DOWN,
-            drain_seconds=120,
-        )
+        scale_down(rec, store.replica("good", 2))
         await settle()
         start = clock.now()
         store.update_service("good", clock.now(), phase=ServicePhase.SHUTTING_DOWN)
@@ -240,13 +241,7 @@ async def test_new_lb_settings_retire_the_old_lb_and_drains_wait_for_it(
         # A replica drained now waits for the retiring LB, then goes once it is done.
         rec.executor.inflight_of = lambda _rid: 0
         start = clock.now()
-        rec.executor.terminate(
-            store.replica("good", 2),
-            ReplicaStatus.READY,
-            "scaled down",
-            TerminationCause.SCALE_DOWN,
-            drain_seconds=120,
-        )
+        scale_down(rec, store.replica("good", 2))
 
         async def finish_later() -> None:
             await clock.sleep(30)

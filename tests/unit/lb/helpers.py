@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+import trustme
 
 from fleetserve.lb.config import LbConfig
 
@@ -30,6 +31,16 @@ async def start_lb_process(
                 await asyncio.sleep(0.1)
     proc.kill()
     raise AssertionError(f"{module} did not answer on its admin port")
+
+
+def tls_files(folder: Path) -> tuple[trustme.CA, Path, Path]:
+    """A test CA, and a certificate for "localhost" and its key written into `folder`."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    certfile, keyfile = folder / "cert.pem", folder / "key.pem"
+    cert.cert_chain_pems[0].write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    return ca, certfile, keyfile
 
 
 def workers_of(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:

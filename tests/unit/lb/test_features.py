@@ -12,7 +12,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import trustme
 from aiohttp import web
 
 from fleetserve.lb.admin import make_admin_app
@@ -23,6 +22,7 @@ from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.factory import make_selector
 from fleetserve.policies.prompt import prompt_prefix
 from fleetserve.spec.models import LoadBalancerOptions
+from tests.unit.lb.helpers import tls_files
 from tests.unit.lb.test_proxy import Start, make_lb, make_lb_proxy, start, upstream_app
 
 __all__ = ["start"]  # the fixture, re-used
@@ -273,11 +273,7 @@ async def test_api_keys_are_required_and_not_forwarded(start: Start) -> None:
 
 
 async def test_tls_at_the_load_balancer(start: Start, tmp_path: Path) -> None:
-    ca = trustme.CA()
-    cert = ca.issue_cert("localhost")
-    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.cert_chain_pems[0].write_to_path(str(certfile))
-    cert.private_key_pem.write_to_path(str(keyfile))
+    ca, certfile, keyfile = tls_files(tmp_path)
     a = await start(upstream_app("a"))
     cfg = LbConfig(
         service="svc", port=0, admin_port=0, tls_certfile=str(certfile), tls_keyfile=str(keyfile)

@@ -17,7 +17,6 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
-import trustme
 from aiohttp import web
 
 from fleetserve.lb import handover
@@ -28,7 +27,7 @@ from fleetserve.lb.proxy import Proxy, listening_sockets
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.factory import make_selector
 from fleetserve.spec.models import LoadBalancerOptions
-from tests.unit.lb.helpers import start_lb_process, wait_workers, workers_of
+from tests.unit.lb.helpers import start_lb_process, tls_files, wait_workers, workers_of
 from tests.unit.lb.test_proxy import Start, closed_port, start, upstream_app
 from tests.unit.lb.test_workers import _answers, _queue_requests, _ready
 
@@ -51,6 +50,17 @@ async def _push(config: LbConfig, url: str) -> None:
         async with s.put(f"http://127.0.0.1:{config.admin_port}/-/replicas", json=push) as r:
             assert r.status == 200
     await asyncio.sleep(0.3)  # relayed to the workers
+
+
+async def _serving_proxy(replica_port: int, cfg: LbConfig | None = None) -> Proxy:
+    """A proxy (in this process) on a loopback port, in front of one replica; TLS if `cfg`
+    says so."""
+    cfg = cfg or LbConfig(service="svc", port=0, admin_port=0)
+    replicas = ReplicaSet(make_selector("least_load"))
+    replicas.replace([Upstream(1, f"http://127.0.0.1:{replica_port}", 1)])
+    proxy = Proxy(cfg, replicas)
+    await proxy.serve("127.0.0.1", 0, tls_context(cfg))
+    return proxy
 
 
 def _stop(proc: subprocess.Popen[bytes], workers: list[psutil.Process]) -> None:
@@ -216,10 +226,7 @@ async def test_a_stopping_proxy_reads_a_request_sent_just_after_the_stop(start: 
     (closing it unread would fail a request its client had sent); a connection idle between
     requests is closed at once; one answered during the stop is closed after its answer."""
     a = await start(upstream_app("a"))
-    replicas = ReplicaSet(make_selector("least_load"))
-    replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
-    proxy = Proxy(LbConfig(service="svc", port=0, admin_port=0), replicas)
-    await proxy.serve("127.0.0.1", 0)
+    proxy = await _serving_proxy(a)
     port = proxy.port
     request = b"GET /late HTTP/1.1\r\nHost: lb\r\n\r\n"
     late_r, late_w = await asyncio.open_connection("127.0.0.1", port)
@@ -320,10 +327,7 @@ async def test_a_stopping_proxy_flushes_an_answer_to_a_slow_reader(start: Start)
     app = web.Application()
     app.router.add_get("/big", big)
     a = await start(app)
-    replicas = ReplicaSet(make_selector("least_load"))
-    replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
-    proxy = Proxy(LbConfig(service="svc", port=0, admin_port=0), replicas)
-    await proxy.serve("127.0.0.1", 0)
+    proxy = await _serving_proxy(a)
     assert proxy._server is not None
     for listening in proxy._server.sockets:  # the accepted connection inherits it
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -351,19 +355,12 @@ async def test_a_stopping_proxy_waits_for_a_tls_handshake_begun_before(
     """A TLS connection accepted before the stop whose handshake comes a moment later: it is
     not a client yet (no connection_made before the handshake), and still gets the first
     request's grace."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("localhost")
-    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.cert_chain_pems[0].write_to_path(str(certfile))
-    cert.private_key_pem.write_to_path(str(keyfile))
+    ca, certfile, keyfile = tls_files(tmp_path)
     a = await start(upstream_app("a"))
     cfg = LbConfig(
         service="svc", port=0, admin_port=0, tls_certfile=str(certfile), tls_keyfile=str(keyfile)
     )
-    replicas = ReplicaSet(make_selector("least_load"))
-    replicas.replace([Upstream(1, f"http://127.0.0.1:{a}", 1)])
-    proxy = Proxy(cfg, replicas)
-    await proxy.serve("127.0.0.1", 0, tls_context(cfg))
+    proxy = await _serving_proxy(a, cfg)
     raw = socket.create_connection(("127.0.0.1", proxy.port))  # accepted; no ClientHello yet
     await asyncio.sleep(0.1)
     assert len(proxy.clients) == 0 and len(proxy.handshaking) == 1
@@ -404,6 +401,24 @@ def _slow_stream_app(seconds: int) -> web.Application:
     return app
 
 
+async def _streaming_lb(
+    start: Start, tmp_path: Path, stream_seconds: int, drain: float
+) -> tuple[LbConfig, subprocess.Popen[bytes], list[psutil.Process]]:
+    """A load balancer of two processes (retired: `drain` seconds) in front of a replica
+    streaming for `stream_seconds`, its worker ready and the replica pushed to both."""
+    url = f"http://127.0.0.1:{await start(_slow_stream_app(stream_seconds))}"
+    config = _lb("svc", closed_port()).model_copy(update={"drain_seconds": drain})
+    proc = await start_lb_process(config, tmp_path)
+    workers = await wait_workers(proc)
+    try:
+        await _ready(config)
+        await _push(config, url)
+    except BaseException:
+        _stop(proc, workers)
+        raise
+    return config, proc, workers
+
+
 async def _streams(port: int, count: int) -> list[asyncio.Task[bytes]]:
     async def one() -> bytes:
         try:
@@ -424,13 +439,8 @@ async def test_a_retired_load_balancer_finishes_streams_longer_than_a_stops_drai
     """SIGQUIT (retired for a load balancer with new settings): the primary and its worker
     stop accepting and let their requests finish for up to the config's drain_seconds; here
     streams of 7 s, past the 5 s a stop (SIGTERM) gives, end whole. Then both exit."""
-    url = f"http://127.0.0.1:{await start(_slow_stream_app(7))}"
-    config = _lb("svc", closed_port()).model_copy(update={"drain_seconds": 15.0})
-    proc = await start_lb_process(config, tmp_path)
-    workers = await wait_workers(proc)
+    config, proc, workers = await _streaming_lb(start, tmp_path, stream_seconds=7, drain=15)
     try:
-        await _ready(config)
-        await _push(config, url)
         streams = await _streams(config.port, 6)
         await asyncio.sleep(1.0)
         proc.send_signal(signal.SIGQUIT)
@@ -447,13 +457,8 @@ async def test_a_stop_after_a_retirement_cuts_its_drain_to_a_stops(
 ) -> None:
     """Retiring (SIGQUIT, a 60 s drain), then SIGTERM (`down`, a restarted controller's sweep):
     the primary and its worker exit within a stop's 5 s, rather than the retirement's 60."""
-    url = f"http://127.0.0.1:{await start(_slow_stream_app(30))}"
-    config = _lb("svc", closed_port()).model_copy(update={"drain_seconds": 60.0})
-    proc = await start_lb_process(config, tmp_path)
-    workers = await wait_workers(proc)
+    config, proc, workers = await _streaming_lb(start, tmp_path, stream_seconds=30, drain=60)
     try:
-        await _ready(config)
-        await _push(config, url)
         streams = await _streams(config.port, 4)
         await asyncio.sleep(1.0)
         proc.send_signal(signal.SIGQUIT)
