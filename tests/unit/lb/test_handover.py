@@ -466,8 +466,10 @@ async def test_a_stop_after_a_retirement_cuts_its_drain_to_a_stops(
         assert proc.poll() is None  # retiring: its streams go on
         stopped_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(proc.wait, 15) == 0
-        assert time.monotonic() - stopped_at < 9  # 5 s of drain, and the exit
+        assert await asyncio.to_thread(proc.wait, 25) == 0
+        # A stop's 5 s of drain and the exit (seconds more on a loaded machine: 9.1 s was seen
+        # in a parallel suite), where the retirement would have run to the streams' end (28 s).
+        assert time.monotonic() - stopped_at < 20
         assert psutil.wait_procs(workers, timeout=5)[1] == []
         bodies = await asyncio.wait_for(asyncio.gather(*streams), 10)
         assert not any(b.endswith(b"data: [DONE]\n\n") for b in bodies)  # cut, as a stop cuts
