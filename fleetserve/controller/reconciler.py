@@ -950,7 +950,7 @@ class ServiceReconciler:
             await self.lb.push(svc, [], self.clock.now(), force=True)
         self.executor.cut_drains()  # a scale-down's drain must not hold the down
         by_id = {r.replica_id: r for r in replicas}
-        for action in plan_shutdown(replicas):
+        for action in plan_shutdown(replicas, self.executor.busy):
             self.prober.forget(self.key(action.replica_id))
             self.executor.terminate(
                 by_id[action.replica_id], action.final_status, action.reason, action.cause

@@ -7,7 +7,7 @@ the fleet at its target size. It does no I/O; the reconciler applies the actions
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from fleetserve.core.status import FAILED_STATUSES, ReplicaStatus
@@ -365,12 +365,16 @@ def _spot_step(
     return step, [CreateReplicas(create_spot, True), CreateReplicas(create_od)]
 
 
-def plan_shutdown(replicas: list[ReplicaRecord]) -> list[Terminate]:
-    """`down`: stop every replica that may still have processes, and drop every row."""
+def plan_shutdown(
+    replicas: list[ReplicaRecord], stopping: Callable[[ReplicaId], bool] = lambda _rid: True
+) -> list[Terminate]:
+    """`down`: stop every replica that may still have processes, and drop every row. A row
+    SHUTTING_DOWN is left to the stop under way (`stopping`); one whose stop ended without
+    removing it (cancelled, or its store write refused on a full disk) is stopped again."""
     return [
         Terminate(r.replica_id, r.status, "service shutting down", TerminationCause.SERVICE_DOWN)
         for r in replicas
-        if r.status is not ReplicaStatus.SHUTTING_DOWN
+        if r.status is not ReplicaStatus.SHUTTING_DOWN or not stopping(r.replica_id)
     ]
 
 

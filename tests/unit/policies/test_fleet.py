@@ -270,3 +270,12 @@ def test_the_crash_loop_reason_stays_the_same_as_more_replicas_fail() -> None:
     assert first is not None and later is not None
     assert first.split(" Last: ")[0] == later.split(" Last: ")[0]  # one event, not two
     assert later.endswith("replica 4: exited with code 4")
+
+
+def test_shutdown_stops_again_a_row_whose_stop_ended_without_removing_it() -> None:
+    """A row SHUTTING_DOWN with no stop under way (its task was cancelled, or its store write
+    refused on a full disk) is stopped again; one with a stop under way is left to it (a
+    `down` after a full disk waited forever on such a row before)."""
+    rows = [ReplicaRecord("s", 1, 1, R.SHUTTING_DOWN)]
+    assert plan_shutdown(rows, stopping=lambda _rid: True) == []
+    assert [t.replica_id for t in plan_shutdown(rows, stopping=lambda _rid: False)] == [1]
