@@ -134,7 +134,7 @@ class Result:
 class Run:
     policy: str
     results: list[Result] = field(default_factory=list)
-    fleet: list[tuple[float, int, int]] = field(default_factory=list)  # (t, alive, ready)
+    fleet: list[tuple[float, int, int]] = field(default_factory=list)  # (monotonic, alive, ready)
     events: list[str] = field(default_factory=list)
 
 
@@ -238,13 +238,12 @@ class Load:
 
 
 async def watch(client: fleetserve.Client, name: str, run: Run, stop: asyncio.Event) -> None:
-    start = time.monotonic()
     while not stop.is_set():
         with contextlib.suppress(Exception):
             svc = await asyncio.to_thread(client.service, name)
             alive = sum(1 for r in svc.replicas if r.status not in TERMINAL)
             ready = sum(1 for r in svc.replicas if r.status == "READY")
-            run.fleet.append((time.monotonic() - start, alive, ready))
+            run.fleet.append((time.monotonic(), alive, ready))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 1.0)
 
@@ -316,6 +315,14 @@ def summary(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     )
     out["max_replicas"] = max((a for _t, a, _r in steps), default=0)
     out["events"] = run.events
+    # Every request and the fleet over time, relative to the first request sent: a TTFT
+    # target other than --ttft-target-ms can be read from the JSON afterwards.
+    t0 = min((r.sent_at for r in run.results), default=0.0)
+    out["requests"] = [
+        [r.phase, round(r.sent_at - t0, 3), None if r.ttft is None else round(r.ttft, 4), r.ok]
+        for r in run.results
+    ]
+    out["fleet"] = [[round(t - t0, 1), a, r] for t, a, r in steps]
     return out
 
 

@@ -266,6 +266,8 @@ class Record:
     max_tokens: int
     late: float = 0.0  # sent this long after it was due (the driver's own lag)
     turn: int = 0  # its place in its session (0: a conversation's first turn)
+    session: int = -1  # which session (its index in the run's list), for --json
+    prompt_chars: int = 0  # the request body's prompt text, in characters
     ttft: float | None = None
     e2e: float | None = None
     tokens: int = 0
@@ -393,6 +395,8 @@ async def run_sessions(
     async def stats() -> list[dict[str, Any]]:
         return await fleet.engine.stats(http)
 
+    id_of = {id(s): i for i, s in enumerate(sessions)}
+
     async def session(s: Session) -> None:
         history: list[dict[str, str]] = []
         due = s.start_s  # when the next request is to be sent, from t0 (open loop: a late
@@ -408,6 +412,10 @@ async def run_sessions(
             rec.late = now - due
             records.append(rec)
             path, body = request_body(s, history, turn)
+            rec.session = id_of[id(s)]
+            rec.prompt_chars = sum(len(m["content"]) for m in body.get("messages", ())) + len(
+                body.get("prompt", "")
+            )
             reply = await stream(http, fleet.lb_url + path, body, rec, fleet.real)
             if reply is None:
                 return
@@ -508,6 +516,20 @@ def summarize(
         "inflight_diff_max": max(diffs) if diffs else math.nan,
         "samples": len(diffs),
         "driver_late_max_ms": max((r.late for r in records), default=0.0) * 1e3,
+        # Each measured request: sent (s), session, turn, prompt characters, TTFT (ms), e2e
+        # (s), error; for reading a tail (which requests make the p99) after the run.
+        "per_request": [
+            [
+                round(r.sent, 3),
+                r.session,
+                r.turn,
+                r.prompt_chars,
+                None if r.ttft is None else round(r.ttft * 1e3, 1),
+                None if r.e2e is None else round(r.e2e, 3),
+                r.error,
+            ]
+            for r in measured
+        ],
     }
 
 

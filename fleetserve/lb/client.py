@@ -457,6 +457,13 @@ class ClientConn(asyncio.Protocol):
     def tunnel_to(self, ex: Exchange) -> None:
         self.tunnel = ex
 
+    def closing_after(self, ex: Exchange) -> bool:
+        # A stopping load balancer keeps no idle connection (exchange_done): the answer says
+        # so, so that the client does not send its next request on a connection about to be
+        # closed (it would get no answer; a POST is not retried by most clients).
+        queue = self.queue
+        return self.listener.draining and not (len(queue) > 1 and queue[0] is ex)
+
     def check_deadline(self, head_since: float, idle_since: float) -> None:
         """Called by the proxy's sweep: a head begun before `head_since` gets a 408, and so
         does a request whose body a body policy waits for with no byte since then; a

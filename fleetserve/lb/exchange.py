@@ -97,6 +97,11 @@ class ClientSide(Protocol):
 
     def exchange_done(self, ex: Exchange) -> None: ...
 
+    def closing_after(self, ex: Exchange) -> bool:
+        """The connection closes after `ex`'s answer (a stopping load balancer, nothing
+        pipelined behind it): its head says `Connection: close`."""
+        ...
+
 
 class _NotSent(Exception):
     """The request did not reach a replica: another one may take it."""

@@ -135,5 +135,9 @@ def response_head(
         # Without chunked framing, a body of unknown length ends when the connection does.
         keep_alive = keep_alive and (no_body or (b"content-length" in names and not chunked))
         out.append(b"Connection: keep-alive\r\n" if keep_alive else b"Connection: close\r\n")
+    elif not keep_alive and status >= 200:
+        # The connection ends after this answer (the client asked, or the load balancer is
+        # stopping): say so (RFC 9112 9.6), or the client may send its next request on it.
+        out.append(b"Connection: close\r\n")
     out.append(b"\r\n")
     return ResponseHead(b"".join(out), chunked and not http10 and not no_body, keep_alive)

@@ -63,9 +63,12 @@ class UpstreamConn(asyncio.Protocol):
             # plain_response_head, inlined: this runs for every response.
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None
-            if not ex.wants_upgrade and (ex.http10 or not plain):
+            if not ex.wants_upgrade and (
+                ex.http10 or not plain or not ex.keep_alive or ex.client.closing_after(ex)
+            ):
                 # The slow path: the head is rebuilt (and the body maybe re-framed) from
-                # the parser's callbacks instead of passing through.
+                # the parser's callbacks instead of passing through (or told `Connection:
+                # close`: a stopping load balancer).
                 self.rewriter = ResponseRewriter(self, ex)
                 self.parser = httptools.HttpResponseParser(self.rewriter)
         assert self.parser is not None
@@ -160,7 +163,7 @@ class ResponseRewriter:
             reason,
             headers,
             http10=ex.http10,
-            keep_alive=ex.keep_alive,
+            keep_alive=ex.keep_alive and not ex.client.closing_after(ex),
             no_body=ex.method == b"HEAD" or status in (204, 304) or status < 200,
         )
         self.rechunk = head.rechunk

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetserve.spec.models import MetricTarget, ReplicaPolicy
@@ -46,6 +46,14 @@ CURVE_BUCKETS = 64
 CURVE_DECAY = 0.9999
 CURVE_MIN_WEIGHT = 120.0
 CURVE_DROP = 0.01
+# The engine queue and the running requests are read as their fleet totals averaged over the
+# last QUEUE_SMOOTH_SECONDS (exponentially weighted): a queue that comes and goes between two
+# steps of a saturated engine otherwise drops under its target for a moment and restarts the
+# upscale delay, and the fleet grows late or never (bench/autoscale/README.md, run F). KEDA
+# users read vLLM's queue the same way (avg_over_time over a window). A reading older than
+# QUEUE_SMOOTH_RESET x that (a controller restart, no replica answering) is not averaged with.
+QUEUE_SMOOTH_SECONDS = 10.0
+QUEUE_SMOOTH_RESET = 6.0
 # The latency rule's band: shrink only below LATENCY_LOW x target, and only when one replica
 # fewer is predicted (latency x n / (n - 1)) to stay under LATENCY_PREDICTED x target.
 LATENCY_LOW = 0.5
@@ -93,6 +101,8 @@ class AutoscalerState:
     # The engine queue's onset curve: (bucket, weight, mean running, mean queue) per replica,
     # by bucket; at most CURVE_BUCKETS entries (empty unless target_queue_per_replica is set).
     queue_curve: tuple[tuple[int, float, float, float], ...] = ()
+    # The engine queue's smoothed fleet totals: (when, waiting, running; -1: not read).
+    queue_smooth: tuple[float, float, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -104,6 +114,8 @@ class AutoscalerState:
         }
         if self.queue_curve:
             out["queue_curve"] = [list(x) for x in self.queue_curve]
+        if self.queue_smooth is not None:
+            out["queue_smooth"] = list(self.queue_smooth)
         return out
 
     @classmethod
@@ -118,7 +130,22 @@ class AutoscalerState:
                 (int(b), float(w), float(r), float(q))
                 for b, w, r, q in d.get("queue_curve", [])[:CURVE_BUCKETS]
             ),
+            queue_smooth=_smooth_from_json(d.get("queue_smooth")),
         )
+
+
+def _smooth_from_json(value: Any) -> tuple[float, float, float] | None:
+    """A stored queue_smooth, or None when it is not three finite numbers (a state written by
+    an older fleetserve, or damaged: the next reading starts it again)."""
+    if not isinstance(value, list) or len(value) != 3:
+        return None
+    try:
+        t, q, r = (float(x) for x in value)
+    except (TypeError, ValueError):
+        return None
+    if not all(math.isfinite(x) for x in (t, q, r)) or q < 0 or r < -1:
+        return None
+    return t, q, r
 
 
 @dataclass(frozen=True)
@@ -298,6 +325,42 @@ def _latency(policy: ReplicaPolicy, load: LoadObservation, current: int) -> tupl
     return current, text
 
 
+def smooth_queue(
+    smooth: tuple[float, float, float] | None, signals: Mapping[str, SignalReading], now: float
+) -> tuple[tuple[float, float, float] | None, dict[str, SignalReading] | None]:
+    """The engine queue's and running requests' fleet totals averaged over about
+    QUEUE_SMOOTH_SECONDS (QUEUE_SMOOTH_SECONDS above): the new smoothed state, and the
+    signals with their per-replica means replaced by the smoothed totals over the replicas
+    that answered now (None: no queue read this round, nothing replaced; the state holds).
+    Totals, not means: a new idle replica does not halve a backlog that stays where it is."""
+    queue, running = signals.get(QUEUE), signals.get(RUNNING)
+    if queue is None or not queue.answered or queue.mean is None:
+        return smooth, None
+    n = queue.answered
+    waiting = queue.mean * n
+    run_now = (
+        running.mean * running.answered
+        if running is not None and running.answered and running.mean is not None
+        else None
+    )
+    if smooth is None or not 0 <= now - smooth[0] <= QUEUE_SMOOTH_RESET * QUEUE_SMOOTH_SECONDS:
+        q, r = waiting, -1.0 if run_now is None else run_now
+    else:
+        a = 1.0 - math.exp(-(now - smooth[0]) / QUEUE_SMOOTH_SECONDS)
+        q = smooth[1] + a * (waiting - smooth[1])
+        if run_now is None:
+            r = smooth[2]
+        elif smooth[2] < 0:
+            r = run_now
+        else:
+            r = smooth[2] + a * (run_now - smooth[2])
+    out = dict(signals)
+    out[QUEUE] = replace(queue, mean=q / n)
+    if running is not None and running.answered and running.mean is not None and r >= 0:
+        out[RUNNING] = replace(running, mean=r / running.answered)
+    return (now, q, r), out
+
+
 def signal_demands(
     policy: ReplicaPolicy,
     load: LoadObservation,
@@ -392,11 +455,15 @@ def autoscale(
     current = min(max(current, policy.min_replicas), hi)
     curve = state.queue_curve
     onset = None
+    smooth = state.queue_smooth
     if policy.target_queue_per_replica is not None:
         running = load.signals.get(RUNNING)
         if running is not None and running.pairs:
             curve = learn_queue_curve(curve, running.pairs)
         onset = queue_onset(curve, policy.target_queue_per_replica)
+        smooth, smoothed = smooth_queue(smooth, load.signals, now)
+        if smoothed is not None:
+            load = replace(load, signals=smoothed)
     needs = signal_demands(policy, load, qps, current, accelerator, onset)
     # The largest need names the signal; on a tie a signal that was read beats one that holds.
     need, signal = max(needs, key=lambda x: (x[0], "holding" not in x[1])) if needs else (0, "")
@@ -446,6 +513,7 @@ def autoscale(
         below_since=below,
         last_request_at=last_request_at,
         queue_curve=curve,
+        queue_smooth=smooth,
     )
     return Decision(target, demand, qps, load.inflight, reason, new_state, signal)
 

@@ -243,6 +243,8 @@ async def test_a_stopping_proxy_reads_a_request_sent_just_after_the_stop(start: 
     late_w.write(request)
     answer = await asyncio.wait_for(late_r.read(), 5)  # answered, then closed
     assert answer.startswith(b"HTTP/1.1 200 OK") and b'"replica": "a"' in answer
+    # ... and its answer says so: its client sends no next request on it.
+    assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n")[0].lower() + b"\r\n"
     await asyncio.wait_for(closing, 5)
     for w in (late_w, idle_w):
         w.close()

@@ -102,6 +102,17 @@ HOP = [
             False,
             True,
         ),
+        # HTTP/1.1, the connection ends after this answer (the client asked, or the load
+        # balancer stops): it says so, whatever the replica said.
+        (
+            [(b"Content-Length", b"2"), (b"Connection", b"keep-alive")],
+            False,
+            False,
+            False,
+            [b"Content-Length: 2", b"Connection: close"],
+            False,
+            False,
+        ),
     ],
 )
 def test_response_head(
@@ -116,6 +127,11 @@ def test_response_head(
     head = response_head(200, b"OK", headers, http10=http10, keep_alive=keep_alive, no_body=no_body)
     assert head.data == b"\r\n".join([b"HTTP/1.1 200 OK", *lines, b"", b""])
     assert (head.rechunk, head.keep_alive) == (rechunk, kept)
+
+
+def test_an_interim_response_does_not_say_close() -> None:
+    head = response_head(100, b"Continue", [], http10=False, keep_alive=False, no_body=True)
+    assert head.data == b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def test_connection_tokens_from_every_connection_header() -> None:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import fleetserve.policies.autoscaler as A
 from fleetserve.core.clock import FakeClock
 from fleetserve.policies.autoscaler import (
     CURVE_BUCKETS,
@@ -168,16 +169,63 @@ def test_without_an_answer_a_replica_reported_zero_is_still_zero() -> None:
 def test_delays_apply_to_replica_signals() -> None:
     p = policy(target_queue_per_replica=2)
     clock = FakeClock(100.0)
-    state = AutoscalerState(target=1)
-    targets, d = run(p, state, clock, 9, {QUEUE: reading(6)})
+    targets, d = run(p, AutoscalerState(target=1), clock, 20, {QUEUE: reading(0)})
+    # a queue of 6 for 5 s (read over QUEUE_SMOOTH_SECONDS: above the target of 2 after
+    # about 4 s), then none: shorter than the upscale delay, nothing changes
+    targets, d = run(p, d.state, clock, 5, {QUEUE: reading(6)})
     assert set(targets) == {1} and "above 1 since" in d.reason
-    # a dip below the target resets the upscale timer
-    targets, d = run(p, d.state, clock, 1, {QUEUE: reading(1)})
-    targets, d = run(p, d.state, clock, 9, {QUEUE: reading(6)})
-    assert set(targets) == {1}
-    targets, d = run(p, d.state, clock, 2, {QUEUE: reading(6)})
-    assert targets[-1] == 3
-    assert d.reason.startswith("engine queue 6/replica, target 2: demand 3 above 1 for 10 s")
+    targets, d = run(p, d.state, clock, 30, {QUEUE: reading(0)})
+    assert set(targets) == {1} and "above" not in d.reason
+    # one that stays: above the target after about 4 s, scaled 10 s later
+    targets, d = run(p, d.state, clock, 30, {QUEUE: reading(6)})
+    assert targets[-1] == 3 and 12 <= targets.index(3) <= 16, targets
+    assert d.state.queue_smooth is not None and d.state.queue_smooth[1] == pytest.approx(6, 0.1)
+
+
+def test_a_queue_that_comes_and_goes_is_read_over_a_few_seconds() -> None:
+    """A saturated engine whose queue empties for a moment between steps (6 waiting, then 0,
+    every other 2 s; 3 on average, over the target of 2): read as it was read before
+    2026-12-05, each empty moment restarted the upscale delay and the fleet never grew; read
+    over QUEUE_SMOOTH_SECONDS it grows after the delay. A brief dip does not restart it."""
+    p = policy(target_queue_per_replica=2)
+    clock = FakeClock(100.0)
+    state = AutoscalerState(target=1)
+    targets = []
+    for second in range(40):
+        clock.advance(1)
+        waiting = 6.0 if second % 4 < 2 else 0.0
+        d = autoscale(
+            p, state, LoadObservation(0, 6, signals={QUEUE: reading(waiting)}), clock.now()
+        )
+        state = d.state
+        targets.append(d.target)
+    assert targets[0] == 1 and 1 < targets[-1] <= 3
+    grew = targets.index(targets[-1])
+    assert 10 <= grew <= 25, targets
+    assert A.QUEUE_SMOOTH_SECONDS > 0
+    # a one-second dip to 1 in a queue of 6 does not restart the delay
+    clock = FakeClock(100.0)
+    targets, d = run(p, AutoscalerState(target=1), clock, 5, {QUEUE: reading(6)})
+    targets2, d = run(p, d.state, clock, 1, {QUEUE: reading(1)})
+    targets3, d = run(p, d.state, clock, 5, {QUEUE: reading(6)})
+    assert targets3[-1] == 3 and (targets + targets2 + targets3).index(3) == 10
+
+
+def test_the_smoothed_queue_is_of_the_fleet_not_of_a_replica() -> None:
+    """A backlog of 12 on one replica stays where it is when a second, idle one joins: the
+    fleet's smoothed total does not halve with the count of replicas; a reading with no
+    answer leaves it as it was; a damaged stored value starts it again."""
+    state = AutoscalerState(target=1)
+    smooth, out = A.smooth_queue(None, {QUEUE: reading(12)}, 10.0)
+    assert smooth == (10.0, 12.0, -1.0) and out is not None and out[QUEUE].mean == 12
+    smooth, out = A.smooth_queue(smooth, {QUEUE: reading(12, 0)}, 11.0)
+    assert out is not None and out[QUEUE].mean == pytest.approx(6.0)  # 12 over 2 replicas
+    assert A.smooth_queue(smooth, {QUEUE: reading(None, None)}, 12.0) == (smooth, None)
+    # a reading long after the last one (a restart) is not averaged with it
+    assert A.smooth_queue(smooth, {QUEUE: reading(0, 0)}, 1000.0)[0] == (1000.0, 0.0, -1.0)
+    for bad in ([1, 2], ["x", 1, 2], [float("nan"), 1, 2], [1, -5, 0], "1,2,3", None):
+        restored = AutoscalerState.from_json({**state.to_json(), "queue_smooth": bad})
+        assert restored.queue_smooth is None
 
 
 @pytest.mark.parametrize(
