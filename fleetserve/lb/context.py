@@ -25,6 +25,11 @@ class ExchangeSide(Protocol):
 
     def upgraded(self) -> None: ...
 
+    def closes_client(self) -> bool:
+        """The client connection closes after this answer (a stopping load balancer, nothing
+        pipelined behind it): its head is to say `Connection: close`."""
+        ...
+
     def prefilled(self) -> None:
         """The answer's first byte came: the prompt is no longer waiting to be prefilled."""
         ...

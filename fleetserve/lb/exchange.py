@@ -315,6 +315,9 @@ class Exchange:
                 conn.close()
         self._settle("ok")
 
+    def closes_client(self) -> bool:
+        return self.client.closing_after(self)
+
     def upgraded(self) -> None:
         self.upgrade = True
         self.client.tunnel_to(self)

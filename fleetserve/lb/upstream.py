@@ -64,7 +64,7 @@ class UpstreamConn(asyncio.Protocol):
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None
             if not ex.wants_upgrade and (
-                ex.http10 or not plain or not ex.keep_alive or ex.client.closing_after(ex)
+                ex.http10 or not plain or not ex.keep_alive or ex.closes_client()
             ):
                 # The slow path: the head is rebuilt (and the body maybe re-framed) from
                 # the parser's callbacks instead of passing through (or told `Connection:
@@ -163,7 +163,7 @@ class ResponseRewriter:
             reason,
             headers,
             http10=ex.http10,
-            keep_alive=ex.keep_alive and not ex.client.closing_after(ex),
+            keep_alive=ex.keep_alive and not ex.closes_client(),
             no_body=ex.method == b"HEAD" or status in (204, 304) or status < 200,
         )
         self.rechunk = head.rechunk
