@@ -505,14 +505,14 @@ class Exchange:
                 504,
                 "upstream_timeout",
                 f"replica {rid} sent no response within {ctx.read_timeout:g} s",
-                close=not self.keep_alive,
+                close=not self.keep_alive or self.closes_client(),
             )
         else:
             msg = error_response(
                 502,
                 "upstream_disconnected",
                 f"replica {rid} failed mid-request ({outcome})",
-                close=not self.keep_alive,
+                close=not self.keep_alive or self.closes_client(),
             )
         self.client.write(msg)
         return int(msg[9:12])
@@ -632,14 +632,14 @@ class Exchange:
                 "no_ready_replicas",
                 f"service {ctx.service!r} has no READY replica; "
                 f"see `fleetserve status {ctx.service}`",
-                close=not self.keep_alive,
+                close=not self.keep_alive or self.closes_client(),
             )
         else:
             msg = error_response(
                 502,
                 "upstream_unreachable",
                 "no replica could be reached: " + "; ".join(self.failures or ()),
-                close=not self.keep_alive,
+                close=not self.keep_alive or self.closes_client(),
             )
         self.client.write(msg)
         return int(msg[9:12]), "none"

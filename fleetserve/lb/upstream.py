@@ -58,17 +58,22 @@ class UpstreamConn(asyncio.Protocol):
             ex.to_client(data)
             return
         head_seen = self.status != 0  # the head came in an earlier piece: this one is body
+        out = data
         if not self.got_bytes:
             self.got_bytes = True
             # plain_response_head, inlined: this runs for every response.
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None
-            if not ex.wants_upgrade and (
-                ex.http10 or not plain or not ex.keep_alive or ex.closes_client()
-            ):
+            if m is not None and plain and not ex.wants_upgrade and not ex.http10:
+                if not ex.keep_alive or ex.closes_client():
+                    # The connection closes after this answer (the client asked, or the load
+                    # balancer stops): the head says so, the rest still passes through.
+                    at = m.start() + 2
+                    out = b"%sConnection: close\r\n%s" % (data[:at], data[at:])
+                    ex.keep_alive = False
+            elif not ex.wants_upgrade and (ex.http10 or not plain):
                 # The slow path: the head is rebuilt (and the body maybe re-framed) from
-                # the parser's callbacks instead of passing through (or told `Connection:
-                # close`: a stopping load balancer).
+                # the parser's callbacks instead of passing through.
                 self.rewriter = ResponseRewriter(self, ex)
                 self.parser = httptools.HttpResponseParser(self.rewriter)
         assert self.parser is not None
@@ -90,7 +95,7 @@ class UpstreamConn(asyncio.Protocol):
             ex.first_byte = self.pool.monotonic() - ex.sent_at
             ex.prefilled()
         if self.rewriter is None:
-            ex.to_client(data)
+            ex.to_client(out)
         ex.activity = self.pool.monotonic()
         if self.tunnel:
             ex.upgraded()
@@ -167,7 +172,8 @@ class ResponseRewriter:
             no_body=ex.method == b"HEAD" or status in (204, 304) or status < 200,
         )
         self.rechunk = head.rechunk
-        ex.keep_alive = head.keep_alive
+        if status >= 200:  # (an interim answer says nothing of the connection's end)
+            ex.keep_alive = head.keep_alive
         ex.to_client(head.data)
 
     def on_body(self, data: bytes) -> None:

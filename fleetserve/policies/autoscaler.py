@@ -143,7 +143,7 @@ def _smooth_from_json(value: Any) -> tuple[float, float, float] | None:
         t, q, r = (float(x) for x in value)
     except (TypeError, ValueError):
         return None
-    if not all(math.isfinite(x) for x in (t, q, r)) or q < 0 or r < -1:
+    if not all(math.isfinite(x) for x in (t, q, r)) or not 0 <= q <= 1e7 or not -1 <= r <= 1e7:
         return None
     return t, q, r
 
@@ -330,35 +330,44 @@ def smooth_queue(
 ) -> tuple[tuple[float, float, float] | None, dict[str, SignalReading] | None]:
     """The engine queue's and running requests' fleet totals averaged over about
     QUEUE_SMOOTH_SECONDS (QUEUE_SMOOTH_SECONDS above): the new smoothed state, and the
-    signals with their per-replica means replaced by the smoothed totals over the replicas
-    that answered now (None: no queue read this round, nothing replaced; the state holds).
-    Totals, not means: a new idle replica does not halve a backlog that stays where it is."""
+    signals with their per-replica means replaced by the smoothed totals over the READY
+    replicas (None: no queue read this round, nothing replaced; the state holds).
+
+    A fleet total is each round's mean over the replicas that answered times the READY
+    replicas (as the rules read it: one that did not answer counts as the mean of those that
+    did). Totals, not means: a new idle replica does not halve a backlog that stays where it
+    is. An average within half a request (or 1%) of the round's reading is that reading (an
+    exponential average only nears it, and a rule's ceiling at a boundary would hold one
+    replica more for minutes).
+    A running count not read this round is forgotten, not held: it starts again when read."""
     queue, running = signals.get(QUEUE), signals.get(RUNNING)
-    if queue is None or not queue.answered or queue.mean is None:
+    if queue is None or not queue.answered or queue.mean is None or not queue.ready:
         return smooth, None
-    n = queue.answered
-    waiting = queue.mean * n
+    waiting = queue.mean * queue.ready
     run_now = (
-        running.mean * running.answered
-        if running is not None and running.answered and running.mean is not None
+        running.mean * running.ready
+        if running is not None and running.answered and running.mean is not None and running.ready
         else None
     )
     if smooth is None or not 0 <= now - smooth[0] <= QUEUE_SMOOTH_RESET * QUEUE_SMOOTH_SECONDS:
         q, r = waiting, -1.0 if run_now is None else run_now
     else:
         a = 1.0 - math.exp(-(now - smooth[0]) / QUEUE_SMOOTH_SECONDS)
-        q = smooth[1] + a * (waiting - smooth[1])
+        q = _toward(smooth[1], waiting, a)
         if run_now is None:
-            r = smooth[2]
-        elif smooth[2] < 0:
-            r = run_now
+            r = -1.0
         else:
-            r = smooth[2] + a * (run_now - smooth[2])
+            r = run_now if smooth[2] < 0 else _toward(smooth[2], run_now, a)
     out = dict(signals)
-    out[QUEUE] = replace(queue, mean=q / n)
-    if running is not None and running.answered and running.mean is not None and r >= 0:
-        out[RUNNING] = replace(running, mean=r / running.answered)
+    out[QUEUE] = replace(queue, mean=q / queue.ready)
+    if running is not None and r >= 0:
+        out[RUNNING] = replace(running, mean=r / running.ready)
     return (now, q, r), out
+
+
+def _toward(old: float, new: float, a: float) -> float:
+    value = old + a * (new - old)
+    return new if abs(value - new) <= max(0.5, 0.01 * new) else value
 
 
 def signal_demands(

@@ -30,7 +30,14 @@ from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import Upstream
 from fleetserve.spec.models import LoadBalancerOptions
 from tests.unit.lb.helpers import start_lb_process
-from tests.unit.lb.rawhttp import Replica, converse, good_client, parse_responses, running
+from tests.unit.lb.rawhttp import (
+    CHUNKED,
+    Replica,
+    converse,
+    good_client,
+    parse_responses,
+    running,
+)
 from tests.unit.lb.test_proxy import Start, closed_port, make_lb_proxy, start
 
 __all__ = ["start"]
@@ -351,6 +358,28 @@ async def test_connection_named_headers_are_dropped_both_ways(serve: Serve) -> N
     assert seen.body == b"hello" and seen.headers["content-length"] == "5"
     assert seen.headers["x-kept"] == "k"
     assert "x-secret" not in seen.headers and "keep-alive" not in seen.headers
+
+
+async def test_a_client_that_asks_to_close_is_told_so_and_the_body_passes_through(
+    serve: Serve,
+) -> None:
+    """An HTTP/1.1 request with `Connection: close`: the replica's plain head (no hop-by-hop
+    header; it passes through untouched otherwise) gets `Connection: close`, its body, chunked
+    or not, is the replica's byte for byte, and the connection ends after it."""
+    _, _, port = await serve()
+    for path, body in ((b"/one", None), (b"/chunked", CHUNKED)):
+        request = b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path
+        reply = await converse(port, request, read_for=2)
+        assert reply.closed
+        head, _, rest = reply.data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert head.lower().count(b"\r\nconnection:") == 1 and head.endswith(
+            b"\r\nConnection: close"
+        )
+        if body is not None:
+            assert rest == body
+        else:
+            assert b'"/one"' in rest
 
 
 # -- the load balancer as a real process: memory and file descriptors come back ------------

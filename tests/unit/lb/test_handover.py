@@ -250,6 +250,33 @@ async def test_a_stopping_proxy_reads_a_request_sent_just_after_the_stop(start: 
         w.close()
 
 
+async def test_a_stopping_proxy_answers_what_was_pipelined_and_says_close_on_the_last(
+    start: Start,
+) -> None:
+    """Two requests pipelined on one connection, the stop begun before the first's answer:
+    both are answered; the first's head does not say `Connection: close` (one is queued
+    behind it), the last's does, and the connection ends after it."""
+
+    async def late(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.5 if request.path == "/late" else 0)
+        return web.json_response({"path": request.path})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", late)
+    proxy = await _serving_proxy(await start(app))
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"GET /late HTTP/1.1\r\nHost: lb\r\n\r\nGET /next HTTP/1.1\r\nHost: lb\r\n\r\n")
+    await asyncio.sleep(0.1)  # both read; the first at the replica
+    closing = asyncio.create_task(proxy.close())
+    data = await asyncio.wait_for(reader.read(), 5)  # both answers, then the end
+    first, second = data.split(b"HTTP/1.1 200 OK")[1:]
+    assert b'"/late"' in first and b'"/next"' in second
+    assert b"connection:" not in first.lower()
+    assert b"\r\nconnection: close\r\n" in second.lower()
+    await asyncio.wait_for(closing, 5)
+    writer.close()
+
+
 def _answer_once(service: str, port: int, message: bytes, fds: list[int]) -> threading.Thread:
     """A process of this user on the service's name that answers one request with
     `message` and `fds` (a stale, buggy or hostile answer), in a thread."""

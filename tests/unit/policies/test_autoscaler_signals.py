@@ -202,7 +202,6 @@ def test_a_queue_that_comes_and_goes_is_read_over_a_few_seconds() -> None:
     assert targets[0] == 1 and 1 < targets[-1] <= 3
     grew = targets.index(targets[-1])
     assert 10 <= grew <= 25, targets
-    assert A.QUEUE_SMOOTH_SECONDS > 0
     # a one-second dip to 1 in a queue of 6 does not restart the delay
     clock = FakeClock(100.0)
     targets, d = run(p, AutoscalerState(target=1), clock, 5, {QUEUE: reading(6)})
@@ -223,7 +222,7 @@ def test_the_smoothed_queue_is_of_the_fleet_not_of_a_replica() -> None:
     assert A.smooth_queue(smooth, {QUEUE: reading(None, None)}, 12.0) == (smooth, None)
     # a reading long after the last one (a restart) is not averaged with it
     assert A.smooth_queue(smooth, {QUEUE: reading(0, 0)}, 1000.0)[0] == (1000.0, 0.0, -1.0)
-    for bad in ([1, 2], ["x", 1, 2], [float("nan"), 1, 2], [1, -5, 0], "1,2,3", None):
+    for bad in ([1, 2], ["x", 1, 2], [float("nan"), 1, 2], [1, -5, 0], [1, 1e308, 0], "x", None):
         restored = AutoscalerState.from_json({**state.to_json(), "queue_smooth": bad})
         assert restored.queue_smooth is None
 
@@ -439,3 +438,45 @@ def test_no_oscillation_on_a_burst() -> None:
     legacy = _burst(p, with_running=False)
     assert len(legacy) > 10  # up, down to 1, up again ... for as long as the burst lasts
     assert _burst(p, with_running=True) == [1, 3, 1]
+
+
+def test_replicas_that_do_not_answer_count_as_those_that_did_in_the_average() -> None:
+    """4 READY replicas with 2 waiting each (target 2: demand 4); then 2 of them miss a
+    scrape (timed out under load) for a minute: the others' mean stands for them, as in an
+    instant's reading; the smoothed fleet total does not count the missing ones twice."""
+    p = policy(target_queue_per_replica=2, upscale_delay_seconds=60)
+    clock = FakeClock(100.0)
+    targets, d = run(p, AutoscalerState(target=4), clock, 30, {QUEUE: reading(2, 2, 2, 2)})
+    targets, d = run(p, d.state, clock, 90, {QUEUE: reading(2, 2, None, None)})
+    assert set(targets) == {4} and d.demand == 4
+    assert "engine queue 2/replica (2 of 4 replicas answered)" in d.signal
+
+
+def test_the_average_reaches_a_steady_reading_and_does_not_linger_above_it() -> None:
+    """An exponential average only nears a steady value: at a rule's boundary (2 waiting a
+    replica against a target of 2; an empty queue with min_replicas 0) a ceiling would hold
+    one replica more for minutes. Within half a request it is the reading."""
+    p = policy(target_queue_per_replica=2, upscale_delay_seconds=60)
+    clock = FakeClock(100.0)
+    _, d = run(p, AutoscalerState(target=2), clock, 20, {QUEUE: reading(2, 2)})
+    _, d = run(p, d.state, clock, 5, {QUEUE: reading(3, 3)})  # one scrape's worth above
+    targets, d = run(p, d.state, clock, 120, {QUEUE: reading(2, 2)})
+    assert set(targets) == {2} and d.demand == 2
+    # to zero: the queue and the running requests gone, demand 0 within 20 s (the average of
+    # 5 requests nears 0 by half a request in about 23 s; read as 0 from then)
+    p = policy(
+        target_queue_per_replica=1, min_replicas=0, downscale_delay_seconds=30, max_replicas=10
+    )
+    clock = FakeClock(100.0)
+    _, d = run(p, AutoscalerState(target=1), clock, 30, engines([3], [2]), inflight=5)
+    targets, d = run(p, d.state, clock, 60, engines([0], [0]))
+    assert d.demand == 0 and targets[-1] == 0
+
+
+def test_a_running_count_not_read_is_forgotten_not_held() -> None:
+    s, _ = A.smooth_queue(None, engines([8, 8], [0, 0]), 10.0)
+    assert s == (10.0, 0.0, 16.0)
+    s, out = A.smooth_queue(s, {QUEUE: reading(0, 0)}, 11.0)  # no running reading
+    assert s is not None and s[2] == -1.0 and out is not None and RUNNING not in out
+    s, out = A.smooth_queue(s, engines([1, 1], [0, 0]), 12.0)  # back: starts from the reading
+    assert s is not None and s[2] == 2.0 and out is not None and out[RUNNING].mean == 1.0
