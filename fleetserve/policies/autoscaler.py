@@ -50,7 +50,7 @@ CURVE_DROP = 0.01
 # last QUEUE_SMOOTH_SECONDS (exponentially weighted): a queue that comes and goes between two
 # steps of a saturated engine otherwise drops under its target for a moment and restarts the
 # upscale delay, and the fleet grows late or never (bench/autoscale/README.md, run F). KEDA
-# users read vLLM's queue the same way (avg_over_time over a window). A reading older than
+# setups read vLLM's queue over a window too (avg_over_time). A reading older than
 # QUEUE_SMOOTH_RESET x that (a controller restart, no replica answering) is not averaged with.
 QUEUE_SMOOTH_SECONDS = 10.0
 QUEUE_SMOOTH_RESET = 6.0

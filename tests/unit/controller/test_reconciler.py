@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
 
@@ -61,6 +63,20 @@ async def run_rounds(clock: FakeClock, recs: list[ServiceReconciler], rounds: in
         clock.advance(ROUND)
         await asyncio.gather(*(rec.reconcile_once() for rec in recs))
         await settle()
+
+
+@contextlib.asynccontextmanager
+async def two_ready(
+    store: Store, settings: Settings, clock: FakeClock
+) -> AsyncIterator[tuple[ServiceReconciler, FakeInfra, FakeLb, httpx.AsyncClient]]:
+    """Service "good" with 2 replicas, after 4 rounds (both READY, its LB started): its
+    reconciler, infra, LB manager and the probes' client (answered until the block ends)."""
+    infra, lb = FakeInfra(), FakeLb()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
+        create_service(store, "good", service_yaml(replicas=2), clock.now())
+        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
+        await run_rounds(clock, [rec], rounds=4)
+        yield rec, infra, lb, client
 
 
 def scale_down(rec: ServiceReconciler, row: ReplicaRecord) -> None:
@@ -139,11 +155,7 @@ async def test_a_replica_that_dies_is_recorded_and_replaced(
 async def test_down_stops_every_replica_then_the_lb_then_forgets_the_service(
     store: Store, settings: Settings, clock: FakeClock
 ) -> None:
-    infra, lb = FakeInfra(), FakeLb()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
-        create_service(store, "good", service_yaml(replicas=2), clock.now())
-        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
-        await run_rounds(clock, [rec], rounds=4)
+    async with two_ready(store, settings, clock) as (rec, infra, lb, _client):
         pid = store.service("good").lb_pid
         store.update_service("good", clock.now(), phase=ServicePhase.SHUTTING_DOWN)
         assert await rec.reconcile_once() is True
@@ -160,11 +172,7 @@ async def test_down_does_not_wait_for_a_scale_down_drain(
 ) -> None:
     """A replica draining (scale-down, requests in flight in the LB's last report) when the
     service goes down: the down stops it at once rather than after the drain's 120 s."""
-    infra, lb = FakeInfra(), FakeLb()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
-        create_service(store, "good", service_yaml(replicas=2), clock.now())
-        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
-        await run_rounds(clock, [rec], rounds=4)
+    async with two_ready(store, settings, clock) as (rec, infra, _lb, _client):
         rec.executor.inflight_of = lambda _rid: 3
         scale_down(rec, store.replica("good", 2))
         await settle()
@@ -193,11 +201,7 @@ async def test_a_restart_finishes_a_stop_with_the_status_of_its_cause(
     """The controller died while stopping a replica: its successor finishes the stop and
     records how it ended by the cause written on the row (a preemption stays PREEMPTED: not
     a failure, which the crash-loop count and `status` would blame on the replica)."""
-    infra, lb = FakeInfra(), FakeLb()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
-        create_service(store, "good", service_yaml(replicas=2), clock.now())
-        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
-        await run_rounds(clock, [rec], rounds=4)
+    async with two_ready(store, settings, clock) as (rec, infra, lb, client):
         stopping = store.update_replica(
             store.replica("good", 2),
             clock.now(),
@@ -220,11 +224,7 @@ async def test_new_lb_settings_retire_the_old_lb_and_drains_wait_for_it(
     """New load-balancer settings: a new LB starts (with the controller's drain_seconds),
     the old one is retired (it finishes its requests in the background: the round is not
     held), and a replica's drain waits while it still does (its requests are in no report)."""
-    infra, lb = FakeInfra(), FakeLb()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
-        create_service(store, "good", service_yaml(replicas=2), clock.now())
-        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
-        await run_rounds(clock, [rec], rounds=4)
+    async with two_ready(store, settings, clock) as (rec, infra, lb, _client):
         old = store.service("good").lb_pid
         # The running LB's settings differ from the spec's (as after an update of them; the
         # reconciler compares at each new version or LB pid: told to look again here).
@@ -258,11 +258,7 @@ async def test_a_failed_replacement_leaves_the_old_lb_recorded_and_is_tried_agai
     """The new LB (new settings) does not start: the old one serves on and stays the
     service's (before, its pid was dropped and it ran on unseen beside the next one), its
     config file is put back, the error is shown, and the next round tries again."""
-    infra, lb = FakeInfra(), FakeLb()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
-        create_service(store, "good", service_yaml(replicas=2), clock.now())
-        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
-        await run_rounds(clock, [rec], rounds=4)
+    async with two_ready(store, settings, clock) as (rec, _infra, lb, _client):
         old = store.service("good").lb_pid
         running = lb.configs["good"].model_copy(update={"policy": "round_robin"})
         lb.configs["good"] = running
@@ -285,11 +281,7 @@ async def test_an_lb_started_by_an_older_fleetserve_is_stopped_not_retired(
     """A running LB whose config has no drain_seconds was started by a fleetserve without
     SIGQUIT handling (Python's default would dump core and cut its requests at once): it is
     stopped as before (SIGTERM, 5 s of drain)."""
-    infra, lb = FakeInfra(), FakeLb()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
-        create_service(store, "good", service_yaml(replicas=2), clock.now())
-        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
-        await run_rounds(clock, [rec], rounds=4)
+    async with two_ready(store, settings, clock) as (rec, _infra, lb, _client):
         old = store.service("good").lb_pid
         written = lb.configs["good"].model_dump(mode="json", exclude={"drain_seconds"})
         lb.configs["good"] = LbConfig.model_validate({**written, "policy": "round_robin"})
@@ -302,11 +294,7 @@ async def test_an_lb_started_by_an_older_fleetserve_is_stopped_not_retired(
 async def test_a_restart_relaunches_a_cut_short_launch_and_adopts_the_rest(
     store: Store, settings: Settings, clock: FakeClock
 ) -> None:
-    infra, lb = FakeInfra(), FakeLb()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(ProbeAnswers(clock))) as client:
-        create_service(store, "good", service_yaml(replicas=2), clock.now())
-        rec = make_reconciler("good", store, infra, lb, Prober(client), settings, clock)
-        await run_rounds(clock, [rec], rounds=4)
+    async with two_ready(store, settings, clock) as (rec, infra, lb, client):
         # The controller died while replica 2 was (re)launching.
         cut = store.update_replica(
             store.replica("good", 2), clock.now(), status=ReplicaStatus.PROVISIONING, handle=None
