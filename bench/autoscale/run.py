@@ -73,8 +73,19 @@ def _text(rng: random.Random, words: int) -> str:
 
 
 def service_yaml(policy: str, targets: dict[str, float], args: argparse.Namespace) -> str:
-    scaling = "replicas: 1" if policy == "fixed" else _policy_block(policy, targets, args)
-    return _yaml(policy, scaling, args.max_num_seqs)
+    base, move = split_policy(policy)
+    scaling = "replicas: 1" if base == "fixed" else _policy_block(base, targets, args)
+    return _yaml(policy, scaling, args.max_num_seqs, move)
+
+
+def split_policy(policy: str) -> tuple[str, bool]:
+    """`engine_queue+move`: the policy, with the LB's move_waiting_requests on."""
+    base, plus, rest = policy.partition("+")
+    return base, plus == "+" and rest == "move"
+
+
+def fleet_name(policy: str) -> str:
+    return "autoscale-" + policy.replace("_", "-").replace("+", "-")
 
 
 def _policy_block(policy: str, targets: dict[str, float], args: argparse.Namespace) -> str:
@@ -94,18 +105,20 @@ replica_policy:
     downscale_delay_seconds: {args.downscale_delay}"""
 
 
-def _yaml(policy: str, scaling: str, max_num_seqs: int | None = None) -> str:
+def _yaml(policy: str, scaling: str, max_num_seqs: int | None = None, move: bool = False) -> str:
     # vLLM's batch cap: its default (256 on this build) never fills on 2 CPU cores, so its
     # queue stays empty while TTFT grows; a CPU deployment would cap it for latency.
     cap = f" --max-num-seqs {max_num_seqs}" if max_num_seqs else ""
+    # +move: requests waiting in a replica's queue move to a replica with room (a new one).
+    lb = "\n  load_balancer:\n    move_waiting_requests: true" if move else ""
     return f"""\
-name: autoscale-{policy.replace("_", "-")}
+name: {fleet_name(policy)}
 service:
   readiness_probe:
     path: /v1/models
     initial_delay_seconds: 900
     timeout_seconds: 10
-  load_balancing_policy: least_load
+  load_balancing_policy: least_load{lb}
   {scaling}
 envs:
   MODEL: {testbed_model()}
@@ -337,7 +350,7 @@ async def run_policy(policy: str, args: argparse.Namespace, log: Any) -> dict[st
             targets: dict[str, float] = {"qps": args.qps_target}
             spec = home / "service.yaml"
             spec.write_text(service_yaml(policy, targets, args))
-            name = f"autoscale-{policy.replace('_', '-')}"
+            name = fleet_name(policy)
             log(f"[{policy}] starting the fleet (a vLLM start takes minutes) ...")
             svc = client.up_file(spec, name=name, wait=True, timeout=1200)
             if not args.calibration:  # the first fleet, still at one idle replica
@@ -386,7 +399,11 @@ async def run_policy(policy: str, args: argparse.Namespace, log: Any) -> dict[st
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default="request_rate,engine_queue")
+    p.add_argument(
+        "--policies",
+        default="request_rate,engine_queue",
+        help="comma-separated; POLICY+move turns on the LB's move_waiting_requests",
+    )
     p.add_argument("--qps-target", type=float, default=1.0, help="request_rate's target")
     p.add_argument(
         "--heavy-load",
@@ -426,9 +443,13 @@ def main() -> None:
         p.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     args.calibration = {}
     policies = [x for x in args.policies.split(",") if x]
-    bad = [x for x in policies if x not in POLICIES]
+    bad = [x for x in policies if split_policy(x)[0] not in POLICIES or x.count("+") > 1]
+    bad += [x for x in policies if "+" in x and not split_policy(x)[1]]
     if bad:
-        p.error(f"unknown policies {bad}: choose from {', '.join(POLICIES)}")
+        p.error(
+            f"unknown policies {bad}: choose from {', '.join(POLICIES)}, each optionally "
+            "with +move (the LB's move_waiting_requests)"
+        )
     if "request_rate" in policies:  # the base of the ratios
         policies.remove("request_rate")
         policies.insert(0, "request_rate")

@@ -18,6 +18,8 @@ class ExchangeSide(Protocol):
     sent_at: float  # when the request was sent to the replica (monotonic seconds)
     activity: float  # when the replica last sent a byte
     first_byte: float | None  # seconds from sent_at to the answer's first body byte
+    # move_waiting_requests: the response head held until the first body byte (else None)
+    held_head: list[bytes] | None
 
     def to_client(self, data: bytes) -> None: ...
 

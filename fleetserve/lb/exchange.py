@@ -49,6 +49,9 @@ class ExchangeContext:
     clock: float = 0.0
     queued: int = 0  # requests waiting for a first replica
     wake_task: asyncio.Task[None] | None = None
+    # move_waiting_requests (fleetserve.lb.mover): the requests sent and not yet answered, per
+    # replica, oldest first; None when the option is off (nothing is listed or held).
+    unanswered: dict[int, dict[Any, None]] | None = None
 
     async def hold(self) -> bytes | None:
         """No replica is ready and the service scales from zero: wait for one (bounded).
@@ -165,6 +168,7 @@ class Exchange:
     __slots__ = (
         "_charged",
         "_counted",
+        "_listed",
         "_reported",
         "_settled",
         "_timer",
@@ -182,10 +186,12 @@ class Exchange:
         "has_body",
         "head",
         "headers",
+        "held_head",
         "http10",
         "keep_alive",
         "local",
         "method",
+        "moved",
         "replica",
         "sent_at",
         "sent_to_client",
@@ -240,6 +246,12 @@ class Exchange:
         self._waiter: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reported = False
+        # move_waiting_requests: the replica this request is listed under while it has no
+        # byte of its answer (ctx.unanswered), the response head held meanwhile (a streaming
+        # server sends its head before its first token), and whether it moved once.
+        self._listed: int | None = None
+        self.held_head: list[bytes] | None = None
+        self.moved = False
 
     # client -> replica ---------------------------------------------------------------------
 
@@ -295,6 +307,9 @@ class Exchange:
     # replica -> client ---------------------------------------------------------------------
 
     def to_client(self, data: bytes) -> None:
+        if self.held_head is not None:
+            self.held_head.append(data)  # no body byte yet: the request may still move
+            return
         self.sent_to_client = True
         self.client.write(data)
 
@@ -373,7 +388,8 @@ class Exchange:
         inflight[rid] = inflight.get(rid, 0) + 1
         self._counted = rid
         self.tried.add(rid)
-        self.ctx.load.record(str(rid))
+        if not self.moved:  # (a moved request was counted when it came)
+            self.ctx.load.record(str(rid))
         charge, self.charge = self.charge, 0
         if charge:
             prefilling = self.ctx.replicas.prefilling
@@ -381,8 +397,18 @@ class Exchange:
             self._charged = (rid, charge)
 
     def prefilled(self) -> None:
-        """The replica answered its first byte (or the attempt ended): its prompt is no longer
-        waiting to be prefilled there."""
+        """The replica answered its first body byte (or ended its answer, or upgraded): its
+        prompt is no longer waiting to be prefilled there, and the request no longer moves
+        (a head held until now goes to the client)."""
+        if self._listed is not None:
+            self._unlist()
+            held, self.held_head = self.held_head, None
+            if held:
+                self.sent_to_client = True
+                self.client.write(b"".join(held))
+        self._release_charge()
+
+    def _release_charge(self) -> None:
         charged, self._charged = self._charged, None
         if charged is None:
             return
@@ -396,7 +422,10 @@ class Exchange:
 
     def _end_attempt(self) -> None:
         if self._charged is not None:
-            self.prefilled()
+            self._release_charge()
+        if self._listed is not None:
+            self._unlist()
+        self.held_head = None  # an attempt that ends unanswered: its head is not sent
         rid, self._counted = self._counted, None
         if rid is None:
             return
@@ -406,6 +435,49 @@ class Exchange:
             inflight[rid] = left
         else:
             inflight.pop(rid, None)
+
+    def _unlist(self) -> None:
+        rid, self._listed = self._listed, None
+        unanswered = self.ctx.unanswered
+        if rid is None or unanswered is None:
+            return
+        listed = unanswered.get(rid)
+        if listed is not None:
+            listed.pop(self, None)
+            if not listed:
+                del unanswered[rid]
+
+    def can_move(self) -> bool:
+        """Whether the request can still move (fleetserve.lb.mover): sent, no byte of its
+        answer yet (a held head is not sent), not moved before, its whole body kept to send
+        again, and an attempt left."""
+        return (
+            self._listed is not None
+            and not self.moved
+            and not self.sent_to_client
+            and self.first_byte is None
+            and self.conn is not None
+            and not self._settled
+            and not self.upgrade
+            and self.body.complete
+            and self.body.replay is not None
+            and len(self.tried) < self.ctx.max_attempts
+        )
+
+    def move_to(self, upstream: Upstream) -> bool:
+        """Leave the replica (closing the connection cancels the request there) and go to
+        `upstream` as a new attempt; False (nothing changed) when it cannot move."""
+        if not self.can_move() or upstream.replica_id == self._listed:
+            return False
+        self.moved = True
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.exchange = None
+            conn.close()
+        self.held_head = None
+        self.chosen = upstream
+        self._settle("moved")
+        return True
 
     def _report(self, status: int, replica: str) -> None:
         if self._reported:
@@ -430,6 +502,21 @@ class Exchange:
         if body.complete and self.chunked:
             out.append(b"0\r\n\r\n")
         conn.write(b"".join(out))  # one send for the head and what came of the body so far
+        unanswered = self.ctx.unanswered
+        if (
+            unanswered is not None
+            and not self.wants_upgrade
+            and self.headers.get(b"expect", b"").lower() != b"100-continue"
+        ):
+            # It may move while no byte of its answer came; the answer's head waits for
+            # its first body byte (a client waiting for `100 Continue` is not held).
+            rid = upstream.replica_id
+            self._listed = rid
+            self.held_head = []
+            listed = unanswered.get(rid)
+            if listed is None:
+                listed = unanswered[rid] = {}
+            listed[self] = None
         if not self.upgrade:
             for data in body.held:
                 self._keep_for_replay(data)
@@ -489,6 +576,8 @@ class Exchange:
         rid = str(self.replica.replica_id) if self.replica else "none"
         if outcome in ("ok", "tunnel closed"):
             return self.status
+        if outcome == "moved":
+            raise _NotSent("left its queue for a replica with room")
         if outcome == "unanswered" and not self.sent_to_client:
             # The connection closed before any response byte: the replica did not answer
             # (a stale pooled connection, or it died), so another one may, if the whole body

@@ -75,6 +75,13 @@ class Metrics:
             [*labels, "kind"],
             registry=self.registry,
         )
+        self._moved = Counter(
+            "fleetserve_lb_requests_moved",
+            "move_waiting_requests: requests moved from a replica's queue to a replica with "
+            "room, by the replica they left.",
+            labels,
+            registry=self.registry,
+        )
         self.queued = Gauge(
             "fleetserve_lb_queued_requests",
             "Requests held while no replica is ready.",
@@ -169,6 +176,9 @@ class Metrics:
     def precise_tokens(self, matched: int, prompt: int) -> None:
         self._precise_prompt.inc(prompt)
         self._precise_matched.inc(matched)
+
+    def moved(self, source: int, target: int) -> None:
+        self._moved.labels(self.service, self.policy, str(source)).inc()
 
     def error(self, replica: str, kind: str) -> None:
         self.upstream_errors.labels(self.service, self.policy, replica, kind).inc()

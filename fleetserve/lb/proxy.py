@@ -28,11 +28,14 @@ from fleetserve.lb.exchange import ExchangeContext
 from fleetserve.lb.http import Limits, error_response
 from fleetserve.lb.kv_events import KvEventsFollower
 from fleetserve.lb.metrics import LoadTracker, Metrics
+from fleetserve.lb.mover import Mover
 from fleetserve.lb.replica_load import ReplicaLoadPoller
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.upstream import Pool
 
 DEFAULT_MAX_CONNECTIONS = 10_000
+# move_waiting_requests without replica_metrics_seconds: read the replicas' queues this often.
+MOVE_READ_SECONDS = 2.0
 # At a stop, how long a connection accepted before it may take to send its first request.
 FIRST_REQUEST_GRACE = 1.0
 
@@ -136,6 +139,9 @@ class Proxy:
             queue_timeout=self.opts.queue_timeout_seconds,
             wake=wake,
         )
+        if self.opts.move_waiting_requests:
+            self.shared.unanswered = {}
+        self.mover: Mover | None = None  # move_waiting_requests
         self._server: asyncio.Server | None = None
         # More listening sockets served by this process: a worker's second address family,
         # or another worker's sockets while that worker is down (fleetserve.lb.workers).
@@ -216,17 +222,30 @@ class Proxy:
             self._kv_events_started = True
             self.kv_events.start()
         reported = self.replicas.caps.reported  # a policy that reads the replicas' load
+        unanswered = self.shared.unanswered  # move_waiting_requests
         every = self.opts.replica_metrics_seconds
-        if reported is not None and every and self._load_poller is None:
+        if every is None and unanswered is not None:
+            every = MOVE_READ_SECONDS
+        if (reported is not None or unanswered is not None) and every and not self._load_poller:
             replicas = self.replicas  # its set is replaced by each push: read it each round
-            self._load_poller = ReplicaLoadPoller(
+            poller = self._load_poller = ReplicaLoadPoller(
                 every,
                 self.opts.replica_metrics_path,
                 lambda: [(rid, u.url) for rid, u in replicas.upstreams.items()],
-                reported,
+                reported if reported is not None else {},
             )
-            self._load_poller.start()
-            self.metrics.watch_reported(reported)
+            if unanswered is not None:
+                self.mover = Mover(
+                    poller.queues,
+                    lambda: replicas.upstreams,
+                    replicas.inflight,
+                    unanswered,
+                    on_moved=self.metrics.moved,
+                )
+                poller.on_round = self.mover.round
+            poller.start()
+            if reported is not None:
+                self.metrics.watch_reported(reported)
         if self.replicas.caps.weighs_prefill is not None:
             self.metrics.watch_queued_blocks(self.replicas.prefilling)
         return self._server

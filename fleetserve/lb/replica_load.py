@@ -30,6 +30,10 @@ LOAD_METRICS = (
     "tgi_batch_current_size",
     "tgi_queue_size",
 )
+# Of those, the requests waiting (not yet admitted to the engine's batch).
+WAITING_METRICS = frozenset(
+    {"vllm:num_requests_waiting", "sglang:num_queue_reqs", "tgi_queue_size"}
+)
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
 MAX_METRICS_BYTES = 1024 * 1024
 
@@ -37,7 +41,15 @@ MAX_METRICS_BYTES = 1024 * 1024
 def parse_load(text: str) -> int | None:
     """Running + waiting requests in a Prometheus text exposition (summed over label sets);
     None when it names none of LOAD_METRICS."""
-    total = 0.0
+    both = parse_queue(text)
+    return None if both is None else both[0] + both[1]
+
+
+def parse_queue(text: str) -> tuple[int, int] | None:
+    """(running, waiting) requests in a Prometheus text exposition (each summed over label
+    sets); None when it names none of LOAD_METRICS. A server that exports only a waiting
+    count reads as 0 running."""
+    running = waiting = 0.0
     seen = False
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -50,13 +62,18 @@ def parse_load(text: str) -> int | None:
         except ValueError:
             continue
         if value == value and 0 <= value < 1e9:  # not NaN, not absurd
-            total += value
+            if m.group(1) in WAITING_METRICS:
+                waiting += value
+            else:
+                running += value
             seen = True
-    return round(total) if seen else None
+    return (round(running), round(waiting)) if seen else None
 
 
 class ReplicaLoadPoller:
-    """Reads each replica's metrics every `every` seconds into `loads` (replica id -> load)."""
+    """Reads each replica's metrics every `every` seconds into `loads` (replica id -> running
+    + waiting) and `queues` (replica id -> (running, waiting)); `on_round` runs after each
+    round (fleetserve.lb.mover)."""
 
     def __init__(
         self,
@@ -64,12 +81,19 @@ class ReplicaLoadPoller:
         path: str,
         replicas: Callable[[], Iterable[tuple[int, str]]],
         loads: dict[int, int],
+        on_round: Callable[[], object] | None = None,
     ) -> None:
         self.every = every
         self.path = path
         self.replicas = replicas
         self.loads = loads
+        self.queues: dict[int, tuple[int, int]] = {}
+        self.on_round = on_round
         self._task: asyncio.Task[None] | None = None
+
+    def _forget(self, rid: int) -> None:
+        self.loads.pop(rid, None)
+        self.queues.pop(rid, None)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -83,7 +107,7 @@ class ReplicaLoadPoller:
         try:
             async with session.get(url.rstrip("/") + self.path) as r:
                 if r.status != 200:
-                    self.loads.pop(rid, None)
+                    self._forget(rid)
                     return
                 body = bytearray()
                 async for chunk in r.content.iter_chunked(64 * 1024):
@@ -93,25 +117,28 @@ class ReplicaLoadPoller:
                         del body[body.rfind(b"\n") + 1 :]
                         break
         except (aiohttp.ClientError, OSError, TimeoutError):
-            self.loads.pop(rid, None)
+            self._forget(rid)
             return
-        load = parse_load(body.decode(errors="replace"))
-        if load is None:
-            self.loads.pop(rid, None)
+        queue = parse_queue(body.decode(errors="replace"))
+        if queue is None:
+            self._forget(rid)
         else:
-            self.loads[rid] = load
+            self.queues[rid] = queue
+            self.loads[rid] = queue[0] + queue[1]
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=max(0.5, min(self.every, 5.0)))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 current = dict(self.replicas())
-                for gone in set(self.loads) - set(current):
-                    self.loads.pop(gone, None)
+                for gone in (set(self.loads) | set(self.queues)) - set(current):
+                    self._forget(gone)
                 try:
                     await asyncio.gather(
                         *(self._one(session, rid, url) for rid, url in current.items())
                     )
+                    if self.on_round is not None:
+                        self.on_round()
                 except Exception:  # never let a bad replica stop the polling
                     log.exception("reading the replicas' metrics failed")
                 await asyncio.sleep(self.every)

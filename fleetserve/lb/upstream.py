@@ -17,6 +17,13 @@ from fleetserve.lb.replica_set import Upstream
 IDLE_PER_REPLICA = 256
 
 
+def _body_in(data: bytes) -> bool:
+    """Whether this first piece of an answer holds body bytes after its head (read only for a
+    request whose head is held: move_waiting_requests)."""
+    end = data.find(b"\r\n\r\n")
+    return end >= 0 and end + 4 < len(data)
+
+
 class UpstreamConn(asyncio.Protocol):
     """One keep-alive connection to a replica; serves one exchange at a time."""
 
@@ -87,7 +94,9 @@ class UpstreamConn(asyncio.Protocol):
             self.close()
             ex.upstream_failed(f"invalid response: {e}")
             return
-        if ex.first_byte is None and (head_seen or self.done or self.tunnel):
+        if ex.first_byte is None and (
+            head_seen or self.done or self.tunnel or (ex.held_head is not None and _body_in(data))
+        ):
             # The answer's first body byte (or its end, or its upgrade): a streaming LLM
             # server sends its head at once and its first token later, so the head alone
             # does not count. A retry only follows an attempt that got no byte at all, so

@@ -433,6 +433,13 @@ class LoadBalancerOptions(_Strict):
     # in-flight count as its load; unset: the LB's count only.
     replica_metrics_seconds: Annotated[float, Field(ge=0.1, le=60)] | None = None
     replica_metrics_path: Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,200}$")] = "/metrics"
+    # Any policy, for LLM servers: a request still waiting in a replica's queue (the replica's
+    # metrics say it has waiting requests; the LB has no byte of its answer) is moved to a
+    # replica with room, such as one just made READY (docs/load-balancer.md). It re-sends a
+    # request the replica received: only for servers where that is harmless (an LLM server
+    # aborts a request whose connection closes). Reads the metrics every
+    # replica_metrics_seconds (unset: 2 s).
+    move_waiting_requests: bool = False
     # cache_aware's precise mode: follow each replica's KV cache events (needs `tokenizer`,
     # the model folder, to tokenize prompts as the engine does; the `llm` extra).
     kv_events: KvEventsOptions | None = None
@@ -603,6 +610,8 @@ class ServiceSection(_Strict):
             )
         if lb.kv_events is not None and lb.data_plane == "nginx":
             raise ValueError("load_balancer.kv_events needs data_plane: python")
+        if lb.move_waiting_requests and lb.data_plane == "nginx":
+            raise ValueError("load_balancer.move_waiting_requests needs data_plane: python")
         if instance_aware and not isinstance(target, dict):
             raise ValueError(
                 "load_balancing_policy instance_aware_least_load requires target_qps_per_replica "

@@ -1,0 +1,127 @@
+"""Moving requests that wait in a replica's queue to a replica with room
+(`load_balancer.move_waiting_requests`; docs/load-balancer.md).
+
+The load balancer sends a request to a replica when it arrives. When an LLM engine's batch or
+KV cache is full, the requests sent to it wait in its queue; a replica that becomes READY
+later (the autoscaler's answer to that queue) only gets requests that arrive after it, and
+the queued ones wait where they are. This module moves them.
+
+After each round of reading the replicas' metrics (fleetserve.lb.replica_load: running and
+waiting requests per replica) `plan_moves` pairs sources and targets: while some READY
+replica R has waiting requests and some READY replica S has none, with S's load (running +
+waiting) at least 2 below R's, one request moves from the busiest such R to the least loaded
+such S. Each move takes the newest of this process's requests at R that have no byte of
+their answer yet (an engine's queue is first in, first out: the newest are the ones that
+wait), closes its connection (the engine aborts a request whose client is gone) and sends it
+to S. A request moves at most once, and never after a byte of its answer came (the LB holds
+the replica's response head until the first body byte, so a streaming answer's head is not
+yet sent to the client).
+
+Several LB processes read the same figures: each moves its share of a source's planned moves
+(its own requests in flight there over the replica's load), rounded at random so that the
+shares add up on average; the next round corrects what is left.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
+
+from fleetserve.lb.replica_set import Upstream
+
+
+class Movable(Protocol):
+    """A request sent to a replica (fleetserve.lb.exchange.Exchange)."""
+
+    def can_move(self) -> bool:
+        """No byte of its answer came, it has not moved before, and it can be sent again."""
+        ...
+
+    def move_to(self, upstream: Upstream) -> bool:
+        """Leave its replica (close the connection) and go to `upstream`; False if it cannot."""
+        ...
+
+
+def plan_moves(
+    queues: Mapping[int, tuple[int, int]], ready: Collection[int], limit: int
+) -> list[tuple[int, int]]:
+    """(source, target) replica ids, one pair per request to move, at most `limit` pairs.
+
+    `queues`: (running, waiting) per replica as read; only READY replicas that were read
+    take part (a replica not read is neither: its load is unknown, never taken as zero).
+    """
+    loads: dict[int, int] = {}
+    waiting: dict[int, int] = {}
+    targets: list[int] = []
+    for rid, (running, queued) in queues.items():
+        if rid not in ready:
+            continue
+        loads[rid] = running + queued
+        if queued > 0:
+            waiting[rid] = queued
+        else:
+            targets.append(rid)
+    moves: list[tuple[int, int]] = []
+    while waiting and targets and len(moves) < limit:
+        src = max(waiting, key=lambda rid: (loads[rid], -rid))
+        dst = min(targets, key=lambda rid: (loads[rid], rid))
+        if loads[src] - loads[dst] < 2:
+            break
+        moves.append((src, dst))
+        loads[src] -= 1
+        loads[dst] += 1
+        waiting[src] -= 1
+        if not waiting[src]:
+            del waiting[src]
+    return moves
+
+
+class Mover:
+    """Plans and makes one process's moves after each round of metrics (`round`)."""
+
+    def __init__(
+        self,
+        queues: Mapping[int, tuple[int, int]],
+        upstreams: Callable[[], Mapping[int, Upstream]],
+        inflight: Mapping[int, int],
+        unanswered: dict[int, dict[Movable, None]],
+        on_moved: Callable[[int, int], None] | None = None,
+        chance: Callable[[], float] = random.random,
+    ) -> None:
+        self.queues = queues  # as last read (ReplicaLoadPoller.queues)
+        self.upstreams = upstreams  # the routable replicas, read each round
+        self.inflight = inflight  # this process's requests in flight per replica
+        # This process's requests sent and not yet answered, per replica, oldest first
+        # (kept by the exchanges themselves).
+        self.unanswered = unanswered
+        self.on_moved = on_moved  # (source, target): metrics
+        self.chance = chance
+
+    def round(self) -> int:
+        """Plan from the last reading and move; returns how many requests moved."""
+        own = sum(len(v) for v in self.unanswered.values())
+        if not own:
+            return 0
+        upstreams = self.upstreams()
+        plan = plan_moves(self.queues, upstreams.keys(), limit=own)
+        targets: dict[int, list[int]] = {}
+        for src, dst in plan:
+            targets.setdefault(src, []).append(dst)
+        moved = 0
+        for src, dsts in targets.items():
+            mine = self.unanswered.get(src)
+            if not mine:
+                continue
+            running, waiting = self.queues[src]
+            mine_there = self.inflight.get(src, 0)
+            share = len(dsts) * mine_there / max(running + waiting, mine_there, 1)
+            quota = int(share) + (self.chance() < share - int(share))
+            newest_first = [ex for ex in reversed(mine) if ex.can_move()][:quota]
+            for ex, dst in zip(newest_first, dsts, strict=False):
+                upstream = upstreams.get(dst)
+                if upstream is not None and ex.move_to(upstream):
+                    moved += 1
+                    if self.on_moved is not None:
+                        self.on_moved(src, dst)
+        return moved
