@@ -24,11 +24,14 @@ shares add up on average; the next round corrects what is left.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 from fleetserve.lb.replica_set import Upstream
+
+log = logging.getLogger("fleetserve.lb")
 
 
 class Movable(Protocol):
@@ -109,6 +112,7 @@ class Mover:
         for src, dst in plan:
             targets.setdefault(src, []).append(dst)
         moved = 0
+        made: dict[tuple[int, int], int] = {}
         for src, dsts in targets.items():
             mine = self.unanswered.get(src)
             if not mine:
@@ -122,6 +126,12 @@ class Mover:
                 upstream = upstreams.get(dst)
                 if upstream is not None and ex.move_to(upstream):
                     moved += 1
+                    made[src, dst] = made.get((src, dst), 0) + 1
                     if self.on_moved is not None:
                         self.on_moved(src, dst)
+        if made:
+            log.info(
+                "moved requests waiting in a replica's queue: %s",
+                ", ".join(f"{n} from replica {s} to {d}" for (s, d), n in made.items()),
+            )
         return moved
