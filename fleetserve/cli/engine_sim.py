@@ -90,9 +90,11 @@ def run_engine(
     seed: int,
     given: dict[str, float] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    move_waiting: bool = False,
 ) -> tuple[Calibration, list[tuple[EngineRun, str]]]:
     """Calibrate the targets on the engine model, then run each policy over the trace
-    (`given`: targets chosen by the user instead of the rule, by policy)."""
+    (`given`: targets chosen by the user instead of the rule, by policy; `move_waiting`: the
+    load balancer moves waiting requests, as `load_balancer.move_waiting_requests`)."""
     given = given or {}
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
@@ -136,7 +138,15 @@ def run_engine(
         if progress is not None:
             progress(name, i + 1, total)
         run = run_engine_fleet(
-            trace, policy, name, engine, workload, ttft_target_ms / 1000, cold_start, seed
+            trace,
+            policy,
+            name,
+            engine,
+            workload,
+            ttft_target_ms / 1000,
+            cold_start,
+            seed,
+            move=move_waiting,
         )
         runs.append((run, target_text(name, policy) + (" (given)" if name in given else "")))
     return cal, runs
@@ -160,6 +170,7 @@ def show(
     upscale_delay: float,
     downscale_delay: float,
     seed: int,
+    move_waiting: bool = False,
 ) -> None:
     out.print(
         f"{trace.name}: {trace.seconds / 3600:.1f} h, mean {sum(trace.qps) / len(trace.qps):.2f} "
@@ -183,11 +194,17 @@ def show(
         f"the TTFT policy's is the target itself",
         highlight=False,
     )
+    if move_waiting:
+        out.print(
+            "Load balancer: moves waiting requests (load_balancer.move_waiting_requests) to "
+            "READY replicas with none waiting, at each reading of the replicas' metrics",
+            highlight=False,
+        )
     table = Table(
         title=f"Policies on the same requests (over target: TTFT > {cal.ttft_ms:g} ms or none)",
         title_justify="left",
     )
-    for col in (
+    columns = [
         "POLICY",
         "TARGET",
         "OVER TARGET",
@@ -197,10 +214,13 @@ def show(
         "REPLICA-HOURS",
         "MAX REPLICAS",
         "SCALE EVENTS",
-    ):
+    ]
+    if move_waiting:
+        columns.append("MOVED")
+    for col in columns:
         table.add_column(col)
     for r, target in runs:
-        table.add_row(
+        cells = [
             r.policy,
             target,
             f"{r.over_target:,} ({100 * r.over_target_share:.1f}%)",
@@ -210,5 +230,8 @@ def show(
             f"{r.replica_hours:.1f}",
             str(r.max_replicas),
             str(r.scale_events),
-        )
+        ]
+        if move_waiting:
+            cells.append(f"{r.moved:,}")
+        table.add_row(*cells)
     out.print(table)

@@ -120,6 +120,14 @@ EngineTargetOption = Annotated[
         "(e.g. queue=2), repeatable"
     ),
 ]
+MoveWaitingOption = Annotated[
+    bool,
+    typer.Option(
+        "--move-waiting",
+        help="With --engine: the load balancer moves waiting requests to READY replicas with "
+        "none waiting at each reading of their metrics (load_balancer.move_waiting_requests)",
+    ),
+]
 TargetOption = Annotated[int, typer.Option(help="Without --trace: READY replicas wanted")]
 OverprovisionOption = Annotated[int, typer.Option(help="num_overprovision (spare spot replicas)")]
 SeedsOption = Annotated[int, typer.Option(help="Runs of a placer with random ties, averaged")]
@@ -161,6 +169,7 @@ def autoscale(
     seed: SeedOption = 0,
     engine_param: EngineParamOption = None,
     engine_target: EngineTargetOption = None,
+    move_waiting: MoveWaitingOption = False,
     as_json: JsonOption = False,
     output: OutputOption = OutputFormat.table,
 ) -> None:
@@ -192,12 +201,15 @@ def autoscale(
             seed=seed,
             engine_param=engine_param or [],
             engine_target=engine_target or [],
+            move_waiting=move_waiting,
             start=start,
             plot_file=plot_file,
             spot_trace=None,
             output=output,
         )
         return
+    if move_waiting:
+        raise fail(InvalidSpec("--move-waiting goes with --engine"))
     # typer carries its own click: its ParameterSource, compared by name.
     if getattr(ctx.get_parameter_source("start"), "name", None) == "COMMANDLINE":
         raise fail(InvalidSpec("--start goes with --engine (or `simulate spot`)"))
@@ -343,6 +355,7 @@ def simulate(
     seed: SeedOption = 0,
     engine_param: EngineParamOption = None,
     engine_target: EngineTargetOption = None,
+    move_waiting: MoveWaitingOption = False,
     as_json: JsonOption = False,
     output: OutputOption = OutputFormat.table,
 ) -> None:
@@ -372,12 +385,15 @@ def simulate(
             seed=seed,
             engine_param=engine_param or [],
             engine_target=engine_target or [],
+            move_waiting=move_waiting,
             start=start,
             plot_file=plot_file,
             spot_trace=spot_trace,
             output=output,
         )
         return
+    if move_waiting:
+        raise fail(InvalidSpec("--move-waiting goes with --engine"))
     if spot_trace is not None:
         _simulate_spot(
             spot_trace=spot_trace,
@@ -548,6 +564,7 @@ def _simulate_engine(
     seed: int,
     engine_param: list[str],
     engine_target: list[str],
+    move_waiting: bool,
     start: float,
     plot_file: Path | None,
     spot_trace: str | None,
@@ -613,6 +630,7 @@ def _simulate_engine(
             seed,
             given,
             _engine_progress(tr) if err.is_terminal else None,
+            move_waiting,
         )
     except ValueError as e:
         raise fail(InvalidSpec(str(e))) from None
@@ -629,6 +647,7 @@ def _simulate_engine(
                 downscale_delay,
                 dataclasses.asdict(engine),
                 dataclasses.asdict(workload),
+                move_waiting,
             ),
             output,
         )
@@ -645,6 +664,7 @@ def _simulate_engine(
         upscale_delay,
         downscale_delay,
         seed,
+        move_waiting,
     )
 
 

@@ -70,15 +70,19 @@ class Request:
         "finish_step",
         "finished_at",
         "first_token_at",
+        "moved",
         "output",
         "prompt",
+        "sent",
         "to_prefill",
     )
 
     def __init__(self, arrived: float, prompt: int, output: int) -> None:
         if prompt < 1 or output < 1:
             raise ValueError("a request has at least one prompt and one output token")
-        self.arrived = arrived
+        self.arrived = arrived  # at the load balancer: its TTFT counts from here
+        self.sent = arrived  # its wait in an engine counts from here (a move re-sends it)
+        self.moved = False  # moved to another replica's queue by the load balancer (once)
         self.prompt = prompt
         self.output = output
         self.to_prefill = 0
@@ -114,6 +118,7 @@ class Replica:
     context: float = 0.0  # the decoding requests' context, each at its mean over decoding
     first_tokens: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    moved_waiting: int = 0  # of the waiting requests, those moved here from another replica
 
     @property
     def running(self) -> int:
@@ -143,6 +148,8 @@ class Replica:
             if self.kv_used + head.context > cfg.kv_tokens:
                 return
             self.waiting.popleft()
+            if head.moved:
+                self.moved_waiting -= 1
             self.kv_used += head.context
             head.to_prefill = max(1, round(head.prompt * (1 - cfg.prefix_hit)))
             self.prefilling.append(head)
@@ -216,14 +223,39 @@ class Replica:
             self._finish_decodes()
 
     def expire(self, before: float) -> int:
-        """Drop the waiting requests that arrived before `before` (their client, or the load
-        balancer's read timeout, gave up on them): how many. Waiting is in arrival order."""
+        """Drop the waiting requests sent to this engine before `before` (their client, or the
+        load balancer's read timeout, gave up on them): how many. Waiting is in the order they
+        were sent (a request moved here was sent at its move, and joined the end)."""
         n = 0
         for queue in (self.waiting, self.incoming):
-            while queue and queue[0].arrived < before:
-                queue.popleft()
+            while queue and queue[0].sent < before:
+                if queue.popleft().moved:
+                    self.moved_waiting -= 1
                 n += 1
         return n
+
+    def take_newest_waiting(self) -> Request | None:
+        """Remove and return the newest waiting request that was never moved (the load
+        balancer's move_waiting_requests takes it to another replica), or None."""
+        if self.moved_waiting >= self.queued:
+            return None
+        for queue in (self.incoming, self.waiting):
+            for i in range(len(queue) - 1, -1, -1):
+                r = queue[i]
+                if not r.moved:
+                    del queue[i]
+                    return r
+        return None
+
+    def receive_moved(self, request: Request, at: float) -> None:
+        """`request`, moved here from another replica's queue at `at`, joins the end of the
+        waiting queue as a new arrival (its TTFT still counts from its first arrival)."""
+        request.moved = True
+        request.sent = at
+        if not (self.waiting or self.incoming or self.prefilling or self.decoding):
+            self.now = max(self.now, at)  # an idle engine starts on it no earlier than `at`
+        (self.incoming if self.incoming else self.waiting).append(request)
+        self.moved_waiting += 1
 
     def take_events(self) -> tuple[list[Request], list[Request]]:
         """The requests that got their first token, and those that finished, since the last

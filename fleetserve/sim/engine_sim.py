@@ -11,7 +11,9 @@ running requests, KV cache usage) as read every `metrics_scrape_seconds`, and th
 first token at the policy's percentile over the last `qps_window_seconds`, interpolated in the
 load balancer's histogram buckets as the controller does. A launched replica is billed from
 its launch and serves after `cold_start`; one removed drains (no new requests, billed until
-its last request ends), or goes at once if it was not READY yet.
+its last request ends), or goes at once if it was not READY yet. With `move_waiting` the load
+balancer also moves waiting requests to READY replicas with none waiting at each reading of
+the replicas' metrics, as `load_balancer.move_waiting_requests` does (`plan_moves`).
 
 `calibrate` derives every policy's target from the engine model alone, by one rule, so that
 no target is tuned to a trace: the capacity of one replica is the highest steady request
@@ -25,11 +27,12 @@ import bisect
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fleetserve.core.histogram import quantile
 from fleetserve.lb.metrics import LATENCY_BUCKETS
+from fleetserve.lb.mover import plan_moves as lb_plan_moves
 from fleetserve.policies.autoscaler import (
     AutoscalerState,
     LoadObservation,
@@ -125,6 +128,7 @@ class EngineRun:
     replica_seconds: float = 0.0
     max_replicas: int = 0
     scale_events: int = 0
+    moved: int = 0  # waiting requests the load balancer moved (move_waiting)
     times: list[float] = field(default_factory=list)
     qps: list[float] = field(default_factory=list)
     ready: list[int] = field(default_factory=list)
@@ -191,6 +195,30 @@ def _reading(
     )
 
 
+def plan_moves(readings: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The load balancer's moves of waiting requests (`move_waiting_requests`) at one reading
+    of the READY replicas' metrics: `readings` are their (running, waiting) requests; the
+    moves are (from, to) indexes into it. The LB's own plan (fleetserve.lb.mover.plan_moves),
+    the indexes as replica ids: ties go to the first (the oldest replica)."""
+    queues = dict(enumerate(readings))
+    return lb_plan_moves(queues, queues.keys(), limit=sum(w for _, w in readings))
+
+
+def move_waiting(replicas: Sequence[Replica], now: float) -> list[tuple[Request, int, int]]:
+    """Read the READY `replicas` and carry out `plan_moves` at `now`: each move takes the
+    source's newest waiting request that was never moved to the end of the target's waiting
+    queue. A planned move whose source has no such request left (its waiting ones were all
+    moved there) is not made, as the load balancer's. Returns (request, from, to) per move."""
+    plan = plan_moves([(r.running, r.queued) for r in replicas])
+    done: list[tuple[Request, int, int]] = []
+    for i, j in plan:
+        request = replicas[i].take_newest_waiting()
+        if request is not None:
+            replicas[j].receive_moved(request, now)
+            done.append((request, i, j))
+    return done
+
+
 def expected_requests(trace: Trace) -> float:
     return sum(trace.qps) * trace.step
 
@@ -207,11 +235,14 @@ def run_engine_fleet(
     tail: float = TAIL_SECONDS,
     read_timeout: float = READ_TIMEOUT,
     queue_timeout: float = QUEUE_TIMEOUT,
+    move: bool = False,
 ) -> EngineRun:
     """Run one policy over the trace; `ttft_target` (seconds) is what counts a request as
     over target. A request waiting in an engine longer than `read_timeout`, or held by the
     load balancer (nothing READY) longer than `queue_timeout`, is given up (as the LB's
-    timeouts of those names do): it counts as over target."""
+    timeouts of those names do): it counts as over target. With `move`, the load balancer
+    moves waiting requests at each reading of the replicas (`move_waiting`); a moved request's
+    read timeout starts again at its move (the LB sends it again)."""
     if expected_requests(trace) > MAX_REQUESTS:
         raise ValueError(
             f"{trace.name}: about {expected_requests(trace):,.0f} requests, more than the "
@@ -285,6 +316,8 @@ def run_engine_fleet(
                 ),
                 "kv_cache": _reading([n.replica.kv_usage for n in ready], len(ready)),
             }
+            if move and len(ready) > 1:  # the same reading, by the load balancer
+                run.moved += len(move_waiting([n.replica for n in ready], now))
         latency_ms = window.percentile_ms(percentile) if wants_latency else None
         # As the controller's: in flight at the replicas (draining ones too), held apart.
         inflight = sum(n.replica.load for n in nodes)

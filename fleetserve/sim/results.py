@@ -71,6 +71,10 @@ class EnginePolicyResult(BaseModel):
     replica_hours: float = Field(description="Replica-hours launched (billed from launch).")
     max_replicas: int = Field(description="The most replicas launched at once.")
     scale_events: int = Field(description="Changes of the autoscaler's target.")
+    moved_requests: int | None = Field(
+        description="Waiting requests the load balancer moved to another replica "
+        "(--move-waiting); null without it."
+    )
 
 
 class EngineTargets(BaseModel):
@@ -99,6 +103,9 @@ class EngineSimulation(BaseModel):
     downscale_delay_s: float
     engine: dict[str, int | float] = Field(description="The engine model's parameters.")
     workload: dict[str, int | float] = Field(description="The prompt and output lengths' model.")
+    move_waiting_requests: bool = Field(
+        description="Whether the load balancer moved waiting requests (--move-waiting)."
+    )
     targets: EngineTargets
     policies: list[EnginePolicyResult]
 
@@ -203,6 +210,7 @@ def engine_simulation(
     downscale_delay: float,
     engine: dict[str, int | float],
     workload: dict[str, int | float],
+    move_waiting: bool = False,
 ) -> EngineSimulation:
     def p(run: EngineRun, q: float) -> float | None:
         v = run.ttft_percentile(q)
@@ -221,6 +229,7 @@ def engine_simulation(
         downscale_delay_s=downscale_delay,
         engine=engine,
         workload=workload,
+        move_waiting_requests=move_waiting,
         targets=EngineTargets(
             capacity_qps=round(cal.capacity_qps, 4),
             utilization=cal.utilization,
@@ -243,6 +252,7 @@ def engine_simulation(
                 replica_hours=round(r.replica_hours, 4),
                 max_replicas=r.max_replicas,
                 scale_events=r.scale_events,
+                moved_requests=r.moved if move_waiting else None,
             )
             for r, target in runs
         ],

@@ -4,10 +4,12 @@ from it (fleetserve.sim.engine_sim), and `fleetserve simulate --engine`."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,8 @@ from fleetserve.sim.engine_sim import (
     Workload,
     calibrate,
     engine_policy,
+    move_waiting,
+    plan_moves,
     run_engine_fleet,
 )
 from fleetserve.sim.simulator import Trace
@@ -216,6 +220,148 @@ def test_a_trace_past_the_bound_is_refused_before_it_runs() -> None:
         run_engine_fleet(huge, pol, "request_rate", ENGINE, Workload(), 1.0)
 
 
+# -- the load balancer's moves of waiting requests (--move-waiting) ---------------------------
+
+
+def test_plan_moves_follows_the_load_balancers_rule() -> None:
+    # L = running + waiting: 10 against 0, one move at a time until L_R - L_S < 2.
+    assert plan_moves([(2, 8), (0, 0)]) == [(0, 1)] * 5
+    assert plan_moves([(0, 2), (0, 0)]) == [(0, 1)]
+    assert plan_moves([(0, 1), (0, 0)]) == []  # 1 - 0 < 2
+    assert plan_moves([(1, 1), (1, 1)]) == []  # no replica without a queue: no target
+    assert plan_moves([(3, 0), (0, 0)]) == []  # nothing waits: no source
+    # Sources: 0, 1 and 4 (waiting > 0; 4 has the lowest L but is never a target); targets:
+    # 2 and 3. The busiest source to the least loaded target, ties to the first.
+    # L = [7, 9, 1, 3, 2] -> [5, 5, 5, 5, 2]
+    readings = [(4, 3), (4, 5), (1, 0), (3, 0), (0, 2)]
+    assert plan_moves(readings) == [(1, 2), (1, 2), (0, 2), (1, 3), (0, 2), (1, 3)]
+    # A source gives at most its waiting requests: 1 waiting, L 20 against 0.
+    assert plan_moves([(19, 1), (0, 0)]) == [(0, 1)]
+
+
+SMALL = dataclasses.replace(ENGINE, max_batch=2)
+
+
+def _queued(n: int) -> list[Request]:
+    return [Request(0.1 * i, 100, 200) for i in range(n)]
+
+
+def _ttfts(reqs: list[Request]) -> list[float]:
+    out = []
+    for r in reqs:
+        assert r.ttft is not None
+        out.append(r.ttft)
+    return out
+
+
+def test_the_newest_waiting_requests_move_to_a_replica_that_became_ready() -> None:
+    """One replica runs 2 and queues 8; a second becomes READY: 5 requests move (L 10 against
+    0 down to 5 and 5), the 5 newest, newest first, to the end of its queue; their TTFT
+    drops (but for the oldest of them, which now waits behind the four newer ones), the
+    others' does not change; nothing moves back."""
+    reqs, alone = _queued(10), _queued(10)
+    a, b = Replica(SMALL), Replica(SMALL, now=1.0)
+    a.advance(1.0, reqs)
+    assert (a.running, a.queued) == (2, 8)
+    moves = move_waiting([a, b], 1.0)
+    assert [(r, i, j) for r, i, j in moves] == [(reqs[k], 0, 1) for k in (9, 8, 7, 6, 5)]
+    assert list(b.waiting) == [reqs[9], reqs[8], reqs[7], reqs[6], reqs[5]]
+    assert (a.queued, b.queued) == (3, 5) and all(r.moved for r in reqs[5:])
+    assert not any(r.moved for r in reqs[:5])
+    assert move_waiting([a, b], 1.0) == []  # L 5 and 5; b waits: no target
+    a.advance(3600.0)
+    b.advance(3600.0)
+    one = Replica(SMALL)  # the same requests without the move
+    one.advance(3600.0, alone)
+    ttft, before = _ttfts(reqs), _ttfts(alone)
+    for k in (6, 7, 8, 9):
+        assert ttft[k] < before[k] - 10
+        assert ttft[k] >= 1.0 - reqs[k].arrived  # counted from its first arrival, served after
+    assert sum(ttft[5:]) < sum(before[5:]) - 50
+    assert ttft[:5] == pytest.approx(before[:5])
+
+
+def test_a_request_moves_at_most_once() -> None:
+    """A replica whose waiting requests were all moved there gives none, though the plan
+    counts them; the LB's plan is kept, not redone (a skipped move is not made elsewhere)."""
+    reqs = _queued(6)
+    a = Replica(dataclasses.replace(ENGINE, max_batch=1))
+    b = Replica(dataclasses.replace(ENGINE, max_batch=1), now=1.0)
+    a.advance(1.0, reqs)
+    assert (a.running, a.queued) == (1, 5)
+    assert [r for r, _, _ in move_waiting([a, b], 1.0)] == [reqs[5], reqs[4], reqs[3]]
+    b.advance(1.5)  # b runs reqs[5], reqs[4] and reqs[3] wait there (moved)
+    assert (a.running, a.queued, b.running, b.queued) == (1, 2, 1, 2)
+    assert b.moved_waiting == 2
+    c = Replica(SMALL, now=1.5)
+    # plan: a -> c, then b -> c (L 3, 3, 0); b has nothing it may move
+    assert plan_moves([(1, 2), (1, 2), (0, 0)]) == [(0, 2), (1, 2)]
+    moves = move_waiting([a, b, c], 1.5)
+    assert [(r, i, j) for r, i, j in moves] == [(reqs[2], 0, 2)]
+    assert list(b.waiting) == [reqs[4], reqs[3]] and list(c.waiting) == [reqs[2]]
+    # the one moved to c does not move again, even to an idle replica
+    c.advance(1.6)
+    d = Replica(SMALL, now=1.6)
+    c.incoming.extend([Request(1.6, 100, 200) for _ in range(2)])
+    c.advance(1.7)
+    assert c.queued == 1 and c.waiting[0] is not reqs[2]  # reqs[2] runs; a newer one waits
+    assert all(r is not reqs[2] for r, _, _ in move_waiting([c, d], 1.7))
+
+
+def test_expire_counts_a_moved_requests_wait_from_its_move() -> None:
+    """The LB sends a moved request again: its read timeout starts again at the move."""
+    reqs = _queued(3)
+    a, b = Replica(SMALL), Replica(SMALL, now=1.0)
+    a.advance(1.0, reqs)
+    assert [r for r, _, _ in move_waiting([a, b], 1.0)] == [reqs[2]]
+    assert b.moved_waiting == 1
+    assert b.expire(0.5) == 0 and b.queued == 1  # arrived at 0.2, sent to b at 1.0
+    assert b.expire(1.01) == 1 and b.queued == 0 and b.moved_waiting == 0
+
+
+def test_the_fleet_moves_only_between_ready_replicas_with_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fleet whose upscale finds a queue: with the flag requests move, each between READY
+    replicas that are not draining (never to one starting), read every scrape; without it,
+    nothing moves (the LB never plans)."""
+    cal = calibration()
+    pol = engine_policy("in_flight", cal, 2, 8, 30, 120, 60)
+    nodes: list[engine_sim._Node] = []
+    seen: list[tuple[float, int, int]] = []  # (now, replicas passed, not READY at that time)
+    real_node, real_move = engine_sim._Node, engine_sim.move_waiting
+
+    class Node(real_node):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            nodes.append(self)
+
+    def spy(replicas: list[Replica], now: float) -> list[tuple[Request, int, int]]:
+        live = [n for n in nodes if any(n.replica is r for r in replicas)]
+        assert len(live) == len(replicas)
+        assert all(n.ready_at <= now and not n.draining for n in live), now
+        cold = [n for n in nodes if n.ready_at > now and n.replica.load == 0]
+        moves = real_move(replicas, now)
+        for _, _, j in moves:
+            assert replicas[j].moved_waiting > 0
+        seen.append((now, len(replicas), len(cold)))
+        return moves
+
+    monkeypatch.setattr(engine_sim, "_Node", Node)
+    monkeypatch.setattr(engine_sim, "move_waiting", spy)
+    up_down = Trace("up-down", 60.0, (6.0,) * 15 + (0.2,) * 15)
+    args = (up_down, pol, "in_flight", ENGINE, Workload(), 1.0, 60.0, 0)
+    moving = run_engine_fleet(*args, move=True)
+    calls = len(seen)
+    still = run_engine_fleet(*args)
+    assert moving.moved > 0 and still.moved == 0
+    assert calls > 0 and len(seen) == calls  # without the flag the LB never plans
+    assert all(b - a == 5.0 for (a, _, _), (b, _, _) in itertools.pairwise(seen))
+    assert any(cold for _, _, cold in seen)  # replicas were starting while requests moved
+    assert moving.requests == still.requests
+    assert moving.max_replicas > 2
+
+
 # -- the CLI ------------------------------------------------------------------------------------
 
 
@@ -254,6 +400,27 @@ def test_cli_compares_the_five_policies_on_the_engine_model() -> None:
     assert bad.returncode == 2 and "with --engine use request_rate" in bad.stderr
     bad = _fleetserve(*args, "--engine-target", "kv_cache=2")
     assert bad.returncode == 2 and "target_kv_cache_usage" in bad.stderr
+
+
+def test_cli_move_waiting_shows_the_moves_and_goes_only_with_engine() -> None:
+    args: tuple[str, ...] = ("--burst", "0.5:4:1800:600", "--duration", "1800", "--max", "6")
+    args += ("--engine", "--policy", "in_flight", "--upscale-delay", "60")
+    plain = _fleetserve(*args)
+    assert plain.returncode == 0, plain.stderr
+    assert "MOVED" not in plain.stdout and "moves waiting" not in plain.stdout
+    text = _fleetserve(*args, "--move-waiting")
+    assert text.returncode == 0, text.stderr
+    assert "MOVED" in text.stdout and "moves waiting requests" in text.stdout
+    doc = json.loads(_fleetserve(*args, "--move-waiting", "-o", "json").stdout)
+    assert doc["move_waiting_requests"] is True
+    assert doc["policies"][0]["moved_requests"] > 0
+    off = json.loads(_fleetserve(*args, "-o", "json").stdout)
+    assert off["move_waiting_requests"] is False and off["policies"][0]["moved_requests"] is None
+    for spelling in (("autoscale",), ()):
+        bad = _fleetserve(*spelling, "--burst", "1:2:600:60", "--move-waiting")
+        assert bad.returncode == 2 and "--move-waiting goes with --engine" in bad.stderr
+    bad = _fleetserve("--spot-trace", "GCP1", "--move-waiting")
+    assert bad.returncode == 2 and "--move-waiting goes with --engine" in bad.stderr
 
 
 def test_cli_start_replays_a_held_out_stretch_of_a_trace(tmp_path: Path) -> None:
