@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fleetserve.lb.http import HIGH_WATER, Limits, error_response
@@ -23,6 +23,7 @@ from fleetserve.policies.lb import NO_KEY, RequestKey
 SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
 log = logging.getLogger("fleetserve.lb")
 REPLAY_BYTES = 64 * 1024  # a body up to this size is kept until answered, to retry elsewhere
+HELD_HEAD_BYTES = 64 * 1024  # move_waiting_requests: a head held past this size goes out
 NO_HEADERS: dict[bytes, bytes] = {}  # a response the LB gives itself reads none (never written)
 
 
@@ -52,6 +53,9 @@ class ExchangeContext:
     # move_waiting_requests (fleetserve.lb.mover): the requests sent and not yet answered, per
     # replica, oldest first; None when the option is off (nothing is listed or held).
     unanswered: dict[int, dict[Any, None]] | None = None
+    # ... and when a moved request last found a target that did not answer it (replica id ->
+    # monotonic seconds): the mover leaves that replica alone for a while.
+    move_failed: dict[int, float] = field(default_factory=dict)
 
     async def hold(self) -> bytes | None:
         """No replica is ready and the service scales from zero: wait for one (bounded).
@@ -297,6 +301,15 @@ class Exchange:
             self.conn.write(b"0\r\n\r\n")
         elif body.choose_at:
             self._choose_with_body()  # (its send ends a chunked body itself)
+        if (
+            self.conn is not None
+            and self.replica is not None
+            and self._listed is None
+            and not self.sent_to_client
+            and self.first_byte is None
+            and self._may_move()
+        ):
+            self._list(self.replica.replica_id)  # sent before its body ended
 
     def tunnel_from_client(self, data: bytes) -> None:
         if self.conn is not None:
@@ -307,8 +320,11 @@ class Exchange:
     # replica -> client ---------------------------------------------------------------------
 
     def to_client(self, data: bytes) -> None:
-        if self.held_head is not None:
-            self.held_head.append(data)  # no body byte yet: the request may still move
+        held = self.held_head
+        if held is not None:
+            held.append(data)  # no body byte yet: the request may still move
+            if len(held) > 1 and sum(map(len, held)) > HELD_HEAD_BYTES:
+                self._release_head()  # (interim answers without end): it stays here
             return
         self.sent_to_client = True
         self.client.write(data)
@@ -401,12 +417,38 @@ class Exchange:
         prompt is no longer waiting to be prefilled there, and the request no longer moves
         (a head held until now goes to the client)."""
         if self._listed is not None:
-            self._unlist()
-            held, self.held_head = self.held_head, None
-            if held:
-                self.sent_to_client = True
-                self.client.write(b"".join(held))
+            self._release_head()
         self._release_charge()
+
+    def _release_head(self) -> None:
+        """The request stays at its replica: the head held so far goes to the client."""
+        self._unlist()
+        held, self.held_head = self.held_head, None
+        if held:
+            self.sent_to_client = True
+            self.client.write(b"".join(held))
+
+    def _may_move(self) -> bool:
+        """Whether this attempt is to be listed (and its head held): the option is on, the
+        request could be sent again whole, and it has not moved."""
+        return (
+            self.ctx.unanswered is not None
+            and not self.moved
+            and not self.wants_upgrade
+            and self.body.replay is not None
+            and len(self.tried) < self.ctx.max_attempts
+            and self.headers.get(b"expect", b"").lower() != b"100-continue"
+        )
+
+    def _list(self, rid: int) -> None:
+        unanswered = self.ctx.unanswered
+        assert unanswered is not None
+        self._listed = rid
+        self.held_head = []
+        listed = unanswered.get(rid)
+        if listed is None:
+            listed = unanswered[rid] = {}
+        listed[self] = None
 
     def _release_charge(self) -> None:
         charged, self._charged = self._charged, None
@@ -466,10 +508,14 @@ class Exchange:
 
     def move_to(self, upstream: Upstream) -> bool:
         """Leave the replica (closing the connection cancels the request there) and go to
-        `upstream` as a new attempt; False (nothing changed) when it cannot move."""
-        if not self.can_move() or upstream.replica_id == self._listed:
+        `upstream` as a new attempt; False (nothing changed) when it cannot move. The replica
+        it leaves may take it again if `upstream` does not answer it."""
+        source = self._listed
+        if not self.can_move() or upstream.replica_id == source:
             return False
         self.moved = True
+        if source is not None:
+            self.tried.discard(source)  # (a move is not a failed attempt)
         conn, self.conn = self.conn, None
         if conn is not None:
             conn.exchange = None
@@ -502,21 +548,11 @@ class Exchange:
         if body.complete and self.chunked:
             out.append(b"0\r\n\r\n")
         conn.write(b"".join(out))  # one send for the head and what came of the body so far
-        unanswered = self.ctx.unanswered
-        if (
-            unanswered is not None
-            and not self.wants_upgrade
-            and self.headers.get(b"expect", b"").lower() != b"100-continue"
-        ):
-            # It may move while no byte of its answer came; the answer's head waits for
-            # its first body byte (a client waiting for `100 Continue` is not held).
-            rid = upstream.replica_id
-            self._listed = rid
-            self.held_head = []
-            listed = unanswered.get(rid)
-            if listed is None:
-                listed = unanswered[rid] = {}
-            listed[self] = None
+        if body.complete and self._may_move():
+            # It may move while no byte of its answer came; the answer's head waits for its
+            # first body byte. (A body still coming is listed when it ends: a client that
+            # reads the head before it sends the rest is never held up.)
+            self._list(upstream.replica_id)
         if not self.upgrade:
             for data in body.held:
                 self._keep_for_replay(data)
@@ -583,6 +619,8 @@ class Exchange:
             # (a stale pooled connection, or it died), so another one may, if the whole body
             # can be sent again.
             ctx.metrics.error(rid, "disconnected")
+            if self.moved and self.replica is not None:
+                ctx.move_failed[self.replica.replica_id] = ctx.monotonic()
             if self.body.replay is not None and self.body.complete:
                 raise _NotSent("closed the connection without answering")
         ctx.metrics.error(rid, "timeout" if outcome == "timeout" else "mid_response")
@@ -824,6 +862,8 @@ class Exchange:
         except (OSError, TimeoutError) as e:
             ctx.replicas.discard(upstream.replica_id)  # until the controller's next push
             ctx.metrics.error(rid, "connect")
+            if self.moved:
+                ctx.move_failed[upstream.replica_id] = ctx.monotonic()
             log.warning("replica %s refused a connection: %s", rid, e or type(e).__name__)
             raise _NotSent(str(e) or type(e).__name__) from None
         if self.client.closed:

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 from fleetserve.lb.replica_set import Upstream
 
 log = logging.getLogger("fleetserve.lb")
+# A replica that did not answer a request moved to it gets no more moves for this long.
+FAILED_TARGET_SECONDS = 30.0
 
 
 class Movable(Protocol):
@@ -91,6 +94,9 @@ class Mover:
         unanswered: dict[int, dict[Movable, None]],
         on_moved: Callable[[int, int], None] | None = None,
         chance: Callable[[], float] = random.random,
+        failed: Mapping[int, float] | None = None,
+        allowed: Callable[[], bool] = lambda: True,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.queues = queues  # as last read (ReplicaLoadPoller.queues)
         self.upstreams = upstreams  # the routable replicas, read each round
@@ -100,14 +106,26 @@ class Mover:
         self.unanswered = unanswered
         self.on_moved = on_moved  # (source, target): metrics
         self.chance = chance
+        # When a moved request last found each target silent (ExchangeContext.move_failed).
+        self.failed: Mapping[int, float] = failed if failed is not None else {}
+        # False while moving would break the routing's own split (a canary's percentage,
+        # replicas of different weights): no moves then.
+        self.allowed = allowed
+        self.monotonic = monotonic
 
     def round(self) -> int:
         """Plan from the last reading and move; returns how many requests moved."""
         own = sum(len(v) for v in self.unanswered.values())
-        if not own:
+        if not own or not self.allowed():
             return 0
         upstreams = self.upstreams()
-        plan = plan_moves(self.queues, upstreams.keys(), limit=own)
+        ready: Collection[int] = upstreams.keys()
+        if self.failed:
+            since = self.monotonic() - FAILED_TARGET_SECONDS
+            quiet = {rid for rid, at in self.failed.items() if at > since}
+            # (a source may still give; only a target that failed a move is left alone)
+            ready = [rid for rid in ready if rid not in quiet or self.queues.get(rid, (0, 0))[1]]
+        plan = plan_moves(self.queues, ready, limit=own)
         targets: dict[int, list[int]] = {}
         for src, dst in plan:
             targets.setdefault(src, []).append(dst)
@@ -119,9 +137,16 @@ class Mover:
                 continue
             running, waiting = self.queues[src]
             mine_there = self.inflight.get(src, 0)
-            share = len(dsts) * mine_there / max(running + waiting, mine_there, 1)
+            part = mine_there / max(running + waiting, mine_there, 1)
+            share = len(dsts) * part
             quota = int(share) + (self.chance() < share - int(share))
-            newest_first = [ex for ex in reversed(mine) if ex.can_move()][:quota]
+            # This process's part of the running requests is taken to be its oldest: those
+            # already answering, then its oldest unanswered ones (a request in its prefill,
+            # or a whole answer not yet sent), which do not move.
+            answering = max(0, mine_there - len(mine))
+            running_here = max(0, round(part * running) - answering)
+            waiting_here = list(mine)[running_here:]
+            newest_first = [ex for ex in reversed(waiting_here) if ex.can_move()][:quota]
             for ex, dst in zip(newest_first, dsts, strict=False):
                 upstream = upstreams.get(dst)
                 if upstream is not None and ex.move_to(upstream):

@@ -226,13 +226,16 @@ class Proxy:
         every = self.opts.replica_metrics_seconds
         if every is None and unanswered is not None:
             every = MOVE_READ_SECONDS
-        if (reported is not None or unanswered is not None) and every and not self._load_poller:
+        # The policy counts the replicas' reported load only when asked to
+        # (replica_metrics_seconds set), not because the mover reads the metrics.
+        counted = reported if self.opts.replica_metrics_seconds else None
+        if (counted is not None or unanswered is not None) and every and not self._load_poller:
             replicas = self.replicas  # its set is replaced by each push: read it each round
             poller = self._load_poller = ReplicaLoadPoller(
                 every,
                 self.opts.replica_metrics_path,
                 lambda: [(rid, u.url) for rid, u in replicas.upstreams.items()],
-                reported if reported is not None else {},
+                counted if counted is not None else {},
             )
             if unanswered is not None:
                 self.mover = Mover(
@@ -241,11 +244,18 @@ class Proxy:
                     replicas.inflight,
                     unanswered,
                     on_moved=self.metrics.moved,
+                    failed=self.shared.move_failed,
+                    # A canary's percentage and replicas of different weights are the
+                    # routing's own split: moves would break it.
+                    allowed=lambda: (
+                        replicas.canary is None and len(set(replicas.weights.values())) <= 1
+                    ),
+                    monotonic=self.monotonic,
                 )
                 poller.on_round = self.mover.round
             poller.start()
-            if reported is not None:
-                self.metrics.watch_reported(reported)
+            if counted is not None:
+                self.metrics.watch_reported(counted)
         if self.replicas.caps.weighs_prefill is not None:
             self.metrics.watch_queued_blocks(self.replicas.prefilling)
         return self._server

@@ -1,4 +1,5 @@
-"""The replicas' own account of their load, for cache_aware (`replica_metrics_seconds`).
+"""The replicas' own account of their load, for cache_aware (`replica_metrics_seconds`) and
+the mover (`move_waiting_requests`).
 
 An LB process counts only its own requests in flight; a replica serving several LB processes
 (workers, or a restarted LB) or other clients is busier than that. When asked, each LB process
@@ -41,14 +42,19 @@ MAX_METRICS_BYTES = 1024 * 1024
 def parse_load(text: str) -> int | None:
     """Running + waiting requests in a Prometheus text exposition (summed over label sets);
     None when it names none of LOAD_METRICS."""
-    both = parse_queue(text)
-    return None if both is None else both[0] + both[1]
+    both = _running_waiting(text)
+    return None if both is None else round(both[0] + both[1])
 
 
 def parse_queue(text: str) -> tuple[int, int] | None:
     """(running, waiting) requests in a Prometheus text exposition (each summed over label
     sets); None when it names none of LOAD_METRICS. A server that exports only a waiting
     count reads as 0 running."""
+    both = _running_waiting(text)
+    return None if both is None else (round(both[0]), round(both[1]))
+
+
+def _running_waiting(text: str) -> tuple[float, float] | None:
     running = waiting = 0.0
     seen = False
     for line in text.splitlines():
@@ -67,7 +73,7 @@ def parse_queue(text: str) -> tuple[int, int] | None:
             else:
                 running += value
             seen = True
-    return (round(running), round(waiting)) if seen else None
+    return (running, waiting) if seen else None
 
 
 class ReplicaLoadPoller:
@@ -119,12 +125,12 @@ class ReplicaLoadPoller:
         except (aiohttp.ClientError, OSError, TimeoutError):
             self._forget(rid)
             return
-        queue = parse_queue(body.decode(errors="replace"))
-        if queue is None:
+        both = _running_waiting(body.decode(errors="replace"))
+        if both is None:
             self._forget(rid)
         else:
-            self.queues[rid] = queue
-            self.loads[rid] = queue[0] + queue[1]
+            self.queues[rid] = (round(both[0]), round(both[1]))
+            self.loads[rid] = round(both[0] + both[1])
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=max(0.5, min(self.every, 5.0)))

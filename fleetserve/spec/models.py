@@ -430,7 +430,8 @@ class LoadBalancerOptions(_Strict):
     cache_max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024)] = 256 * 1024
     # cache_aware: read each replica's Prometheus metrics this often (vLLM, SGLang and TGI
     # names for running + waiting requests) and count the larger of that and the LB's own
-    # in-flight count as its load; unset: the LB's count only.
+    # in-flight count as its load; unset: the LB's count only. (move_waiting_requests reads
+    # them this often too, every 2 s when unset, without changing cache_aware's count.)
     replica_metrics_seconds: Annotated[float, Field(ge=0.1, le=60)] | None = None
     replica_metrics_path: Annotated[str, Field(pattern=r"^/[A-Za-z0-9._~/-]{0,200}$")] = "/metrics"
     # Any policy, for LLM servers: a request still waiting in a replica's queue (the replica's
@@ -612,6 +613,11 @@ class ServiceSection(_Strict):
             raise ValueError("load_balancer.kv_events needs data_plane: python")
         if lb.move_waiting_requests and lb.data_plane == "nginx":
             raise ValueError("load_balancer.move_waiting_requests needs data_plane: python")
+        if lb.move_waiting_requests and lb.max_attempts < 2:
+            raise ValueError(
+                "load_balancer.move_waiting_requests needs max_attempts >= 2 (a move sends "
+                f"a request again), got {lb.max_attempts}"
+            )
         if instance_aware and not isinstance(target, dict):
             raise ValueError(
                 "load_balancing_policy instance_aware_least_load requires target_qps_per_replica "

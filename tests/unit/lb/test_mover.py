@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -370,3 +371,174 @@ async def test_a_first_token_in_the_heads_packet_is_not_held(
     finally:
         server.close()
         await server.wait_closed()
+
+
+# --- what the outside review found (2026-12-05) ---------------------------------------------
+
+
+def test_running_requests_of_this_process_are_kept() -> None:
+    # Non-streaming requests: all four unanswered, three of them running. The newest (r3)
+    # cannot move: the next newest (r2) runs, and must not be taken instead.
+    reqs = [FakeRequest(f"r{i}") for i in range(4)]
+    reqs[3].movable = False
+    mover, _ = _mover({1: (3, 1), 2: (0, 0)}, {1: reqs}, {1: 4})
+    assert mover.round() == 0
+    assert all(r.went is None for r in reqs)
+
+
+def test_no_moves_while_the_routing_splits_by_itself() -> None:
+    reqs = [FakeRequest(f"r{i}") for i in range(6)]
+    mover, _ = _mover({1: (2, 4), 2: (0, 0)}, {1: reqs}, {1: 6})
+    mover.allowed = lambda: False  # a canary's percentage, replicas of different weights
+    assert mover.round() == 0
+
+
+def test_a_target_that_failed_a_moved_request_is_left_alone() -> None:
+    now = [100.0]
+    reqs = [FakeRequest(f"r{i}") for i in range(6)]
+    mover, _ = _mover({1: (2, 4), 2: (0, 0), 3: (0, 0)}, {1: reqs}, {1: 6})
+    mover.failed = {2: 90.0}
+    mover.monotonic = lambda: now[0]
+    assert mover.round() == 3
+    assert {r.went for r in reqs if r.went} == {3}
+    now[0] = 200.0  # long after: 2 is a target again
+    more = [FakeRequest(f"s{i}") for i in range(6)]
+    mover, _ = _mover({1: (2, 4), 2: (0, 0)}, {1: more}, {1: 6})
+    mover.failed = {2: 90.0}
+    mover.monotonic = lambda: now[0]
+    assert mover.round() == 3
+
+
+async def _raw_server(handler: Any) -> tuple[asyncio.Server, int]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_moved_request_goes_back_when_its_target_does_not_answer(
+    start: Start,  # noqa: F811
+    session: aiohttp.ClientSession,
+) -> None:
+    """Replica 2 reads as idle but drops every request: the moved requests go back to
+    replica 1 and are answered there; replica 2 gets no more moves."""
+    a = Engine("A")
+    port_a = await start(a.app())
+    dropped: list[bytes] = []
+
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /metrics"):
+                text = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(text), text))
+                await writer.drain()
+            else:
+                dropped.append(head.split(b"\r\n", 1)[0])
+        writer.close()
+
+    server, port_b = await _raw_server(drop)
+    try:
+        up_a = Upstream(1, f"http://127.0.0.1:{port_a}", 1)
+        up_b = Upstream(2, f"http://127.0.0.1:{port_b}", 1)
+        lb, replicas, proxy = await make_lb_proxy(
+            start, "least_load", [up_a], replica_metrics_seconds=0.1, move_waiting_requests=True
+        )
+        tasks = []
+        for i in range(4):
+            tasks.append(asyncio.create_task(_chat(session, lb, f"q{i}")))
+            await asyncio.sleep(0.05)
+        for _ in range(100):
+            if a.waiting == 3:
+                break
+            await asyncio.sleep(0.01)
+        replicas.replace([up_a, up_b])
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+        assert [status for status, _ in results] == [200] * 4
+        assert all("data: A 2" in text for _, text in results)
+        assert sorted(a.served) == ["q0", "q1", "q2", "q3"]
+        # Two moved, both dropped; none after (the target failed a move: left alone).
+        assert len(dropped) == 2
+        text = generate_latest(proxy.metrics.registry).decode()
+        assert (
+            'fleetserve_lb_requests_moved_total{policy="least_load",replica="1",service="svc"} 2.0'
+            in text
+        )
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_head_answered_before_the_body_ends_is_not_held(
+    start: Start,  # noqa: F811
+) -> None:
+    """A client that reads the answer's head before it sends the rest of its body."""
+
+    async def early(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)  # the head, before the body is read
+        body = await request.read()
+        await resp.write(b"got %d" % len(body))
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/up", early)
+    port = await start(app)
+    lb, _, _ = await make_lb_proxy(
+        start,
+        "least_load",
+        [Upstream(1, f"http://127.0.0.1:{port}", 1)],
+        replica_metrics_seconds=0.1,
+        move_waiting_requests=True,
+    )
+    host, _, lb_port = lb.removeprefix("http://").partition(":")
+    reader, writer = await asyncio.open_connection(host, int(lb_port))
+    try:
+        writer.write(
+            b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
+        assert head.startswith(b"HTTP/1.1 200")
+        writer.write(b"6\r\n world\r\n0\r\n\r\n")
+        await writer.drain()
+        rest = await asyncio.wait_for(reader.readuntil(b"got 11"), 3)
+        assert rest.endswith(b"got 11")
+    finally:
+        writer.close()
+
+
+async def test_the_option_leaves_cache_awares_count_alone(
+    start: Start,  # noqa: F811
+) -> None:
+    """Without replica_metrics_seconds, cache_aware counts the LB's own in-flight requests,
+    with or without move_waiting_requests (which reads the metrics for itself)."""
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 5\nvllm:num_requests_waiting 2\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    port = await start(app)
+    _, replicas, proxy = await make_lb_proxy(
+        start,
+        "cache_aware",
+        [Upstream(1, f"http://127.0.0.1:{port}", 1)],
+        move_waiting_requests=True,
+    )
+    assert proxy._load_poller is not None
+    for _ in range(60):
+        if proxy._load_poller.queues:
+            break
+        await asyncio.sleep(0.1)
+    assert proxy._load_poller.queues == {1: (5, 2)}
+    assert replicas.caps.reported == {}
+
+
+def test_the_option_needs_a_second_attempt() -> None:
+    yaml = (
+        "service:\n  readiness_probe: /\n  replicas: 1\n  load_balancer:\n"
+        "    move_waiting_requests: true\n    max_attempts: 1\n"
+        "run: python -m http.server $PORT\n"
+    )
+    with pytest.raises(InvalidSpec, match="move_waiting_requests needs max_attempts >= 2"):
+        parse_spec(yaml)
