@@ -94,7 +94,7 @@ class Mover:
         unanswered: dict[int, dict[Movable, None]],
         on_moved: Callable[[int, int], None] | None = None,
         chance: Callable[[], float] = random.random,
-        failed: Mapping[int, float] | None = None,
+        failed: dict[int, float] | None = None,
         allowed: Callable[[], bool] = lambda: True,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -107,7 +107,7 @@ class Mover:
         self.on_moved = on_moved  # (source, target): metrics
         self.chance = chance
         # When a moved request last found each target silent (ExchangeContext.move_failed).
-        self.failed: Mapping[int, float] = failed if failed is not None else {}
+        self.failed: dict[int, float] = failed if failed is not None else {}
         # False while moving would break the routing's own split (a canary's percentage,
         # replicas of different weights): no moves then.
         self.allowed = allowed
@@ -122,7 +122,9 @@ class Mover:
         ready: Collection[int] = upstreams.keys()
         if self.failed:
             since = self.monotonic() - FAILED_TARGET_SECONDS
-            quiet = {rid for rid, at in self.failed.items() if at > since}
+            for rid in [rid for rid, at in self.failed.items() if at <= since]:
+                del self.failed[rid]  # (kept only while it counts)
+            quiet = set(self.failed)
             # (a source may still give; only a target that failed a move is left alone)
             ready = [rid for rid in ready if rid not in quiet or self.queues.get(rid, (0, 0))[1]]
         plan = plan_moves(self.queues, ready, limit=own)

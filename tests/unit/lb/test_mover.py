@@ -407,6 +407,7 @@ def test_a_target_that_failed_a_moved_request_is_left_alone() -> None:
     mover.failed = {2: 90.0}
     mover.monotonic = lambda: now[0]
     assert mover.round() == 3
+    assert mover.failed == {}  # (an old failure is forgotten)
 
 
 async def _raw_server(handler: Any) -> tuple[asyncio.Server, int]:
