@@ -61,19 +61,6 @@ bench = _autoscale_bench()
 bench.SERVED = SERVED_NAME  # the name VllmFleet serves the model under
 
 
-def push(admin: int, ports: list[int]) -> None:
-    """The LB's replica set: replica i + 1 at ports[i] (what the controller pushes)."""
-    body = {
-        "replicas": [
-            {"replica_id": i + 1, "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(ports)
-        ]
-    }
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{admin}/-/replicas", data=json.dumps(body).encode(), method="PUT"
-    )
-    urllib.request.urlopen(req, timeout=10).read()
-
-
 def moved_total(admin: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -115,7 +102,7 @@ async def trial(
         t += rng.expovariate(rate)
     prompts = [bench._text(rng, args.words) for _ in arrivals]
     results = [bench.Result("heavy", at) for at in arrivals]
-    push(admin, ports[:1])
+    llm.push_replicas(admin, ports[:1])
     await asyncio.sleep(1.0)  # (every LB process has the push)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
@@ -130,7 +117,7 @@ async def trial(
 
         async def scale_out() -> None:
             await asyncio.sleep(max(0.0, start + args.add_at - time.monotonic()))
-            await asyncio.to_thread(push, admin, ports)
+            await asyncio.to_thread(llm.push_replicas, admin, ports)
 
         await asyncio.gather(scale_out(), *(one(i) for i in range(len(arrivals))))
     moved = await asyncio.to_thread(moved_total, admin)

@@ -221,17 +221,7 @@ def start_lb(
             procs.stop(proc)
             return f"the load balancer exited: {procs.tail(log, 3) or 'no output'}"
         time.sleep(0.05)
-    body = {
-        "replicas": [
-            {"replica_id": i + 1, "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(ports)
-        ]
-    }
-    import urllib.request
-
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{admin}/-/replicas", data=json.dumps(body).encode(), method="PUT"
-    )
-    urllib.request.urlopen(req, timeout=10).read()
+    push_replicas(admin, ports)
     while not listening(port):
         if proc.poll() is not None or time.monotonic() > deadline:
             procs.stop(proc)
@@ -239,6 +229,21 @@ def start_lb(
         time.sleep(0.05)
     time.sleep(0.2)  # with several workers, the push reaches the others
     return Lb(policy, port, proc.pid, proc, options, admin)
+
+
+def push_replicas(admin: int, ports: list[int]) -> None:
+    """The LB's replica set, as the controller pushes it: replica i + 1 at ports[i]."""
+    import urllib.request
+
+    body = {
+        "replicas": [
+            {"replica_id": i + 1, "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(ports)
+        ]
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{admin}/-/replicas", data=json.dumps(body).encode(), method="PUT"
+    )
+    urllib.request.urlopen(req, timeout=10).read()
 
 
 def cpu_seconds(pid: int) -> float:

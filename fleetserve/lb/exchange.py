@@ -437,7 +437,7 @@ class Exchange:
             and not self.wants_upgrade
             and self.body.replay is not None
             and len(self.tried) < self.ctx.max_attempts
-            and self.headers.get(b"expect", b"").lower() != b"100-continue"
+            and not self._waits_for_continue()
         )
 
     def _list(self, rid: int) -> None:
@@ -802,8 +802,12 @@ class Exchange:
         return (
             self.ctx.replicas.caps.body_key is not None
             and self.has_body
-            and self.headers.get(b"expect", b"").lower() != b"100-continue"
+            and not self._waits_for_continue()
         )
+
+    def _waits_for_continue(self) -> bool:
+        """The client sends its body only after the replica's `100 Continue`."""
+        return self.headers.get(b"expect", b"").lower() == b"100-continue"
 
     async def _key(self) -> RequestKey:
         if self._reads_body():

@@ -215,6 +215,36 @@ async def _chat(session: aiohttp.ClientSession, lb: str, rid: str) -> tuple[int,
         return r.status, (await r.read()).decode()
 
 
+def _up(rid: int, port: int) -> Upstream:
+    return Upstream(rid, f"http://127.0.0.1:{port}", 1)
+
+
+async def _moving_lb(
+    start: Start,  # noqa: F811
+    upstreams: list[Upstream],
+) -> tuple[str, Any, Any]:
+    """A load balancer with move_waiting_requests, reading the replicas every 0.1 s."""
+    return await make_lb_proxy(
+        start, "least_load", upstreams, replica_metrics_seconds=0.1, move_waiting_requests=True
+    )
+
+
+async def _queue_four(
+    session: aiohttp.ClientSession, lb: str, engine: Engine
+) -> list[asyncio.Task[tuple[int, str]]]:
+    """Four streamed requests, in order, until one runs at `engine` and three wait."""
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(_chat(session, lb, f"q{i}")))
+        await asyncio.sleep(0.05)  # arrive in order
+    for _ in range(100):
+        if engine.waiting == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert (engine.running, engine.waiting) == (1, 3)
+    return tasks
+
+
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -230,21 +260,12 @@ async def _queued_then_scaled(
     a, b = Engine("A"), Engine("B")
     port_a = await start(a.app())
     port_b = await start(b.app())
-    up_a = Upstream(1, f"http://127.0.0.1:{port_a}", 1)
-    up_b = Upstream(2, f"http://127.0.0.1:{port_b}", 1)
+    up_a, up_b = _up(1, port_a), _up(2, port_b)
     options: dict[str, Any] = {"replica_metrics_seconds": 0.1}
     if move:
         options["move_waiting_requests"] = True
     lb, replicas, proxy = await make_lb_proxy(start, "least_load", [up_a], **options)
-    tasks = []
-    for i in range(4):
-        tasks.append(asyncio.create_task(_chat(session, lb, f"q{i}")))
-        await asyncio.sleep(0.05)  # arrive in order
-    for _ in range(100):
-        if a.waiting == 3:
-            break
-        await asyncio.sleep(0.01)
-    assert (a.running, a.waiting) == (1, 3)
+    tasks = await _queue_four(session, lb, a)
     replicas.replace([up_a, up_b])  # replica 2 is READY now
     results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
     text = generate_latest(proxy.metrics.registry).decode()
@@ -288,11 +309,8 @@ async def test_a_body_too_large_to_send_again_does_not_move(
     a, b = Engine("A", seconds=1.5), Engine("B")
     port_a = await start(a.app())
     port_b = await start(b.app())
-    up_a = Upstream(1, f"http://127.0.0.1:{port_a}", 1)
-    up_b = Upstream(2, f"http://127.0.0.1:{port_b}", 1)
-    lb, replicas, _ = await make_lb_proxy(
-        start, "least_load", [up_a], replica_metrics_seconds=0.1, move_waiting_requests=True
-    )
+    up_a, up_b = _up(1, port_a), _up(2, port_b)
+    lb, replicas, _ = await _moving_lb(start, [up_a])
     big = {"id": "big", "pad": "x" * 70_000}  # past the 64 KiB the LB keeps to send again
 
     async def post(body: dict[str, Any]) -> tuple[int, str]:
@@ -352,13 +370,7 @@ async def test_a_first_token_in_the_heads_packet_is_not_held(
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        lb, _, _ = await make_lb_proxy(
-            start,
-            "least_load",
-            [Upstream(1, f"http://127.0.0.1:{port}", 1)],
-            replica_metrics_seconds=0.1,
-            move_waiting_requests=True,
-        )
+        lb, _, _ = await _moving_lb(start, [_up(1, port)])
         async with aiohttp.ClientSession() as session:
             began = time.monotonic()
             async with session.get(f"{lb}/stream") as r:
@@ -438,19 +450,9 @@ async def test_a_moved_request_goes_back_when_its_target_does_not_answer(
 
     server, port_b = await _raw_server(drop)
     try:
-        up_a = Upstream(1, f"http://127.0.0.1:{port_a}", 1)
-        up_b = Upstream(2, f"http://127.0.0.1:{port_b}", 1)
-        lb, replicas, proxy = await make_lb_proxy(
-            start, "least_load", [up_a], replica_metrics_seconds=0.1, move_waiting_requests=True
-        )
-        tasks = []
-        for i in range(4):
-            tasks.append(asyncio.create_task(_chat(session, lb, f"q{i}")))
-            await asyncio.sleep(0.05)
-        for _ in range(100):
-            if a.waiting == 3:
-                break
-            await asyncio.sleep(0.01)
+        up_a, up_b = _up(1, port_a), _up(2, port_b)
+        lb, replicas, proxy = await _moving_lb(start, [up_a])
+        tasks = await _queue_four(session, lb, a)
         replicas.replace([up_a, up_b])
         results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
         assert [status for status, _ in results] == [200] * 4
@@ -484,13 +486,7 @@ async def test_a_head_answered_before_the_body_ends_is_not_held(
     app = web.Application()
     app.router.add_post("/up", early)
     port = await start(app)
-    lb, _, _ = await make_lb_proxy(
-        start,
-        "least_load",
-        [Upstream(1, f"http://127.0.0.1:{port}", 1)],
-        replica_metrics_seconds=0.1,
-        move_waiting_requests=True,
-    )
+    lb, _, _ = await _moving_lb(start, [_up(1, port)])
     host, _, lb_port = lb.removeprefix("http://").partition(":")
     reader, writer = await asyncio.open_connection(host, int(lb_port))
     try:
@@ -523,7 +519,7 @@ async def test_the_option_leaves_cache_awares_count_alone(
     _, replicas, proxy = await make_lb_proxy(
         start,
         "cache_aware",
-        [Upstream(1, f"http://127.0.0.1:{port}", 1)],
+        [_up(1, port)],
         move_waiting_requests=True,
     )
     assert proxy._load_poller is not None
