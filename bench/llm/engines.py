@@ -284,9 +284,13 @@ class Router:
     proc: subprocess.Popen[bytes]
 
 
-def router_command(kind: str, policy: str, port: int, workers: list[str]) -> list[str]:
+def router_command(
+    kind: str, policy: str, port: int, workers: list[str], metrics_port: int
+) -> list[str]:
     """The command line of SGLang's or vLLM's router in front of `workers` (both take the
-    same flags but for the subcommand and the log level's spelling)."""
+    same flags but for the subcommand and the log level's spelling). Their Prometheus
+    exporters on loopback and a port of their own: SGLang's binds 0.0.0.0:29000 by default,
+    and exits at start when something else holds that port."""
     if kind not in ROUTERS:
         raise ValueError(f"no router {kind!r}: {', '.join(ROUTERS)}")
     head = [str(VLLM_VENV / "bin" / kind)] + (["launch"] if kind == "sglang-router" else [])
@@ -296,6 +300,7 @@ def router_command(kind: str, policy: str, port: int, workers: list[str]) -> lis
         *("--worker-urls", *workers),
         *("--policy", policy, "--host", "127.0.0.1", "--port", str(port)),
         *("--log-level", level),
+        *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)),
     ]
 
 
@@ -304,7 +309,7 @@ def start_router(
 ) -> Router | str:
     """A router in front of `workers`, once it serves /v1/models; or why it did not start."""
     port = free_port()
-    cmd = router_command(kind, policy, port, workers)
+    cmd = router_command(kind, policy, port, workers, free_port())
     if not Path(cmd[0]).exists():
         return f"{cmd[0]} is missing: run ./scripts/llm/setup.sh"
     log = f"{kind}-{policy}.log"

@@ -161,7 +161,9 @@ def make_app(replica: Replica, fleet: list[Replica]) -> web.Application:
             else:
                 prompt = body["prompt"]
                 text = prompt if isinstance(prompt, str) else "".join(map(str, prompt))
-            max_tokens = int(body.get("max_tokens") or 16)
+            # OpenAI's current name first (SGLang's router forwards only that one), then the
+            # older one; vLLM reads both alike.
+            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
             stream = bool(body.get("stream", False))
         except (ValueError, KeyError, TypeError) as e:
             return error(400, f"bad request: {e!r}")

@@ -873,6 +873,22 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             if base == "cache_aware":
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
             procs.stop(lb.proc)
+        if args.routers:
+            from engines import start_router
+
+            for kind in args.routers:
+                router = start_router(
+                    procs, kind, "cache_aware", [f"http://127.0.0.1:{p}" for p in ports]
+                )
+                if isinstance(router, str):
+                    results["skipped"][kind] = router
+                    log(f"{kind}: skipped: {router}")
+                    continue
+                label = f"{kind.split('-')[0]}:cache_aware"
+                fleet = Fleet(f"http://127.0.0.1:{router.port}", engine)
+                pids = (router.proc.pid, replicas_pid)
+                await run_workloads(http, fleet, label, args, loads, pids, results)
+                procs.stop(router.proc)
     results["queueing_from"] = queueing_from(results["runs"], results["unloaded"])
     return results
 
@@ -1111,7 +1127,8 @@ def main() -> None:
     ap.add_argument(
         "--routers",
         default="",
-        help="with --engine vllm: other routers to put in front of the same replicas, "
+        help="other routers to put in front of the same replicas (fake or vLLM; installed "
+        "by ./scripts/llm/setup.sh), "
         "comma-separated: sglang-router,vllm-router (their cache_aware policy)",
     )
     ap.add_argument(
@@ -1168,8 +1185,6 @@ def main() -> None:
             sys.exit(f"no router {r!r}: {', '.join(ROUTERS)}")
     if any(split_target(p)[0] == PRECISE for p in args.policies) and args.engine != "vllm":
         sys.exit(f"{PRECISE} needs --engine vllm (it follows real engines' KV cache events)")
-    if args.routers and args.engine != "vllm":
-        sys.exit("--routers needs --engine vllm (the routers speak to real engines)")
     if args.prompt_scale is None:
         args.prompt_scale = 0.25 if args.engine == "vllm" else 1.0
     if not 0 < args.prompt_scale <= 4:

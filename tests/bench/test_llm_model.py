@@ -406,6 +406,17 @@ def test_replicas_process_streams_a_chat_and_exports_metrics(tmp_path: Path) -> 
         pieces = [json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1]]
         assert len(pieces) == 5
         assert "".join(pieces) == model.reply_text(model.render_chat(messages), 5)
+        # OpenAI's newer name for the answer's length, the only one SGLang's router forwards
+        # (it rewrites max_tokens), wins over the older one.
+        newer = {**body, "max_completion_tokens": 3, "max_tokens": 9, "stream": False}
+        req = urllib.request.Request(
+            base + "/v1/chat/completions",
+            data=json.dumps(newer).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            whole = json.loads(resp.read())
+        assert whole["usage"]["completion_tokens"] == 3, whole
 
         with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
@@ -415,11 +426,11 @@ def test_replicas_process_streams_a_chat_and_exports_metrics(tmp_path: Path) -> 
             if line.startswith("vllm:")
         }
         prompt_tokens = model.count_tokens(model.render_chat(messages))
-        assert values["vllm:request_success_total"] == 1
-        assert values["vllm:prompt_tokens_total"] == prompt_tokens
-        assert values["vllm:prefix_cache_queries_total"] == prompt_tokens
-        assert values["vllm:prefix_cache_hits_total"] == 0
-        assert values["vllm:generation_tokens_total"] == 5
+        assert values["vllm:request_success_total"] == 2
+        assert values["vllm:prompt_tokens_total"] == 2 * prompt_tokens
+        assert values["vllm:prefix_cache_queries_total"] == 2 * prompt_tokens
+        assert values["vllm:prefix_cache_hits_total"] > 0  # the second one's, cached
+        assert values["vllm:generation_tokens_total"] == 5 + 3
         assert values["vllm:num_requests_running"] == 0
         assert values["vllm:num_requests_waiting"] == 0
         assert 0 <= values["vllm:kv_cache_usage_perc"] <= 1
@@ -427,7 +438,7 @@ def test_replicas_process_streams_a_chat_and_exports_metrics(tmp_path: Path) -> 
 
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/-/stats", timeout=10) as r:
             stats = json.loads(r.read())["replicas"]
-        assert [s["requests"] for s in stats] == [0, 1]
+        assert [s["requests"] for s in stats] == [0, 2]
     finally:
         proc.terminate()
         try:
