@@ -522,7 +522,8 @@ def summarize(
         "samples": len(diffs),
         "driver_late_max_ms": max((r.late for r in records), default=0.0) * 1e3,
         # Each measured request: sent (s), session, turn, prompt characters, TTFT (ms), e2e
-        # (s), error; for reading a tail (which requests make the p99) after the run.
+        # (s), error, the replica that answered (the fake replicas' X-Replica; None on vLLM);
+        # for reading a tail (which requests make the p99) after the run.
         "per_request": [
             [
                 round(r.sent, 3),
@@ -532,6 +533,7 @@ def summarize(
                 None if r.ttft is None else round(r.ttft * 1e3, 1),
                 None if r.e2e is None else round(r.e2e, 3),
                 r.error,
+                r.replica,
             ]
             for r in measured
         ],

@@ -1,12 +1,16 @@
 """The side-by-side pairs of results-2026-12-05b.md, from the bench's --json files here.
 
-    python3 bench/llm/results-2026-12-05b/pairs.py bench/llm/results-2026-12-05b/Q.json.gz
-    python3 bench/llm/results-2026-12-05b/pairs.py --turns bench/llm/results-2026-12-05b/Q.json.gz
+    cd bench/llm/results-2026-12-05b
+    python3 pairs.py Q.json.gz              # or several files: the counts are over all
+    python3 pairs.py --turns Q.json.gz
+    python3 pairs.py --moves moves-s2.json.gz
 
 Per load and round: fleetserve's cache_aware (CA) against sglang-router's (SG) and least_load
 (LL): TTFT p50 and p99, req/s, the engines' prefix-cache hit rate; then the count of pairs
 meeting each clause of issue #22's goal. With --turns: TTFT of first turns and later turns
 per target (from `per_request`: sent, session, turn, prompt characters, TTFT ms, e2e s, error).
+With --moves (fake replicas, runs that record the replica): later turns that stayed on their
+previous turn's replica against those that moved.
 """
 
 from __future__ import annotations
@@ -39,6 +43,28 @@ def turns(paths: list[str]) -> None:
                 f"{path.rsplit('/', 1)[-1]:20} {r['policy']:26} first n={len(first):3} p50 "
                 f"{quantile(first, 0.5):6.0f} p90 {quantile(first, 0.9):6.0f} | later "
                 f"n={len(later):3} p50 {quantile(later, 0.5):6.0f} p90 {quantile(later, 0.9):6.0f}"
+            )
+
+
+def moves(paths: list[str]) -> None:
+    """Later turns that went to the replica of their previous turn against those that went
+    elsewhere (the fake replicas' X-Replica: per_request's 8th field, from 2026-12-05)."""
+    for path in paths:
+        for r in load(path)["runs"]:
+            ok = sorted((x for x in r["per_request"] if x[6] is None), key=lambda x: (x[1], x[2]))
+            where: dict[tuple[int, int], str | None] = {}
+            stayed: list[float] = []
+            moved: list[float] = []
+            for x in ok:
+                before = where.get((x[1], x[2] - 1), "?")
+                if x[2] > 0 and before != "?":
+                    (stayed if before == x[7] else moved).append(x[4])
+                where[(x[1], x[2])] = x[7]
+            print(
+                f"{path.rsplit('/', 1)[-1]:20} {r['policy']:22} {r['load']:>4g}: later turns "
+                f"stayed n={len(stayed):3} p50 {quantile(stayed, 0.5):6.0f} p90 "
+                f"{quantile(stayed, 0.9):6.0f} | moved n={len(moved):3} p50 "
+                f"{quantile(moved, 0.5):6.0f} p90 {quantile(moved, 0.9):6.0f}"
             )
 
 
@@ -75,5 +101,7 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if args and args[0] == "--turns":
         turns(args[1:])
+    elif args and args[0] == "--moves":
+        moves(args[1:])
     else:
         pairs(args)
