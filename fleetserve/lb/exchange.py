@@ -302,7 +302,8 @@ class Exchange:
         elif body.choose_at:
             self._choose_with_body()  # (its send ends a chunked body itself)
         if (
-            self.conn is not None
+            self.ctx.unanswered is not None  # (move_waiting_requests on: first, off is common)
+            and self.conn is not None
             and self.replica is not None
             and self._listed is None
             and not self.sent_to_client
