@@ -129,7 +129,11 @@ def main(work: Path) -> None:
         f'run: echo "rank $SKYPILOT_JOB_RANK on $(hostname) ips $SKYPILOT_NODE_IPS gpus '
         f'$SKYPILOT_NUM_GPUS_PER_NODE" | tee -a {work}/ranks.txt; sleep 1\n'
     )
-    cli("pool", "apply", "-p", "raypool", str(work / "pool.yaml"))
+    # --wait: both workers READY before the jobs go. CI once launched them while the second
+    # worker was still starting, and the first ran all six (15 s): the spread was never tested.
+    started = time.monotonic()
+    cli("pool", "apply", "-p", "raypool", "--wait", str(work / "pool.yaml"))
+    found["pool_ready_seconds"] = round(time.monotonic() - started, 1)
     started = time.monotonic()
     cli("jobs", "launch", "-p", "raypool", "--num-jobs", "6", "--wait", str(work / "job.yaml"))
     found["pool_jobs_seconds"] = round(time.monotonic() - started, 1)
