@@ -155,23 +155,11 @@ def split_target(target: str) -> tuple[str, dict[str, Any]]:
 
 def lb_options(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     """The `options` of `policy`'s LbConfig: workers, then every --lb-option that applies."""
-    from fleetserve.spec.models import LoadBalancerOptions
-
     opts: dict[str, Any] = {"workers": args.lb_workers}
-    if args.engine == "fake" and policy == "cache_aware":
-        # Tell a cache-aware policy the fake replicas' cache geometry, if it has these options
-        # (real engines: the LB's defaults, as a user would run it).
-        # Its index holds as many characters as a replica's cache holds tokens x 4 (the
-        # replicas' tokens are 4 characters), in blocks of its own size.
-        known = LoadBalancerOptions.model_fields
-        if "cache_blocks" in known and "cache_block_chars" in known:
-            block_chars = LoadBalancerOptions().cache_block_chars
-            for item in args.lb_option:  # a --lb-option may set the block size
-                key, _, value = item.partition("=")
-                if key.rpartition(":")[2] == "cache_block_chars":
-                    block_chars = int(value)
-            capacity = args.cache_blocks * args.block_tokens * 4
-            opts["cache_blocks"] = max(16, capacity // block_chars)
+    # No cache geometry is passed on, on either engine: a cache-aware policy runs at its
+    # defaults, as a user runs it. (Until 2026-12-05 the fake engine's runs sized cache_aware's
+    # index to the replicas' caches; under eviction that made it forget conversations the
+    # engines still partly held: results-2026-12-05c.md.)
     for item in args.lb_option:
         key, _, value = item.partition("=")
         scope, _, name = key.rpartition(":")

@@ -414,8 +414,10 @@ class LoadBalancerOptions(_Strict):
     # (LLM servers batch: a few more in flight cost less than a lost prefix; bench/llm).
     max_extra_load: Annotated[int, Field(ge=1, le=100_000)] | None = None
     # cache_aware (docs/load-balancer.md): the block size of the LB's prefix index, in
-    # characters (~4 per token), and how many blocks it remembers per replica (its KV cache:
-    # 2,048 x 256 characters, ~128K tokens).
+    # characters (~4 per token), and how many blocks it remembers per replica (2,048 x 256
+    # characters, ~128K tokens): no fewer than the replica's KV cache holds, better several
+    # times more (one that forgets sooner than the engine moves conversations away from their
+    # history: bench/llm/results-2026-12-05c.md).
     cache_block_chars: Annotated[int, Field(ge=8, le=4096)] = 256
     cache_blocks: Annotated[int, Field(ge=16, le=1_000_000)] = 2048
     # cache_aware: how it chooses among the replicas within max_extra_load. "cost": the one

@@ -447,3 +447,23 @@ def test_replicas_process_streams_a_chat_and_exports_metrics(tmp_path: Path) -> 
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+def test_bench_runs_cache_aware_at_its_defaults_whatever_the_replicas_cache() -> None:
+    """The bench passes no cache geometry to the LB (an index sized to the fake replicas'
+    cache forgot conversations they still partly held: results-2026-12-05c.md); only an
+    --lb-option sets cache_blocks, and only for the policy it names."""
+    import argparse
+
+    sys.path.insert(0, str(LLM))  # run.py imports its neighbours as top-level modules
+    try:
+        run = _load("run")
+    finally:
+        sys.path.remove(str(LLM))
+    args = argparse.Namespace(
+        lb_workers=2, lb_option=[], engine="fake", cache_blocks=1024, block_tokens=16
+    )
+    assert run.lb_options(args, "cache_aware") == {"workers": 2}
+    args.lb_option = ["cache_aware:cache_blocks=4096", "least_load:retries=1"]
+    assert run.lb_options(args, "cache_aware") == {"workers": 2, "cache_blocks": 4096}
+    assert run.lb_options(args, "least_load") == {"workers": 2, "retries": 1}
