@@ -266,6 +266,9 @@ class VllmFleet:
                 "prefix_cache_queries": m.get("vllm:prefix_cache_queries_total", 0.0),
                 "prefix_cache_hits": m.get("vllm:prefix_cache_hits_total", 0.0),
                 "requests": m.get("vllm:request_success_total", 0.0),
+                # Requests vLLM took out of a running batch for want of KV cache (recomputed
+                # later): a cache that cannot hold what runs, not only what is reused.
+                "preemptions": m.get("vllm:num_preemptions_total", 0.0),
             }
 
         return list(await asyncio.gather(*(one(i, u) for i, u in enumerate(self.urls))))

@@ -7,7 +7,9 @@ replicas pushed to its admin port; for each workload (bench/llm/workloads.py) th
 reset, then the workload runs at each load in turn, open loop (Poisson arrivals), through the
 load balancer, streaming:
 
-  TTFT        time to the first SSE event carrying content, p50 / p99
+  TTFT        time to the first SSE event carrying content, p50 / p99 / mean (far past the
+              knee TTFT is bimodal, admitted at once or queued for seconds, and the p50 can
+              fall on either side of the gap: read the mean too)
   e2e         time to the end of the stream, p50 / p99
   req/s tok/s completed requests and output tokens per second
   hit         prefix-cache hit rate: delta of the replicas' vllm:prefix_cache_hits/queries
@@ -473,6 +475,7 @@ def summarize(
 
     queries, hits = sum(delta("prefix_cache_queries")), sum(delta("prefix_cache_hits"))
     requests = delta("requests")
+    preempted = sum(delta("preemptions")) if all("preemptions" in r for r in end) else None
     shares = [n / sum(requests) for n in requests] if sum(requests) else []
     diffs = []
     for t, reps in samples:
@@ -491,11 +494,13 @@ def summarize(
         "warmup_requests": len(records) - len(measured),
         "ttft_p50_ms": pct(ttft, 50) * 1e3,
         "ttft_p99_ms": pct(ttft, 99) * 1e3,
+        "ttft_mean_ms": sum(ttft) / len(ttft) * 1e3 if ttft else math.nan,
         # First turns (a new conversation: where it lands) apart from later ones (where its
         # history is cached, or not).
         "ttft_first_turn_p50_ms": pct(first, 50) * 1e3,
         "ttft_later_turns_p50_ms": pct(later, 50) * 1e3,
         "first_turns": len(first),
+        "preemptions": preempted,  # vLLM's, all replicas (None: the fake model has none)
         "e2e_p50_s": pct(e2e, 50),
         "e2e_p99_s": pct(e2e, 99),
         "throughput_rps": len(ok) / span,
@@ -592,8 +597,9 @@ def ratio(a: float, b: float) -> str:
 
 
 HEADER = (
-    f"{'policy':<24}{'TTFT p50':>9}{'p99':>7}{'e2e p50':>9}{'p99':>6}{'req/s':>7}{'tok/s':>7}"
-    f"{'hit':>6}{'fail':>5}{'share':>7}{'diff':>9}   x LL: TTFT p50    p99 e2e p50  req/s"
+    f"{'policy':<24}{'TTFT p50':>9}{'p99':>7}{'mean':>7}{'e2e p50':>9}{'p99':>6}{'req/s':>7}"
+    f"{'tok/s':>7}{'hit':>6}{'fail':>5}{'share':>7}{'diff':>9}"
+    "   x LL: TTFT p50    p99 e2e p50  req/s"
 )
 
 
@@ -618,6 +624,7 @@ def table(runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> li
             cells = [
                 (fmt(r["ttft_p50_ms"], ".0f"), 9),
                 (fmt(r["ttft_p99_ms"], ".0f"), 7),
+                (fmt(r.get("ttft_mean_ms", math.nan), ".0f"), 7),
                 (fmt(r["e2e_p50_s"], ".2f"), 9),
                 (fmt(r["e2e_p99_s"], ".2f"), 6),
                 (fmt(r["throughput_rps"], ".1f"), 7),
@@ -783,6 +790,7 @@ async def run_workloads(
                 f"{run['completed']}/{run['requests']} ok, hit "
                 f"{run['hit_rate']:.2f}, {span:.1f} s, cpu lb {cpu['lb']:.0f}% "
                 f"replicas {cpu['replicas']:.0f}% driver {cpu['driver']:.0f}%"
+                + ("" if run["preemptions"] is None else f", {run['preemptions']:.0f} preempted")
             )
 
 
@@ -801,6 +809,7 @@ def new_results(args: argparse.Namespace, loads: dict[str, list[float]]) -> dict
         "skipped": {},
         "lb_metrics": {},
         "max_extra_load": {},
+        "choices": {},
     }
 
 
@@ -852,6 +861,7 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         for policy in args.policies:
             base, overrides = split_target(policy)
             options = {**lb_options(args, base), **overrides}
+            start = log_size(procs, policy)
             lb = start_lb(procs, base, options, ports, label=policy)
             if isinstance(lb, str):
                 results["skipped"][policy] = lb
@@ -862,6 +872,9 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             await run_workloads(http, fleet, policy, args, loads, (lb.pid, replicas_pid), results)
             if base == "cache_aware":
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
+            counts = choice_counts(procs, policy, start) if options.get("log_choices") else {}
+            if counts.get("choices"):
+                results["choices"][policy] = counts
             procs.stop(lb.proc)
         if args.routers:
             from engines import start_router
@@ -942,6 +955,7 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                     lb_policy = "cache_aware"
                     options = {**lb_options(args, lb_policy), "kv_events": {}, **overrides}
                     options["tokenizer"] = vllm.model
+                start = log_size(procs, policy)
                 lb = start_lb(procs, lb_policy, options, vllm.ports, label=policy)
                 if isinstance(lb, str):
                     results["skipped"][policy] = lb
@@ -973,6 +987,10 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 and not isinstance(lb, str)
             ):
                 results["lb_metrics"][policy] = lb_choice_metrics(lb)
+            if kind == "fleetserve" and options.get("log_choices"):
+                counts = choice_counts(procs, policy, start)
+                if counts["choices"]:
+                    results["choices"][label] = counts
             procs.stop(stop)
         vllm.stop()
     results["queueing_from"] = queueing_from(
@@ -995,6 +1013,33 @@ def max_extra_load(policy: str, options: dict[str, Any]) -> int | None:
     selector = make_selector(policy, max_extra_load=options.get("max_extra_load"))
     value = getattr(selector, "max_extra_load", None)
     return value if isinstance(value, int) else None
+
+
+def log_size(procs: Procs, label: str) -> int:
+    """How long an LB's log already is (its next run's lines start there)."""
+    path = procs.workdir / f"lb-{label}.log"
+    return path.stat().st_size if path.exists() else 0
+
+
+def choice_counts(procs: Procs, label: str, start: int) -> dict[str, int]:
+    """The choices an LB logged (`log_choices`) past `start` in its log, by why the chosen
+    replica won (fleetserve.policies.cache_aware.CacheAware._why): `match`, `new`, and the
+    moves away from the replica holding the most, by `cost` and by `bound`."""
+    counts = {"choices": 0, "match": 0, "new": 0, "cost": 0, "bound": 0}
+    with open(procs.workdir / f"lb-{label}.log", "rb") as f:
+        f.seek(start)
+        for line in f:
+            _, sep, rest = line.partition(b" choice {")
+            if not sep:
+                continue
+            try:
+                why = json.loads(b"{" + rest)["why"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            counts["choices"] += 1
+            if why in counts:
+                counts[why] += 1
+    return counts
 
 
 def lb_choice_metrics(lb: Lb) -> dict[str, float]:
@@ -1057,6 +1102,13 @@ def report(results: dict[str, Any]) -> None:
             f"{found['extra_load_max']:g} more requests in flight than the least loaded one "
             f"(max_extra_load {threshold}); its prefix index matched "
             f"{100 * found.get('index_match_rate', 0):.0f}% of the prompt blocks it routed"
+        )
+    for label, c in results.get("choices", {}).items():
+        with_history = c["choices"] - c["new"]
+        print(
+            f"{label}: of {c['choices']} choices logged, {with_history} of prompts some replica "
+            f"held part of; {c['cost'] + c['bound']} went elsewhere than the replica that held "
+            f"the most ({c['cost']} by the cost rule, {c['bound']} by max_extra_load)"
         )
     for policy, why in results["skipped"].items():
         print(f"{policy}: skipped: {why}")

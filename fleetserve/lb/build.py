@@ -3,6 +3,7 @@ controller), the TLS context, the number of worker processes, its connection lim
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -22,6 +23,14 @@ from fleetserve.policies.factory import PreciseParts, make_selector, selector_fo
 from fleetserve.spec.models import LoadBalancerOptions
 
 log = logging.getLogger("fleetserve.lb")
+choices_log = logging.getLogger("fleetserve.lb.choices")
+
+
+def log_choice(why: dict[str, object]) -> None:
+    """One line of the choice log (`load_balancer.log_choices`)."""
+    choices_log.info("choice %s", json.dumps(why, separators=(",", ":")))
+
+
 # File descriptors kept out of the connection budget: listening sockets, the admin API, logs,
 # the workers' channels, and idle pooled replica connections (up to 256 per replica).
 FD_RESERVE = 1024
@@ -123,6 +132,8 @@ def make_proxy(config: LbConfig, worker: int = 0, clock: Monotonic | None = None
     proxy = Proxy(config, replicas, wake=wake, max_connections=limit, clock=clock)
     if caps.reports_choices is not None:
         caps.reports_choices.on_choice = proxy.metrics.prompt_blocks
+        if config.options.log_choices:
+            caps.reports_choices.explain = log_choice
     if precise is not None:
         if isinstance(replicas.selector, PreciseCacheAware):
             replicas.selector.blended.on_precise = proxy.metrics.precise_tokens

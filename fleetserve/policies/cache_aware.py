@@ -312,6 +312,8 @@ class CacheAware:
         # each choice (the replica and the prompt's keys, () without a prompt), and their
         # in-flight counts added up, per replica (added to this process's own).
         self.on_record: Callable[[int, tuple[int, ...]], None] | None = None
+        # Told why each choice with a prompt was made (`load_balancer.log_choices`): `_why`.
+        self.explain: Callable[[dict[str, object]], None] | None = None
         self.peer_inflight: dict[int, int] = {}
         self._keyed: hashlib.blake2b | None = None
 
@@ -400,6 +402,8 @@ class CacheAware:
                 # Nobody holds any of it: the least loaded, ties broken by the hash.
                 idle = [rid for rid in within if inflight.get(rid, 0) == least]
                 choice = self._tie(key, candidates, idle)
+        if self.explain is not None:
+            self.explain(self._why(keys, eligible, within, inflight, choice))
         self.index.record(choice, keys)
         if self.on_record is not None:
             self.on_record(choice, keys)
@@ -407,12 +411,51 @@ class CacheAware:
             self.on_choice(depth, len(keys), inflight.get(choice, 0) - least)
         return choice
 
+    def _why(
+        self,
+        keys: Sequence[int],
+        eligible: Sequence[int],
+        within: Sequence[int],
+        inflight: Mapping[int, int],
+        choice: int,
+    ) -> dict[str, object]:
+        """One choice, for the choice log: the prompt's blocks, each eligible replica's
+        matched blocks, requests in flight and prompt blocks queued (and its cost under the
+        cost rule; `null`: passed over by max_extra_load), and why the chosen one won:
+        `match` (it holds the most of the prompt, or shares the most with others), `cost`
+        (another holds more, but its queue cost more), `bound` (the one that holds the most
+        was max_extra_load busier than the least loaded), `new` (nobody holds any of it)."""
+        depths = self.index.depths(keys, eligible)
+        deepest = max(depths.values())
+        allowed = set(within)
+        replicas = {}
+        for rid in eligible:
+            queued = self._backlog(rid)
+            cost = None
+            if rid in allowed and self.choice == "cost":
+                cost = round(
+                    len(keys) - depths[rid] + self.load_weight * self._queue(rid, inflight), 2
+                )
+            replicas[str(rid)] = [round(depths[rid]), inflight.get(rid, 0), queued, cost]
+        if not deepest:
+            why = "new"
+        elif depths[choice] >= deepest:
+            why = "match"
+        elif any(depths[r] >= deepest for r in within):
+            why = "cost"
+        else:
+            why = "bound"
+        return {"replica": choice, "blocks": len(keys), "why": why, "replicas": replicas}
+
+    def _backlog(self, rid: int) -> int:
+        """The prompt blocks a replica still prefills for requests not yet answered."""
+        return self.prefilling.get(rid, 0) + self.peer_prefilling.get(rid, 0)
+
     def _queue(self, rid: int, inflight: Mapping[int, int]) -> float:
         """What waits on a replica before a new prompt's prefill, in prompt blocks: the blocks
         it still prefills for requests not yet answered (this process's and the others') and
         `decode_weight` per request in flight."""
-        queued = self.prefilling.get(rid, 0) + self.peer_prefilling.get(rid, 0)
-        return queued + self.decode_weight * inflight.get(rid, 0)
+        return self._backlog(rid) + self.decode_weight * inflight.get(rid, 0)
 
     def _by_load(
         self, candidates: Sequence[int], inflight: Mapping[int, int], exclude: frozenset[int]

@@ -81,6 +81,8 @@ ChoiceReport = Callable[[int, int, int], None]
 @runtime_checkable
 class ReportsChoices(Protocol):
     on_choice: ChoiceReport | None
+    # Told why each choice was made (one dict a choice, for the LB's choice log), when set.
+    explain: Callable[[dict[str, object]], None] | None
 
 
 @runtime_checkable

@@ -428,6 +428,10 @@ class LoadBalancerOptions(_Strict):
     cache_choice: Literal["cost", "match"] = "cost"
     cache_decode_weight: Annotated[float, Field(ge=0, le=1000)] = 1.0
     cache_load_weight: Annotated[float, Field(ge=0, le=1000)] = 0.25
+    # cache_aware: log each choice with a prompt (one JSON line: each replica's matched blocks,
+    # load, queued blocks and cost, and why the chosen one won) in the LB's log. A debug aid:
+    # a line a request (docs/load-balancer.md).
+    log_choices: bool = False
     # cache_aware: a request body up to this size is read before choosing (larger: its head).
     cache_max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024)] = 256 * 1024
     # cache_aware: read each replica's Prometheus metrics this often (vLLM, SGLang and TGI

@@ -467,3 +467,34 @@ def test_bench_runs_cache_aware_at_its_defaults_whatever_the_replicas_cache() ->
     args.lb_option = ["cache_aware:cache_blocks=4096", "least_load:retries=1"]
     assert run.lb_options(args, "cache_aware") == {"workers": 2, "cache_blocks": 4096}
     assert run.lb_options(args, "least_load") == {"workers": 2, "retries": 1}
+
+
+def test_bench_counts_the_logged_choices_of_each_run(tmp_path: Path) -> None:
+    """bench/llm reads an LB's choice log (`log_choices`) from where its run began: the lines
+    of an earlier run in the same log, other lines and a damaged one are not counted."""
+    sys.path.insert(0, str(LLM))
+    try:
+        run = _load("run")
+    finally:
+        sys.path.remove(str(LLM))
+    procs = run.Procs(tmp_path)
+    path = tmp_path / "lb-cache_aware.log"
+
+    def line(why: str) -> str:
+        rec = {"replica": 1, "blocks": 9, "why": why, "replicas": {"1": [9, 0, 0, 0.0]}}
+        return f"2026-12-05 11:44:35,167 INFO [w1] choice {json.dumps(rec)}\n"
+
+    path.write_text(line("cost") * 3)  # an earlier run's
+    start = run.log_size(procs, "cache_aware")
+    with path.open("a") as f:
+        f.write(line("new") + line("match") * 4 + line("cost") * 2 + line("bound"))
+        f.write("2026-12-05 11:44:36,000 INFO [w0] replicas: 2 routable\n")
+        f.write('2026-12-05 11:44:36,001 INFO [w0] choice {"replica": 1, "bl\n')
+    assert run.choice_counts(procs, "cache_aware", start) == {
+        "choices": 8,
+        "match": 4,
+        "new": 1,
+        "cost": 2,
+        "bound": 1,
+    }
+    assert run.log_size(procs, "nothing-yet") == 0

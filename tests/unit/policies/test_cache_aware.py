@@ -520,3 +520,44 @@ def test_equal_costs_go_to_the_less_loaded_replica() -> None:
     load = {1: 4, 2: 0, 3: 4}
     for i in range(10):
         assert sel.select([1, 2, 3], load, frozenset(), key_of(sel, chat(f"new {i} " * 20))) == 2
+
+
+def test_each_choice_is_explained_when_asked() -> None:
+    """The choice log's record: every eligible replica's matched blocks, load, queued blocks
+    and cost, and why the chosen one won (a new prompt, the history, the queue, the bound)."""
+    sel = CacheAware(block_chars=32, max_extra_load=3, load_weight=1.0)
+    told: list[dict[str, object]] = []
+    sel.explain = told.append
+    load = {1: 0, 2: 0}
+    home = sel.select([1, 2], load, frozenset(), key_of(sel, history(3)))
+    assert home is not None
+    away = 2 if home == 1 else 1
+    assert told[-1]["why"] == "new" and told[-1]["replica"] == home
+    later = key_of(sel, history(4))
+    assert sel.select([1, 2], load, frozenset(), later) == home
+    rec = told[-1]
+    assert rec["why"] == "match" and rec["blocks"] == len(later.blocks)
+    replicas = rec["replicas"]
+    assert isinstance(replicas, dict) and replicas[str(away)][0] == 0 < replicas[str(home)][0]
+    sel.prefilling[home] = 10 * len(later.blocks)  # the queue outweighs the history
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(5))) == away
+    rec = told[-1]
+    assert rec["why"] == "cost"
+    assert (
+        isinstance(rec["replicas"], dict) and rec["replicas"][str(home)][2] == sel.prefilling[home]
+    )
+    sel.prefilling.clear()
+    load[away] = 5  # past the bound: the one holding the most of history(6) is passed over
+    load[home] = 0
+    sel.select([1, 2], load, frozenset(), key_of(sel, history(6)))
+    load[away], load[home] = 0, 3
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(7))) == away
+    rec = told[-1]
+    assert rec["why"] == "bound" and isinstance(rec["replicas"], dict)
+    assert rec["replicas"][str(home)][3] is None  # passed over: no cost
+    # Match choice: no costs, the same reasons.
+    sel2 = CacheAware(block_chars=32, choice="match")
+    sel2.explain = told.append
+    sel2.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(sel2, history(3)))
+    assert told[-1]["why"] == "new"
+    assert all(v[3] is None for v in told[-1]["replicas"].values())  # type: ignore[union-attr]
