@@ -236,6 +236,11 @@ async def serve_worker(
         elif is_share(msg):
             if share is not None:
                 share.apply(msg)
+        elif msg.get("op") == "stop":  # the primary stops (or retires) us: not its death
+            if not stopping:
+                stopping = True
+                drain = drain_for(config, signal.SIGQUIT if msg.get("retire") else signal.SIGTERM)
+            break
         elif msg.get("op") == "start" and not serving:
             serving = True
             await listen()

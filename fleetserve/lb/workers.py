@@ -306,6 +306,11 @@ class Supervisor:
                 link.reading.cancel()
             if link.proc.poll() is None:  # a stop, not a crash: the worker drains and goes
                 quit_ = retire and link.index not in unready
+                # Said on the channel first: a worker that saw the channel close before its
+                # signal took it for its primary's death and went on serving the old settings
+                # (for LINGER_SECONDS, on the primary's sockets too) beside the new load balancer.
+                if not channel_full(link.writer):
+                    link.writer.write(json.dumps({"op": "stop", "retire": quit_}).encode() + b"\n")
                 link.proc.send_signal(signal.SIGQUIT if quit_ else signal.SIGTERM)
             link.writer.close()
 

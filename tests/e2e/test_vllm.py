@@ -1,8 +1,8 @@
 """Real vLLM behind fleetserve: examples/vllm/service.yaml as a user runs it, on the testbed
 (vLLM's CPU build in .venv-vllm and a small model made offline: ./scripts/llm/setup.sh, which
 scripts/test.sh runs). One fleet of 2 replicas for the whole module (a vLLM start costs a
-minute on 2 cores); the tests run in file order and the last two change the fleet (an update,
-then a kill)."""
+minute on 2 cores); the tests run in file order and the last four change the fleet (an
+update, a kill, then two changes of the load balancer's settings in place)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from tests.e2e.vllm_testbed import REPO, vllm_testbed
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 EXAMPLE = REPO / "examples" / "vllm" / "service.yaml"
+MAX_NUM_SEQS = 4
 NAME = "vllm"
 WORDS = [
     "the",
@@ -57,8 +58,9 @@ WORDS = [
 
 def env_args(python: Path, model: str, *more: str) -> list[str]:
     args = ["--env", f"MODEL={model}", "--env", f"VLLM_PYTHON={python}"]
-    # Eager mode: no torch.compile at start (a minute less per replica on 2 cores).
-    args += ["--env", "VLLM_EXTRA_ARGS=--enforce-eager"]
+    # Eager mode: no torch.compile at start (a minute less per replica on 2 cores). A batch of
+    # at most MAX_NUM_SEQS requests: more wait in vLLM's queue (the last test moves them).
+    args += ["--env", f"VLLM_EXTRA_ARGS=--enforce-eager --max-num-seqs {MAX_NUM_SEQS}"]
     for item in more:
         args += ["--env", item]
     return args
@@ -144,7 +146,9 @@ def block_size(url: str) -> int:
     raise AssertionError("vLLM's /metrics has no vllm:cache_config_info{block_size=...}")
 
 
-def stream_chat(served: Served, max_tokens: int = 48) -> list[tuple[float, bytes]]:
+def stream_chat(
+    served: Served, max_tokens: int = 48, headers: dict[str, str] | None = None
+) -> list[tuple[float, bytes]]:
     """One streamed chat answer of `max_tokens` tokens: each `data:` line and when it
     arrived."""
     body = {
@@ -158,7 +162,10 @@ def stream_chat(served: Served, max_tokens: int = 48) -> list[tuple[float, bytes
     }
     conn = http.client.HTTPConnection(*served.hostport, timeout=120)
     conn.request(
-        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(body),
+        {"Content-Type": "application/json", **(headers or {})},
     )
     resp = conn.getresponse()
     assert resp.status == 200
@@ -458,3 +465,94 @@ def test_new_lb_settings_do_not_cut_streams_in_progress(served: Served, tmp_path
     log = served.fleet.cli("logs", "--no-follow", NAME, "--load-balancer").stdout
     assert "retired for a new load balancer" in log
     assert chat(served, [{"role": "user", "content": "after"}])["choices"]
+
+
+def lb_moved(served: Served) -> float:
+    """fleetserve_lb_requests_moved_total, all replicas (waiting up to 30 s for a load
+    balancer that new settings just replaced to answer)."""
+    deadline = time.monotonic() + 30
+    while True:
+        url, secret = lb_admin(served)
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                text = r.read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("fleetserve_lb_requests_moved_total{")
+    )
+
+
+def test_requests_waiting_in_vllms_queue_move_to_the_replica_with_room(
+    served: Served, tmp_path: Path
+) -> None:
+    """`move_waiting_requests` on real vLLM: the sticky policy sends one session's requests
+    to one replica, whose batch holds MAX_NUM_SEQS of them; the others wait in vLLM's queue
+    (vllm:num_requests_waiting) while the other replica has none. The LB moves waiting ones
+    there: both replicas answer some, every answer is whole, none fails."""
+    served.fleet.wait_for("both vLLM replicas READY", lambda: len(served.ready()) == 2, 600)
+    current = served.fleet.client().service(NAME)
+    envs = ["SERVED_MODEL_NAME=tiny"] + (["ROLLOUT=2"] if current.active_version > 1 else [])
+    changed = tmp_path / "service.yaml"
+    changed.write_text(
+        EXAMPLE.read_text()
+        .replace("load_balancing_policy: cache_aware", "load_balancing_policy: sticky")
+        .replace(
+            "    replica_metrics_seconds: 1",
+            "    replica_metrics_seconds: 1\n    move_waiting_requests: true",
+        )
+    )
+
+    def retired() -> int:
+        log = served.fleet.cli("logs", "--no-follow", NAME, "--load-balancer").stdout
+        return log.count("retired for a new load balancer")
+
+    before = retired()
+    out = served.fleet.cli(
+        "update",
+        NAME,
+        str(changed),
+        *env_args(served.python, served.model, *envs),
+        timeout=300,
+        cwd=REPO,
+    )
+    assert "the replicas moved to it in place" in out.stdout, out.stdout
+    # Until the old load balancer stops accepting, a request may still reach it (cache_aware).
+    served.fleet.wait_for("the old load balancer retired", lambda: retired() > before, 60)
+    replicas = served.ready()
+    done = {rid: vllm_metrics(url)["vllm:request_success_total"] for rid, url in replicas.items()}
+    moved = lb_moved(served)
+    results: list[list[tuple[float, bytes]]] = []
+    errors: list[str] = []
+    session = {"X-Session-Id": "one-session"}
+
+    def one() -> None:
+        try:
+            results.append(stream_chat(served, max_tokens=300, headers=session))
+        except Exception as e:  # the test fails on it below
+            errors.append(repr(e))
+
+    clients = [threading.Thread(target=one) for _ in range(2 * MAX_NUM_SEQS)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(300)
+    assert errors == [], errors
+    assert len(results) == 2 * MAX_NUM_SEQS
+    for events in results:
+        assert events[-1][1] == b"data: [DONE]"
+        assert json.loads(events[-2][1][6:])["usage"]["completion_tokens"] == 300
+    served_by = {
+        rid: vllm_metrics(url)["vllm:request_success_total"] - done[rid]
+        for rid, url in replicas.items()
+    }
+    assert sum(served_by.values()) == 2 * MAX_NUM_SEQS, served_by
+    assert min(served_by.values()) >= 1, served_by  # sticky alone would give one replica all
+    log = served.fleet.cli("logs", "--no-follow", NAME, "--load-balancer").stdout
+    assert lb_moved(served) - moved >= 1, (served_by, log[-3000:])

@@ -15,12 +15,15 @@ from fleetserve.lb.config import LbConfig
 
 
 async def start_lb_process(
-    config: LbConfig, tmp_path: Path, module: str = "fleetserve.lb"
+    config: LbConfig, tmp_path: Path, module: str = "fleetserve.lb", new_session: bool = False
 ) -> subprocess.Popen[bytes]:
-    """`python -m MODULE --config FILE`, returned once its admin API answers."""
+    """`python -m MODULE --config FILE`, returned once its admin API answers; with
+    `new_session`, in a session of its own, as the controller starts it."""
     path = tmp_path / "lb.json"
     config.write(path)
-    proc = subprocess.Popen([sys.executable, "-m", module, "--config", str(path)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--config", str(path)], start_new_session=new_session
+    )
     async with aiohttp.ClientSession() as s:
         for _ in range(100):
             try:

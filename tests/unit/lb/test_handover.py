@@ -23,6 +23,7 @@ from fleetserve.lb import handover
 from fleetserve.lb.build import tls_context
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.handover import HandoverServer, arrange, handover_name, take
+from fleetserve.lb.messages import RoutableReplica
 from fleetserve.lb.proxy import Proxy, listening_sockets
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.factory import make_selector
@@ -67,7 +68,8 @@ def _stop(proc: subprocess.Popen[bytes], workers: list[psutil.Process]) -> None:
     proc.kill()
     proc.wait(10)
     for w in workers:
-        w.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):  # (gone already: a drain ended)
+            w.kill()
 
 
 async def test_a_replacing_load_balancer_serves_what_waits_in_the_old_ones_queues(
@@ -504,3 +506,52 @@ async def test_a_stop_after_a_retirement_cuts_its_drain_to_a_stops(
         assert not any(b.endswith(b"data: [DONE]\n\n") for b in bodies)  # cut, as a stop cuts
     finally:
         _stop(proc, [w for w in workers if w.is_running()])
+
+
+async def test_a_retired_load_balancer_takes_no_new_connection_while_it_drains(
+    start: Start, tmp_path: Path
+) -> None:
+    """New settings: the new load balancer takes the old one's sockets, the old one is retired
+    (SIGQUIT) with requests in progress. From then on every new connection reaches the new
+    one, none an old worker (which used to take its channel's close for its primary's death
+    and serve the old settings 5 s more, on the primary's sockets too)."""
+    urls = {name: f"http://127.0.0.1:{await start(upstream_app(name))}" for name in ("old", "new")}
+    port = closed_port()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    workers: list[psutil.Process] = []
+
+    async def post(path: str) -> str:
+        async with (
+            aiohttp.ClientSession() as s,  # a new connection each
+            s.post(f"http://127.0.0.1:{port}{path}", json={}) as r,
+        ):
+            assert r.status == 200
+            return str((await r.json())["replica"])
+
+    try:
+        for name in ("old", "new"):
+            config = _lb("svc", port).model_copy(
+                update={
+                    "drain_seconds": 30.0,
+                    "replicas": [RoutableReplica(replica_id=1, url=urls[name])],
+                }
+            )
+            procs[name] = await start_lb_process(config, tmp_path / name, new_session=True)
+            workers += await wait_workers(procs[name])
+            await _ready(config)
+            if name == "old":  # in progress at the old one when it is retired
+                slow = [asyncio.ensure_future(post("/slow")) for _ in range(4)]
+                await asyncio.sleep(0.5)
+        procs["old"].send_signal(signal.SIGQUIT)
+        await asyncio.sleep(1.5)
+        replicas = await asyncio.gather(*(post("/x") for _ in range(40)))
+        assert replicas == ["new"] * 40, replicas
+        assert all(not t.done() for t in slow)  # still draining at the old one meanwhile
+        for t in slow:
+            t.cancel()
+    finally:
+        for proc in procs.values():
+            _stop(proc, [])
+        for w in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.kill()

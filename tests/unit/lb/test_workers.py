@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -500,3 +501,48 @@ async def test_a_worker_outlives_a_killed_primary_that_left_its_batches_unread(
         _, alive = psutil.wait_procs([worker], timeout=15)
         for w in alive:
             w.kill()
+
+
+def test_a_worker_told_to_stop_on_its_channel_does_not_linger_as_for_a_dead_primary(
+    tmp_path: Path,
+) -> None:
+    """A worker whose control channel closes without a word takes its primary for dead and
+    serves LINGER_SECONDS more (the controller is starting a new primary). A primary that
+    stops or retires says so on the channel first: the worker then stops listening at once
+    and, with nothing in progress, exits. (Told only by the signal, a worker that saw the
+    channel close first lingered, and a retired load balancer's workers served the old
+    settings beside the new load balancer for 5 s.)"""
+    from fleetserve.lb.__main__ import LINGER_SECONDS
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    config = LbConfig(service="svc", port=listener.getsockname()[1], admin_port=closed_port())
+    path = tmp_path / "lb.json"
+    config.write(path)
+    exits = {}
+    for told in (True, False):
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "fleetserve.lb", "--config", str(path), "--worker", "1"),
+                *("--control-fd", str(theirs.fileno())),
+                *("--listen-fds", str(listener.fileno())),
+            ],
+            pass_fds=[theirs.fileno(), listener.fileno()],
+        )
+        theirs.close()
+        try:
+            ours.sendall(b'{"op": "start"}\n')
+            ours.settimeout(30)
+            assert json.loads(ours.makefile("rb").readline()) == {"op": "ready"}
+            if told:
+                ours.sendall(b'{"op": "stop", "retire": true}\n')
+            began = time.monotonic()
+            ours.close()
+            try:
+                proc.wait(LINGER_SECONDS + 5)
+            finally:
+                exits[told] = time.monotonic() - began
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert exits[True] < LINGER_SECONDS / 2 < LINGER_SECONDS <= exits[False], exits
