@@ -1025,20 +1025,24 @@ def choice_counts(procs: Procs, label: str, start: int) -> dict[str, int]:
     """The choices an LB logged (`log_choices`) past `start` in its log, by why the chosen
     replica won (fleetserve.policies.cache_aware.CacheAware._why): `match`, `new`, and the
     moves away from the replica holding the most, by `cost` and by `bound`."""
-    counts = {"choices": 0, "match": 0, "new": 0, "cost": 0, "bound": 0}
-    with open(procs.workdir / f"lb-{label}.log", "rb") as f:
-        f.seek(start)
-        for line in f:
-            _, sep, rest = line.partition(b" choice {")
-            if not sep:
-                continue
-            try:
-                why = json.loads(b"{" + rest)["why"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            counts["choices"] += 1
-            if why in counts:
-                counts[why] += 1
+    reasons = ("match", "new", "cost", "bound")
+    counts = dict.fromkeys(("choices", *reasons), 0)
+    try:
+        with open(procs.workdir / f"lb-{label}.log", "rb") as f:
+            f.seek(start)
+            for line in f:
+                _, sep, rest = line.partition(b" choice {")
+                if not sep:
+                    continue
+                try:
+                    why = json.loads(b"{" + rest)["why"]
+                except (ValueError, KeyError, TypeError, RecursionError):
+                    continue
+                if isinstance(why, str) and why in reasons:
+                    counts["choices"] += 1
+                    counts[why] += 1
+    except OSError:  # no log: nothing logged
+        pass
     return counts
 
 

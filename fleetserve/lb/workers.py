@@ -160,6 +160,11 @@ class Supervisor:
         proc = subprocess.Popen(cmd, pass_fds=[*fds, *own, *primary], env=env)
         child_end.close()
         reader, writer = await asyncio.open_connection(sock=parent_end, limit=CHANNEL_LIMIT)
+        if self._stopping:  # stopped meanwhile: this one never serves
+            proc.kill()
+            writer.close()
+            await asyncio.to_thread(proc.wait)
+            return
         link = _Link(index, proc, reader, writer)
         self.links[index] = link
         link.reading = asyncio.get_running_loop().create_task(self._read_loop(link))
@@ -309,10 +314,16 @@ class Supervisor:
                 # Said on the channel first: a worker that saw the channel close before its
                 # signal took it for its primary's death and went on serving the old settings
                 # (for LINGER_SECONDS, on the primary's sockets too) beside the new load balancer.
-                if not channel_full(link.writer):
-                    link.writer.write(json.dumps({"op": "stop", "retire": quit_}).encode() + b"\n")
+                link.writer.write(json.dumps({"op": "stop", "retire": quit_}).encode() + b"\n")
                 link.proc.send_signal(signal.SIGQUIT if quit_ else signal.SIGTERM)
-            link.writer.close()
+            # A half-close: the worker reads what was sent, then the end. (Closed with bytes of
+            # the worker's still unread, the channel would be reset, and a worker busy at that
+            # instant would get the reset before the lines waiting in its buffer.)
+            if link.writer.can_write_eof():
+                with contextlib.suppress(OSError):
+                    link.writer.write_eof()
+            else:
+                link.writer.close()
 
         async def reap(proc: subprocess.Popen[bytes]) -> None:
             try:
@@ -321,6 +332,8 @@ class Supervisor:
                 proc.kill()
 
         await asyncio.gather(*(reap(link.proc) for link in self.links.values()))
+        for link in self.links.values():
+            link.writer.close()
 
 
 def _add_counts(a: list[int], b: list[int]) -> list[int]:

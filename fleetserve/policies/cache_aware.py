@@ -425,7 +425,15 @@ class CacheAware:
         `match` (it holds the most of the prompt, or shares the most with others), `cost`
         (another holds more, but its queue cost more), `bound` (the one that holds the most
         was max_extra_load busier than the least loaded), `new` (nobody holds any of it)."""
-        depths = self.index.depths(keys, eligible)
+        # (Without the precise index's report of its match: the choice made it already.)
+        hook = getattr(self.index, "on_precise", None)
+        if hook is not None:
+            self.index.on_precise = None  # type: ignore[attr-defined]
+        try:
+            depths = self.index.depths(keys, eligible)
+        finally:
+            if hook is not None:
+                self.index.on_precise = hook  # type: ignore[attr-defined]
         deepest = max(depths.values())
         allowed = set(within)
         replicas = {}

@@ -490,6 +490,9 @@ def test_bench_counts_the_logged_choices_of_each_run(tmp_path: Path) -> None:
         f.write(line("new") + line("match") * 4 + line("cost") * 2 + line("bound"))
         f.write("2026-12-05 11:44:36,000 INFO [w0] replicas: 2 routable\n")
         f.write('2026-12-05 11:44:36,001 INFO [w0] choice {"replica": 1, "bl\n')
+        deep = '{"a": ' + "[" * 100_000
+        for odd in ('{"why": [1]}', '{"why": "choices"}', deep, '{"why": null}'):
+            f.write(f"2026-12-05 11:44:36,002 INFO [w0] choice {odd}\n")
     assert run.choice_counts(procs, "cache_aware", start) == {
         "choices": 8,
         "match": 4,
@@ -498,3 +501,4 @@ def test_bench_counts_the_logged_choices_of_each_run(tmp_path: Path) -> None:
         "bound": 1,
     }
     assert run.log_size(procs, "nothing-yet") == 0
+    assert run.choice_counts(procs, "nothing-yet", 0)["choices"] == 0  # no log: none

@@ -93,3 +93,24 @@ def test_an_engine_match_never_counts_more_blocks_than_the_prompt_has() -> None:
         assert p.blended.match(longer.blocks, [1, 2]) == (4, [1])
     finally:
         p.blended.request = None
+
+
+def test_the_choice_log_does_not_count_the_precise_match_twice() -> None:
+    """`log_choices` reads each replica's match again for its line; the precise index's
+    report of its match (the LB's fleetserve_lb_precise_* counters) still comes once a
+    choice."""
+    reports: dict[bool, list[tuple[int, int]]] = {}
+    for logged in (False, True):
+        p, kv = policy()
+        kv.set_trust(1, Trust.LIVE)
+        store(kv, 1, 8)
+        told: list[tuple[int, int]] = []
+        p.blended.on_precise = lambda matched, of, told=told: told.append((matched, of))
+        lines: list[dict[str, object]] = []
+        if logged:
+            p.explain = lines.append
+        for _ in range(3):
+            assert p.select([1, 2], {}, frozenset(), key()) == 1
+        assert len(lines) == (3 if logged else 0)
+        reports[logged] = told
+    assert reports[True] == reports[False] and len(reports[True]) == 3
