@@ -18,6 +18,8 @@ RUNS = [
     HERE / "T1.json.gz",
     HERE / "T3.json.gz",
 ]
+# At the goal's load (least_load's TTFT p50 3.9-5.8x unloaded): R2 and T4.
+GOAL_RUNS = [HERE.parent / "results-2026-12-05c" / "R2.json.gz", HERE / "T4.json.gz"]
 FAST_MS = 500
 
 
@@ -39,13 +41,13 @@ def figures(run: dict) -> dict[str, float]:
     }
 
 
-def rounds() -> None:
+def rounds(runs: list[Path], title: str) -> None:
     print(
-        "TTFT ms, cache_aware (defaults) / sglang-router / least_load; "
+        f"\n{title}: TTFT ms, cache_aware (defaults) / sglang-router / least_load; "
         f"fast: share under {FAST_MS} ms"
     )
     rows = []
-    for path in RUNS:
+    for path in runs:
         by = {}
         for run in load(path)["runs"]:
             policy, _, rnd = run["policy"].partition(" #")
@@ -95,5 +97,6 @@ def choices() -> None:
 
 
 if __name__ == "__main__":
-    rounds()
+    rounds(RUNS, "Far past the knee (Q2, Q3, T1, T3)")
+    rounds(GOAL_RUNS, "At the goal's load (R2, T4)")
     choices()
