@@ -617,6 +617,13 @@ class ServiceSection(_Strict):
             )
         if lb.kv_events is not None and lb.data_plane == "nginx":
             raise ValueError("load_balancer.kv_events needs data_plane: python")
+        if lb.log_choices and (
+            self.load_balancing_policy != "cache_aware" or lb.data_plane == "nginx"
+        ):
+            raise ValueError(
+                "load_balancer.log_choices logs cache_aware's choices: it needs "
+                "load_balancing_policy: cache_aware and data_plane: python"
+            )
         if lb.move_waiting_requests and lb.data_plane == "nginx":
             raise ValueError("load_balancer.move_waiting_requests needs data_plane: python")
         if lb.move_waiting_requests and lb.max_attempts < 2:

@@ -80,3 +80,20 @@ async def test_each_cache_aware_choice_is_logged_with_its_reason(
     other = second["replicas"][str(3 - int(second["replica"]))]
     assert held[0] > other[0] == 0 and held[0] < second["blocks"]
     assert held[3] < other[3]
+
+
+def test_the_option_is_refused_where_it_would_log_nothing() -> None:
+    """log_choices logs cache_aware's choices: with another policy, or on nginx, a clear error
+    instead of a setting that silently does nothing."""
+    from fleetserve.spec.loader import InvalidSpec, parse_spec
+
+    yaml = (
+        "service:\n  readiness_probe: /\n  replicas: 1\n  load_balancing_policy: {policy}\n"
+        "  load_balancer:\n    log_choices: true\n    data_plane: {plane}\n"
+        "run: python -m http.server $PORT\n"
+    )
+    spec = parse_spec(yaml.format(policy="cache_aware", plane="python"))
+    assert spec.service is not None and spec.service.load_balancer.log_choices
+    for policy, plane in (("least_load", "python"), ("cache_aware", "nginx")):
+        with pytest.raises(InvalidSpec, match="log_choices logs cache_aware's choices"):
+            parse_spec(yaml.format(policy=policy, plane=plane))
