@@ -403,7 +403,8 @@ class CacheAware:
                 idle = [rid for rid in within if inflight.get(rid, 0) == least]
                 choice = self._tie(key, candidates, idle)
         if self.explain is not None:
-            self.explain(self._why(keys, eligible, within, inflight, choice))
+            costs = cost if self.choice == "cost" else None
+            self.explain(self._why(keys, eligible, inflight, choice, costs))
         self.index.record(choice, keys)
         if self.on_record is not None:
             self.on_record(choice, keys)
@@ -415,9 +416,9 @@ class CacheAware:
         self,
         keys: Sequence[int],
         eligible: Sequence[int],
-        within: Sequence[int],
         inflight: Mapping[int, int],
         choice: int,
+        costs: Mapping[int, float] | None,
     ) -> dict[str, object]:
         """One choice, for the choice log: the prompt's blocks, each eligible replica's
         matched blocks, requests in flight and prompt blocks queued (and its cost under the
@@ -435,21 +436,22 @@ class CacheAware:
             if hook is not None:
                 self.index.on_precise = hook  # type: ignore[attr-defined]
         deepest = max(depths.values())
-        allowed = set(within)
+        # `costs`: the cost rule's, of the replicas within max_extra_load (the others: None).
+        within = costs if costs is not None else {}
         replicas = {}
         for rid in eligible:
-            queued = self._backlog(rid)
-            cost = None
-            if rid in allowed and self.choice == "cost":
-                cost = round(
-                    len(keys) - depths[rid] + self.load_weight * self._queue(rid, inflight), 2
-                )
-            replicas[str(rid)] = [round(depths[rid]), inflight.get(rid, 0), queued, cost]
+            cost = within.get(rid)
+            replicas[str(rid)] = [
+                round(depths[rid]),
+                inflight.get(rid, 0),
+                self._backlog(rid),
+                None if cost is None else round(cost, 2),
+            ]
         if not deepest:
             why = "new"
         elif depths[choice] >= deepest:
             why = "match"
-        elif any(depths[r] >= deepest for r in within):
+        elif costs is not None and any(depths[r] >= deepest for r in costs):
             why = "cost"
         else:
             why = "bound"

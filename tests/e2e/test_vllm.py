@@ -261,11 +261,41 @@ def lb_admin(served: Served) -> tuple[str, str]:
     return f"http://127.0.0.1:{cfg['admin_port']}/metrics", str(cfg["admin_secret"])
 
 
+def lb_metrics_text(served: Served) -> str:
+    """The load balancer's /metrics (waiting up to 30 s for one that new settings just
+    replaced to answer)."""
+    deadline = time.monotonic() + 30
+    while True:
+        url, secret = lb_admin(served)
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return str(r.read().decode())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def update_in_place(served: Served, path: Path, yaml: str) -> None:
+    """`fleetserve update` with `yaml` (the example with other load-balancer settings),
+    applied in place: the vLLM replicas stay."""
+    current = served.fleet.client().service(NAME)
+    envs = ["SERVED_MODEL_NAME=tiny"] + (["ROLLOUT=2"] if current.active_version > 1 else [])
+    path.write_text(yaml)
+    out = served.fleet.cli(
+        "update",
+        NAME,
+        str(path),
+        *env_args(served.python, served.model, *envs),
+        timeout=300,
+        cwd=REPO,
+    )
+    assert "the replicas moved to it in place" in out.stdout, out.stdout  # vLLM not restarted
+
+
 def reported_loads(served: Served) -> dict[str, float]:
-    url, secret = lb_admin(served)
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        text = r.read().decode()
+    text = lb_metrics_text(served)
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("fleetserve_lb_replica_reported_load{"):
@@ -419,14 +449,9 @@ def test_new_lb_settings_do_not_cut_streams_in_progress(served: Served, tmp_path
     """An update of the load balancer's settings only (applied in place: the vLLM replicas
     stay) while long answers stream: the old load balancer is retired and finishes them
     (up to FLEETSERVE_DRAIN_SECONDS), past the 5 s that a stop gives; the new one serves."""
-    current = served.fleet.client().service(NAME)
-    envs = ["SERVED_MODEL_NAME=tiny"] + (["ROLLOUT=2"] if current.active_version > 1 else [])
-    changed = tmp_path / "service.yaml"
-    changed.write_text(
-        EXAMPLE.read_text().replace(
-            "    replica_metrics_seconds: 1",
-            "    replica_metrics_seconds: 1\n    max_extra_load: 6",
-        )
+    changed = EXAMPLE.read_text().replace(
+        "    replica_metrics_seconds: 1",
+        "    replica_metrics_seconds: 1\n    max_extra_load: 6",
     )
     results: list[list[tuple[float, bytes]]] = []
     errors: list[str] = []
@@ -442,15 +467,7 @@ def test_new_lb_settings_do_not_cut_streams_in_progress(served: Served, tmp_path
     for t in streams:
         t.start()
     time.sleep(2)
-    out = served.fleet.cli(
-        "update",
-        NAME,
-        str(changed),
-        *env_args(served.python, served.model, *envs),
-        timeout=300,
-        cwd=REPO,
-    )
-    assert "the replicas moved to it in place" in out.stdout, out.stdout  # vLLM not restarted
+    update_in_place(served, tmp_path / "service.yaml", changed)
     for t in streams:
         t.join(300)
     assert errors == [], errors
@@ -468,20 +485,8 @@ def test_new_lb_settings_do_not_cut_streams_in_progress(served: Served, tmp_path
 
 
 def lb_moved(served: Served) -> float:
-    """fleetserve_lb_requests_moved_total, all replicas (waiting up to 30 s for a load
-    balancer that new settings just replaced to answer)."""
-    deadline = time.monotonic() + 30
-    while True:
-        url, secret = lb_admin(served)
-        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {secret}"})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                text = r.read().decode()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    """fleetserve_lb_requests_moved_total, all replicas."""
+    text = lb_metrics_text(served)
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -497,10 +502,7 @@ def test_requests_waiting_in_vllms_queue_move_to_the_replica_with_room(
     (vllm:num_requests_waiting) while the other replica has none. The LB moves waiting ones
     there: both replicas answer some, every answer is whole, none fails."""
     served.fleet.wait_for("both vLLM replicas READY", lambda: len(served.ready()) == 2, 600)
-    current = served.fleet.client().service(NAME)
-    envs = ["SERVED_MODEL_NAME=tiny"] + (["ROLLOUT=2"] if current.active_version > 1 else [])
-    changed = tmp_path / "service.yaml"
-    changed.write_text(
+    changed = (
         EXAMPLE.read_text()
         .replace("load_balancing_policy: cache_aware", "load_balancing_policy: sticky")
         .replace(
@@ -514,15 +516,7 @@ def test_requests_waiting_in_vllms_queue_move_to_the_replica_with_room(
         return log.count("retired for a new load balancer")
 
     before = retired()
-    out = served.fleet.cli(
-        "update",
-        NAME,
-        str(changed),
-        *env_args(served.python, served.model, *envs),
-        timeout=300,
-        cwd=REPO,
-    )
-    assert "the replicas moved to it in place" in out.stdout, out.stdout
+    update_in_place(served, tmp_path / "service.yaml", changed)
     # Until the old load balancer stops accepting, a request may still reach it (cache_aware).
     served.fleet.wait_for("the old load balancer retired", lambda: retired() > before, 60)
     replicas = served.ready()
