@@ -38,6 +38,7 @@ import contextlib
 import json
 import math
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -514,6 +515,7 @@ def summarize(
         "inflight_diff_max": max(diffs) if diffs else math.nan,
         "samples": len(diffs),
         "driver_late_max_ms": max((r.late for r in records), default=0.0) * 1e3,
+        "timeline": timeline(records, plan),
         # Each measured request: sent (s), session, turn, prompt characters, TTFT (ms), e2e
         # (s), error, the replica that answered (the fake replicas' X-Replica; None on vLLM);
         # for reading a tail (which requests make the p99) after the run.
@@ -531,6 +533,40 @@ def summarize(
             for r in measured
         ],
     }
+
+
+TIMELINE_S = 10.0
+
+
+def timeline(records: list[Record], plan: Plan, step: float = TIMELINE_S) -> list[list[Any]]:
+    """The measured window in slices of `step` seconds of sending: [slice start (s from the
+    run's start), requests sent, new prompt characters sent (each request's prompt less its
+    conversation's previous prompt: what the replicas had not seen of it), TTFT p50 and p90
+    (ms)]. A run's tail usually comes from one stretch of heavier traffic: this shows where."""
+    out: list[list[Any]] = []
+    previous: dict[int, int] = {}
+    slices: dict[int, list[Record]] = {}
+    new_chars: dict[int, int] = {}
+    for r in sorted(records, key=lambda r: r.sent):
+        new = r.prompt_chars - previous.get(r.session, 0)
+        previous[r.session] = r.prompt_chars
+        if not r.measured:
+            continue
+        k = int((r.sent - plan.warmup) // step)
+        slices.setdefault(k, []).append(r)
+        new_chars[k] = new_chars.get(k, 0) + max(0, new)
+    for k in sorted(slices):
+        ttfts = [r.ttft for r in slices[k] if r.ttft is not None]
+        out.append(
+            [
+                round(plan.warmup + k * step, 1),
+                len(slices[k]),
+                new_chars[k],
+                round(pct(ttfts, 50) * 1e3, 1) if ttfts else None,
+                round(pct(ttfts, 90) * 1e3, 1) if ttfts else None,
+            ]
+        )
+    return out
 
 
 async def reset(http: aiohttp.ClientSession, fleet: Fleet) -> None:
@@ -677,6 +713,116 @@ def queueing_from(
     return out
 
 
+# (figure, whether lower is better) compared round by round.
+PAIRED = (
+    ("ttft_p50_ms", True),
+    ("ttft_p99_ms", True),
+    ("ttft_mean_ms", True),
+    ("throughput_rps", False),
+)
+
+
+def base_label(label: str) -> str:
+    return label.split(" #")[0]
+
+
+def paired(
+    runs: list[dict[str, Any]],
+    unloaded_rounds: list[dict[str, dict[str, Any]]] | None = None,
+) -> list[dict[str, Any]]:
+    """Each target against each reference (least_load and the other routers), over the
+    rounds in which both ran the same workload and load (the same traffic): per figure, in
+    how many rounds the target did as well or better, and the geometric mean, lowest and
+    highest of its ratio to the reference. `queueing`: only the rounds in which least_load's
+    TTFT p50 was >= 3x that round's unloaded one (None without least_load)."""
+    out: list[dict[str, Any]] = []
+    keys = sorted({(r["workload"], r["load"]) for r in runs}, key=lambda k: (k[0], k[1]))
+    for wl, load in keys:
+        by: dict[str, dict[int, dict[str, Any]]] = {}
+        for r in runs:
+            if r["workload"] == wl and r["load"] == load:
+                by.setdefault(base_label(r["policy"]), {})[r.get("round", 0)] = r
+        ll = by.get("least_load", {})
+        queueing: set[int] | None = None
+        if ll and unloaded_rounds:
+            queueing = {
+                n
+                for n, r in ll.items()
+                if n < len(unloaded_rounds)
+                and wl in unloaded_rounds[n]
+                and r["ttft_p50_ms"] >= QUEUEING * unloaded_rounds[n][wl]["ttft_p50_ms"]
+            }
+        references = [t for t in by if t == "least_load" or ":" in t]
+        for target in by:
+            if target == "least_load":
+                continue  # (its ratios to a router: that router's against it, inverted)
+            for ref in references:
+                if ref == target:
+                    continue
+                rounds = sorted(set(by[target]) & set(by[ref]))
+                if not rounds:
+                    continue
+                for subset, name in ((rounds, "all"), (None, "queueing")):
+                    if name == "queueing":
+                        if queueing is None or set(rounds) <= queueing:
+                            continue
+                        subset = [n for n in rounds if n in queueing]
+                        if not subset:
+                            continue
+                    assert subset is not None
+                    figures = {}
+                    for key, lower in PAIRED:
+                        ratios = [
+                            by[target][n][key] / by[ref][n][key]
+                            for n in subset
+                            if by[ref][n][key] and not math.isnan(by[target][n][key])
+                        ]
+                        if not ratios:
+                            continue
+                        better = sum(1 for x in ratios if (x <= 1 if lower else x >= 1))
+                        figures[key] = {
+                            "better": better,
+                            "geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
+                            "low": min(ratios),
+                            "high": max(ratios),
+                        }
+                    out.append(
+                        {
+                            "workload": wl,
+                            "load": load,
+                            "target": target,
+                            "reference": ref,
+                            "rounds": name,
+                            "count": len(subset),
+                            "figures": figures,
+                        }
+                    )
+    return out
+
+
+def paired_lines(comparisons: list[dict[str, Any]]) -> list[str]:
+    names = {"ttft_p50_ms": "TTFT p50", "ttft_p99_ms": "p99", "ttft_mean_ms": "mean"}
+    out = []
+    for c in comparisons:
+        cells = []
+        for key, lower in PAIRED:
+            f = c["figures"].get(key)
+            if f is None:
+                continue
+            what = names.get(key, "req/s")
+            word = "lower" if lower else "higher"
+            cells.append(
+                f"{what} {word} in {f['better']} ({f['geomean']:.2f}x, "
+                f"{f['low']:.2f}-{f['high']:.2f})"
+            )
+        which = "" if c["rounds"] == "all" else " where least_load >= 3x unloaded"
+        out.append(
+            f"{c['target']} / {c['reference']}, {c['workload']} {c['load']:g}, {c['count']} "
+            f"rounds{which}: " + "; ".join(cells)
+        )
+    return out
+
+
 def no_nan(value: Any) -> Any:
     """JSON has no NaN: null instead (a figure with no sample)."""
     if isinstance(value, float) and math.isnan(value):
@@ -736,6 +882,18 @@ def parse_loads(items: Iterable[str], workloads: list[str]) -> dict[str, list[fl
     return loads
 
 
+def traffic_of(args: argparse.Namespace, load_index: int, round_no: int) -> int:
+    """The traffic seed of a run: one per load and, with `--traffic per-round`, per round too
+    (every target of a round replays the same sessions; each round draws new ones, so that
+    the rounds sample the traffic, not only the machine's noise)."""
+    traffic = getattr(args, "traffic", "same")
+    if traffic == "per-round":
+        return load_index + 100 * round_no
+    if traffic == "same":
+        return load_index
+    return load_index + int(traffic)  # one round's traffic, replayed in every round
+
+
 async def run_workloads(
     http: aiohttp.ClientSession,
     fleet: Fleet,
@@ -762,7 +920,7 @@ async def run_workloads(
                     args.seed,
                     plan.warmup + plan.seconds,
                     plan.max_requests,
-                    i,
+                    traffic_of(args, i, round_no),
                     scale=args.prompt_scale,
                 )
             )
@@ -775,6 +933,7 @@ async def run_workloads(
                 "workload": wl,
                 "load": load,
                 "unit": UNITS[wl],
+                "traffic": traffic_of(args, i, round_no),
                 **summarize(records, samples, at_warmup, plan),
                 "span_s": span,
                 "reset_before": reset_before,
@@ -803,6 +962,7 @@ def new_results(args: argparse.Namespace, loads: dict[str, list[float]]) -> dict
         "plan": asdict(plan),
         "loads": loads,
         "seed": args.seed,
+        "traffic": getattr(args, "traffic", "same"),
         "prompt_scale": args.prompt_scale,
         "unloaded": {},
         "runs": [],
@@ -911,6 +1071,7 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len,
         kv_blocks=args.kv_blocks,
+        extra_args=[a for arg in args.vllm_arg for a in shlex.split(arg)],
     )
     results["model"] = {
         "engine": "vllm (CPU build)",
@@ -918,6 +1079,7 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
         "kv_cache_gib": args.kv_cache_gib,
         "kv_blocks": args.kv_blocks,
         "max_model_len": args.max_model_len,
+        "vllm_args": args.vllm_arg,
     }
     targets = [("fleetserve", p) for p in args.policies]
     targets += [(r, "cache_aware") for r in args.routers]
@@ -996,6 +1158,8 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     results["queueing_from"] = queueing_from(
         results["runs"], results["unloaded"], results.get("unloaded_rounds")
     )
+    if args.rounds > 1:
+        results["paired"] = paired(results["runs"], results.get("unloaded_rounds"))
     return results
 
 
@@ -1074,7 +1238,7 @@ def report(results: dict[str, Any]) -> None:
         what = (
             f"vLLM (CPU build) on {m['model']}, {cache} each, max-model-len "
             f"{m.get('max_model_len')}, prompts x{results['prompt_scale']:g}, "
-            f"seed {results['seed']}"
+            f"seed {results['seed']}" + "".join(f", {a}" for a in m.get("vllm_args") or ())
         )
     else:
         what = (
@@ -1114,6 +1278,24 @@ def report(results: dict[str, Any]) -> None:
             f"held part of; {c['cost'] + c['bound']} went elsewhere than the replica that held "
             f"the most ({c['cost']} by the cost rule, {c['bound']} by max_extra_load)"
         )
+    if results.get("paired"):
+        print(
+            "\nround by round (the same traffic within a round): rounds as good or better, "
+            "geometric mean of the ratio (lowest-highest)"
+        )
+        for line in paired_lines(results["paired"]):
+            print(line)
+    timelines = [r for r in results["runs"] if r.get("timeline")]
+    if results.get("engine") == "vllm" and timelines:
+        print(
+            f"\nby {TIMELINE_S:g} s of sending: new prompt characters sent (thousands) and "
+            "TTFT p90 (ms); a tail comes from the heavier stretches"
+        )
+        for r in timelines:
+            cells = " ".join(
+                f"{c / 1000:.0f}k:{fmt(p90, '.0f')}" for _, _, c, _, p90 in r["timeline"]
+            )
+            print(f"{r['policy']:<24}{r['workload']} {r['load']:g}: {cells}")
     for policy, why in results["skipped"].items():
         print(f"{policy}: skipped: {why}")
     if results["runs"]:
@@ -1187,11 +1369,26 @@ def main() -> None:
     )
     ap.add_argument("--max-model-len", type=int, default=4096, help="vllm: context length")
     ap.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="vllm: more arguments for every replica's server, e.g. '--max-num-seqs 6' "
+        "(repeatable; the same for every target)",
+    )
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="vllm: run the targets this many times, in order then reversed (A B C C B A), "
         "so that a change in the machine's load weighs on every target alike",
+    )
+    ap.add_argument(
+        "--traffic",
+        default="per-round",
+        help="vllm: new sessions each round, the same for every target of a round "
+        "(per-round, the default), or the same sessions in every round: `same` (as before "
+        "2026-12-05: the rounds then sample the machine's noise, not the traffic) or N, "
+        "round N/100 + 1's traffic of a per-round run (e.g. 100: the second round's)",
     )
     ap.add_argument(
         "--between-targets",
@@ -1231,6 +1428,8 @@ def main() -> None:
             sys.exit(f"no router {r!r}: {', '.join(ROUTERS)}")
     if any(split_target(p)[0] == PRECISE for p in args.policies) and args.engine != "vllm":
         sys.exit(f"{PRECISE} needs --engine vllm (it follows real engines' KV cache events)")
+    if args.traffic not in ("per-round", "same") and not args.traffic.isdigit():
+        sys.exit(f"--traffic must be per-round, same or a number, not {args.traffic!r}")
     if args.prompt_scale is None:
         args.prompt_scale = 0.25 if args.engine == "vllm" else 1.0
     if not 0 < args.prompt_scale <= 4:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
@@ -502,3 +503,123 @@ def test_bench_counts_the_logged_choices_of_each_run(tmp_path: Path) -> None:
     }
     assert run.log_size(procs, "nothing-yet") == 0
     assert run.choice_counts(procs, "nothing-yet", 0)["choices"] == 0  # no log: none
+
+
+def _run_module() -> ModuleType:
+    sys.path.insert(0, str(LLM))  # run.py imports its neighbours as top-level modules
+    try:
+        return _load("run")
+    finally:
+        sys.path.remove(str(LLM))
+
+
+def test_each_round_draws_new_traffic_that_every_target_of_the_round_replays() -> None:
+    """`--traffic per-round` (the default): a round's sessions differ from the last round's
+    (the rounds sample the traffic), the same for every target of a round and every run of
+    the bench; `--traffic same` replays one traffic in every round, `--traffic 100` the
+    second round's."""
+    import argparse
+
+    run = _run_module()
+
+    def sessions(args: argparse.Namespace, round_no: int) -> list[object]:
+        seed = run.traffic_of(args, 0, round_no)
+        return list(workloads.chat(1.9, 30, 50.0, 1000, seed, scale=0.45))
+
+    per_round = argparse.Namespace(traffic="per-round")
+    first, second = sessions(per_round, 0), sessions(per_round, 1)
+    assert first != second
+    assert [s.start_s for s in first] != [s.start_s for s in second]
+    assert sessions(per_round, 1) == second  # another target of round 2: the same sessions
+    same = argparse.Namespace(traffic="same")
+    assert sessions(same, 0) == sessions(same, 1) == first
+    # A number: one round's traffic of a per-round run, replayed in every round.
+    second_only = argparse.Namespace(traffic="100")
+    assert sessions(second_only, 0) == sessions(second_only, 3) == second
+    # Two loads of one round stay apart, as before.
+    assert run.traffic_of(per_round, 1, 0) != run.traffic_of(per_round, 0, 1)
+
+
+def test_the_timeline_shows_where_a_runs_slow_requests_were_sent() -> None:
+    """A run's timeline: per 10 s of sending (from the warm-up's end), the requests, the new
+    prompt characters (a later turn counts only what its conversation had not sent) and the
+    TTFT p50/p90; the warm-up's requests are left out but still count as a conversation's
+    earlier prompt."""
+    run = _run_module()
+    plan = run.Plan(warmup=10.0, seconds=20.0, drain=5.0, max_requests=100)
+    R = run.Record
+    records = [
+        R(sent=5.0, measured=False, max_tokens=4, session=0, prompt_chars=1000, ttft=0.05),
+        R(sent=12.0, measured=True, max_tokens=4, session=0, prompt_chars=1600, ttft=0.1),
+        R(sent=13.0, measured=True, max_tokens=4, session=1, prompt_chars=500, ttft=0.2),
+        R(sent=22.0, measured=True, max_tokens=4, session=1, prompt_chars=2500, ttft=3.0),
+        R(sent=25.0, measured=True, max_tokens=4, session=2, prompt_chars=700, ttft=None),
+        R(sent=29.0, measured=True, max_tokens=4, session=0, prompt_chars=2000, ttft=2.0),
+    ]
+    lines = run.timeline(records, plan)
+    assert lines == [
+        [10.0, 2, 600 + 500, 100.0, 200.0],
+        [20.0, 3, 2000 + 700 + 400, 2000.0, 3000.0],
+    ]
+    replica = {"replica": 0, "requests": 6, "running": 0, "waiting": 0}
+    replica |= {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    end = [(30.0, [replica])]
+    assert run.summarize(records, end, {"replicas": []}, plan)["timeline"] == lines
+
+
+def test_rounds_are_compared_pair_by_pair_on_the_same_traffic() -> None:
+    """The report's round-by-round comparison: a target against least_load and each router,
+    in the rounds both ran (the same traffic), counting the rounds it did as well or better
+    and the geometric mean of its ratios; then only the rounds where least_load queued
+    (TTFT p50 >= 3x that round's unloaded one)."""
+    run = _run_module()
+
+    def r(policy: str, n: int, p50: float, p99: float, rps: float = 5.0) -> dict[str, object]:
+        return {
+            "policy": f"{policy} #{n + 1}",
+            "round": n,
+            "workload": "chat",
+            "load": 2.0,
+            "ttft_p50_ms": p50,
+            "ttft_p99_ms": p99,
+            "ttft_mean_ms": p50 * 2,
+            "throughput_rps": rps,
+        }
+
+    runs = [
+        r("least_load", 0, 400, 4000),
+        r("cache_aware", 0, 200, 2000, 5.5),
+        r("sglang:cache_aware", 0, 100, 4000),
+        r("least_load", 1, 100, 1000),  # round 2: least_load under 3x unloaded
+        r("cache_aware", 1, 200, 500),
+        r("sglang:cache_aware", 1, 400, 1000),
+        r("cache_aware", 2, 100, 100),  # round 3: no reference ran
+    ]
+    unloaded = [{"chat": {"ttft_p50_ms": 100.0}}, {"chat": {"ttft_p50_ms": 100.0}}]
+    got = {(c["target"], c["reference"], c["rounds"]): c for c in run.paired(runs, unloaded)}
+    assert set(got) == {
+        ("cache_aware", "least_load", "all"),
+        ("cache_aware", "least_load", "queueing"),
+        ("cache_aware", "sglang:cache_aware", "all"),
+        ("cache_aware", "sglang:cache_aware", "queueing"),
+        ("sglang:cache_aware", "least_load", "all"),
+        ("sglang:cache_aware", "least_load", "queueing"),
+    }
+    ca_sg = got[("cache_aware", "sglang:cache_aware", "all")]
+    assert ca_sg["count"] == 2
+    p50 = ca_sg["figures"]["ttft_p50_ms"]
+    assert p50["better"] == 1  # 2.0x in round 1, 0.5x in round 2
+    assert p50["geomean"] == pytest.approx(1.0)
+    assert (p50["low"], p50["high"]) == (0.5, 2.0)
+    assert ca_sg["figures"]["ttft_p99_ms"]["better"] == 2  # 0.5x both
+    rps = ca_sg["figures"]["throughput_rps"]
+    assert rps["better"] == 2 and rps["geomean"] == pytest.approx(math.sqrt(1.1))
+    queued = got[("cache_aware", "sglang:cache_aware", "queueing")]
+    assert queued["count"] == 1
+    assert queued["figures"]["ttft_p50_ms"]["better"] == 0  # round 1 only: 2.0x
+    lines = run.paired_lines([ca_sg, queued])
+    assert lines[0].startswith("cache_aware / sglang:cache_aware, chat 2, 2 rounds: TTFT p50")
+    assert "where least_load >= 3x unloaded" in lines[1]
+    # Without least_load's rounds nothing says where it queued: all rounds only.
+    no_ll = [x for x in runs if not str(x["policy"]).startswith("least_load")]
+    assert {c["rounds"] for c in run.paired(no_ll, unloaded)} == {"all"}
