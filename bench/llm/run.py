@@ -184,7 +184,19 @@ class Lb:
 def start_lb(
     procs: Procs, policy: str, options: dict[str, Any], ports: list[int], label: str = ""
 ) -> Lb | str:
-    """A fresh load balancer with `policy`, serving `ports`; or why it refused."""
+    """A fresh load balancer with `policy`, serving `ports`; or why it refused. Its ports are
+    found free just before it binds them; another process may take one in between (a
+    client's ephemeral port): it is then started again on new ones, up to 3 times."""
+    for _ in range(3):
+        got = _start_lb(procs, policy, options, ports, label)
+        if not (isinstance(got, str) and "address already in use" in got):
+            break
+    return got
+
+
+def _start_lb(
+    procs: Procs, policy: str, options: dict[str, Any], ports: list[int], label: str = ""
+) -> Lb | str:
     from pydantic import ValidationError
 
     from fleetserve.lb.config import LbConfig

@@ -623,3 +623,28 @@ def test_rounds_are_compared_pair_by_pair_on_the_same_traffic() -> None:
     # Without least_load's rounds nothing says where it queued: all rounds only.
     no_ll = [x for x in runs if not str(x["policy"]).startswith("least_load")]
     assert {c["rounds"] for c in run.paired(no_ll, unloaded)} == {"all"}
+
+
+def test_a_load_balancer_that_lost_its_port_to_another_process_is_started_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bench finds an LB's ports free just before the LB binds them; when another process
+    took one in between, the LB is started again on new ports (a real run lost cache_aware's
+    first round to this), up to 3 times; any other refusal is reported at once."""
+    run = _run_module()
+    taken = "the load balancer exited: OSError: [Errno 98] ... address already in use"
+    answers: list[object] = [taken, taken, "started"]
+    calls = []
+
+    def fake(*args: object) -> object:
+        calls.append(args)
+        return answers.pop(0)
+
+    monkeypatch.setattr(run, "_start_lb", fake)
+    assert run.start_lb(None, "cache_aware", {}, [1]) == "started"
+    assert len(calls) == 3
+    answers[:] = [taken] * 4
+    assert run.start_lb(None, "cache_aware", {}, [1]) == taken  # gives up after 3
+    assert not answers[1:] and len(answers) == 1
+    answers[:] = ["the load balancer's config refuses it: workers: too many", "started"]
+    assert run.start_lb(None, "cache_aware", {}, [1]).startswith("the load balancer's config")
