@@ -742,7 +742,8 @@ def paired(
     runs: list[dict[str, Any]],
     unloaded_rounds: list[dict[str, dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each target against each reference (least_load and the other routers), over the
+    """Each target against each reference (least_load, the other routers, and cache_aware
+    for its variants: `cache_aware_precise`, `cache_aware@option=value`), over the
     rounds in which both ran the same workload and load (the same traffic): per figure, in
     how many rounds the target did as well or better, and the geometric mean, lowest and
     highest of its ratio to the reference. `queueing`: only the rounds in which least_load's
@@ -764,13 +765,15 @@ def paired(
                 and wl in unloaded_rounds[n]
                 and r["ttft_p50_ms"] >= QUEUEING * unloaded_rounds[n][wl]["ttft_p50_ms"]
             }
-        references = [t for t in by if t == "least_load" or ":" in t]
+        references = [t for t in by if t in ("least_load", "cache_aware") or ":" in t]
         for target in by:
             if target == "least_load":
                 continue  # (its ratios to a router: that router's against it, inverted)
             for ref in references:
                 if ref == target:
                     continue
+                if ref == "cache_aware" and not target.startswith("cache_aware"):
+                    continue  # (cache_aware: the reference of its own variants only)
                 rounds = sorted(set(by[target]) & set(by[ref]))
                 if not rounds:
                     continue

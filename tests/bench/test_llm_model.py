@@ -568,10 +568,10 @@ def test_the_timeline_shows_where_a_runs_slow_requests_were_sent() -> None:
 
 
 def test_rounds_are_compared_pair_by_pair_on_the_same_traffic() -> None:
-    """The report's round-by-round comparison: a target against least_load and each router,
-    in the rounds both ran (the same traffic), counting the rounds it did as well or better
-    and the geometric mean of its ratios; then only the rounds where least_load queued
-    (TTFT p50 >= 3x that round's unloaded one)."""
+    """The report's round-by-round comparison: a target against least_load, each router and
+    (a variant of cache_aware) cache_aware, in the rounds both ran (the same traffic),
+    counting the rounds it did as well or better and the geometric mean of its ratios; then
+    only the rounds where least_load queued (TTFT p50 >= 3x that round's unloaded one)."""
     run = _run_module()
 
     def r(policy: str, n: int, p50: float, p99: float, rps: float = 5.0) -> dict[str, object]:
@@ -620,6 +620,13 @@ def test_rounds_are_compared_pair_by_pair_on_the_same_traffic() -> None:
     lines = run.paired_lines([ca_sg, queued])
     assert lines[0].startswith("cache_aware / sglang:cache_aware, chat 2, 2 rounds: TTFT p50")
     assert "where least_load >= 3x unloaded" in lines[1]
+    # A variant of cache_aware is compared with cache_aware too (a router is not).
+    variant = [r("cache_aware_precise", 0, 100, 1000), r("cache_aware_precise", 1, 100, 1000)]
+    got = {(c["target"], c["reference"], c["rounds"]): c for c in run.paired(runs + variant)}
+    precise = got[("cache_aware_precise", "cache_aware", "all")]
+    assert precise["count"] == 2 and precise["figures"]["ttft_p50_ms"]["better"] == 2
+    assert precise["figures"]["ttft_p99_ms"]["better"] == 1  # 0.5x, then 2.0x
+    assert ("sglang:cache_aware", "cache_aware", "all") not in got
     # Without least_load's rounds nothing says where it queued: all rounds only.
     no_ll = [x for x in runs if not str(x["policy"]).startswith("least_load")]
     assert {c["rounds"] for c in run.paired(no_ll, unloaded)} == {"all"}
