@@ -186,11 +186,13 @@ def start_lb(
 ) -> Lb | str:
     """A fresh load balancer with `policy`, serving `ports`; or why it refused. Its ports are
     found free just before it binds them; another process may take one in between (a
-    client's ephemeral port): it is then started again on new ones, up to 3 times."""
-    for _ in range(3):
+    client's ephemeral port): it is then started again on new ones (3 attempts in all)."""
+    for attempt in range(3):
         got = _start_lb(procs, policy, options, ports, label)
-        if not (isinstance(got, str) and "address already in use" in got):
+        if not (isinstance(got, str) and "address already in use" in got.lower()):
             break
+        if attempt < 2:
+            print(f"{label or policy}: a port was taken before the LB bound it; on new ports")
     return got
 
 
@@ -790,7 +792,7 @@ def paired(
                         ratios = [
                             by[target][n][key] / by[ref][n][key]
                             for n in subset
-                            if by[ref][n][key] and not math.isnan(by[target][n][key])
+                            if _positive(by[target][n].get(key)) and _positive(by[ref][n].get(key))
                         ]
                         if not ratios:
                             continue
@@ -813,6 +815,12 @@ def paired(
                         }
                     )
     return out
+
+
+def _positive(value: Any) -> bool:
+    """A figure a ratio can be taken of: a finite number above 0 (a run that completed
+    nothing has 0 req/s and NaN times; a JSON file has null for NaN)."""
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
 def paired_lines(comparisons: list[dict[str, Any]]) -> list[str]:
@@ -1026,12 +1034,9 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     log = print if not args.quiet else (lambda *a, **k: None)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
-        # The unloaded TTFT, through a least_load balancer, one request at a time.
-        lb = start_lb(procs, "least_load", {"workers": args.lb_workers}, ports)
-        if isinstance(lb, str):
-            sys.exit(f"the least_load balancer (for the unloaded TTFT) did not start: {lb}")
-        await measure_unloaded(http, Fleet(f"http://127.0.0.1:{lb.port}", engine), args, results)
-        procs.stop(lb.proc)
+        # The unloaded TTFT: one request at a time, straight to one replica (its cache holds
+        # each conversation's earlier turns, as a perfectly cache-aware router's would).
+        await measure_unloaded(http, Fleet(f"http://127.0.0.1:{ports[0]}", engine), args, results)
 
         for policy in args.policies:
             base, overrides = split_target(policy)
@@ -1151,8 +1156,13 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
                 label = f"{kind.split('-')[0]}:{policy}"
                 url, pid, stop = f"http://127.0.0.1:{router.port}", router.proc.pid, router.proc
             fleet = Fleet(url, vllm, real=True)
-            if n % len(targets) == 0:  # each round's first target
-                await measure_unloaded(http, fleet, args, results, round_no)
+            if n % len(targets) == 0:  # each round's start
+                # Straight to one replica, whatever the round's first target: through a
+                # router that spreads a conversation's turns (least_load) the later turns miss
+                # the cache, and the baseline was 75-90 ms against 46-62 ms through a
+                # cache-aware one (results-2026-12-05e.md).
+                direct = Fleet(vllm.urls[0], vllm, real=True)
+                await measure_unloaded(http, direct, args, results, round_no)
             if args.rounds > 1:
                 label = f"{label} #{round_no + 1}"
             await run_workloads(
@@ -1281,7 +1291,7 @@ def report(results: dict[str, Any]) -> None:
     for policy, found in results["lb_metrics"].items():
         threshold = results.get("max_extra_load", {}).get(policy)
         print(
-            f"{policy}, at its choices (all runs): a chosen replica had at most "
+            f"{policy}, at its choices (its last round): a chosen replica had at most "
             f"{found['extra_load_max']:g} more requests in flight than the least loaded one "
             f"(max_extra_load {threshold}); its prefix index matched "
             f"{100 * found.get('index_match_rate', 0):.0f}% of the prompt blocks it routed"
@@ -1310,7 +1320,7 @@ def report(results: dict[str, Any]) -> None:
             cells = " ".join(
                 f"{c / 1000:.0f}k:{fmt(p90, '.0f')}" for _, _, c, _, p90 in r["timeline"]
             )
-            print(f"{r['policy']:<24}{r['workload']} {r['load']:g}: {cells}")
+            print(f"{r['policy']:<24} {r['workload']} {r['load']:g}: {cells}")
     for policy, why in results["skipped"].items():
         print(f"{policy}: skipped: {why}")
     if results["runs"]:
@@ -1443,8 +1453,8 @@ def main() -> None:
             sys.exit(f"no router {r!r}: {', '.join(ROUTERS)}")
     if any(split_target(p)[0] == PRECISE for p in args.policies) and args.engine != "vllm":
         sys.exit(f"{PRECISE} needs --engine vllm (it follows real engines' KV cache events)")
-    if args.traffic not in ("per-round", "same") and not args.traffic.isdigit():
-        sys.exit(f"--traffic must be per-round, same or a number, not {args.traffic!r}")
+    if args.traffic not in ("per-round", "same") and not re.fullmatch(r"[0-9]{1,6}", args.traffic):
+        sys.exit(f"--traffic must be per-round, same or a number (0-999999), not {args.traffic!r}")
     if args.prompt_scale is None:
         args.prompt_scale = 0.25 if args.engine == "vllm" else 1.0
     if not 0 < args.prompt_scale <= 4:

@@ -620,6 +620,14 @@ def test_rounds_are_compared_pair_by_pair_on_the_same_traffic() -> None:
     lines = run.paired_lines([ca_sg, queued])
     assert lines[0].startswith("cache_aware / sglang:cache_aware, chat 2, 2 rounds: TTFT p50")
     assert "where least_load >= 3x unloaded" in lines[1]
+    # A round where a target completed nothing (0 req/s, NaN or null times) gives no ratio
+    # of those figures and breaks nothing.
+    dead = r("cache_aware", 3, math.nan, math.nan, 0.0)
+    dead["ttft_mean_ms"] = None
+    with_dead = [*runs, dead, r("sglang:cache_aware", 3, 100, 1000)]
+    got_dead = {(c["target"], c["reference"], c["rounds"]): c for c in run.paired(with_dead)}
+    figures = got_dead[("cache_aware", "sglang:cache_aware", "all")]["figures"]
+    assert figures == ca_sg["figures"]
     # A variant of cache_aware is compared with cache_aware too (a router is not).
     variant = [r("cache_aware_precise", 0, 100, 1000), r("cache_aware_precise", 1, 100, 1000)]
     got = {(c["target"], c["reference"], c["rounds"]): c for c in run.paired(runs + variant)}
@@ -639,7 +647,7 @@ def test_a_load_balancer_that_lost_its_port_to_another_process_is_started_again(
     took one in between, the LB is started again on new ports (a real run lost cache_aware's
     first round to this), up to 3 times; any other refusal is reported at once."""
     run = _run_module()
-    taken = "the load balancer exited: OSError: [Errno 98] ... address already in use"
+    taken = "the load balancer exited: OSError: [Errno 98] Address already in use"
     answers: list[object] = [taken, taken, "started"]
     calls = []
 
@@ -655,3 +663,15 @@ def test_a_load_balancer_that_lost_its_port_to_another_process_is_started_again(
     assert not answers[1:] and len(answers) == 1
     answers[:] = ["the load balancer's config refuses it: workers: too many", "started"]
     assert run.start_lb(None, "cache_aware", {}, [1]).startswith("the load balancer's config")
+
+
+@pytest.mark.parametrize("value", ["1.5", "x", "-100", "\u00b2", "1234567"])
+def test_a_traffic_that_is_no_round_number_is_refused_before_anything_starts(value: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(LLM / "run.py"), "--traffic", value, "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "--traffic must be per-round, same or a number" in proc.stderr
