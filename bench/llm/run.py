@@ -1314,7 +1314,7 @@ def report(results: dict[str, Any]) -> None:
     if results.get("engine") == "vllm" and timelines:
         print(
             f"\nby {TIMELINE_S:g} s of sending: new prompt characters sent (thousands) and "
-            "TTFT p90 (ms); a tail comes from the heavier stretches"
+            "TTFT p90 (ms)"
         )
         for r in timelines:
             cells = " ".join(
