@@ -556,7 +556,8 @@ def timeline(records: list[Record], plan: Plan, step: float = TIMELINE_S) -> lis
     """The measured window in slices of `step` seconds of sending: [slice start (s from the
     run's start), requests sent, new prompt characters sent (each request's prompt less its
     conversation's previous prompt: what the replicas had not seen of it), TTFT p50 and p90
-    (ms)]. A run's tail usually comes from one stretch of heavier traffic: this shows where."""
+    (ms)]: where in the window a run's slow requests were sent, and how much new prompt text
+    came then."""
     out: list[list[Any]] = []
     previous: dict[int, int] = {}
     slices: dict[int, list[Record]] = {}
@@ -636,6 +637,11 @@ async def unloaded_ttft(
 # ---------------------------------------------------------------- report
 
 
+def base_label(label: str) -> str:
+    """A target's label without its round (`cache_aware #2`: `cache_aware`)."""
+    return label.split(" #")[0]
+
+
 def fmt(v: float, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -661,7 +667,7 @@ def table(runs: list[dict[str, Any]], unloaded: dict[str, dict[str, Any]]) -> li
             keys.append((r["workload"], r["load"]))
     for wl, load in sorted(keys, key=lambda k: (list(WORKLOADS).index(k[0]), k[1])):
         rows = [r for r in runs if r["workload"] == wl and r["load"] == load]
-        bases = {r.get("round", 0): r for r in rows if r["policy"].split(" #")[0] == "least_load"}
+        bases = {r.get("round", 0): r for r in rows if base_label(r["policy"]) == "least_load"}
         u = unloaded.get(wl, {}).get("ttft_p50_ms", math.nan)
         out.append("")
         out.append(
@@ -705,7 +711,7 @@ def queueing_from(
     rounds: in every round, against that round's unloaded TTFT)."""
     out: dict[str, float | None] = {}
     for wl, u in unloaded.items():
-        ll = [r for r in runs if r["workload"] == wl and r["policy"].split(" #")[0] == "least_load"]
+        ll = [r for r in runs if r["workload"] == wl and base_label(r["policy"]) == "least_load"]
         if not ll:
             continue
 
@@ -734,10 +740,6 @@ PAIRED = (
     ("ttft_mean_ms", True),
     ("throughput_rps", False),
 )
-
-
-def base_label(label: str) -> str:
-    return label.split(" #")[0]
 
 
 def paired(
@@ -772,37 +774,14 @@ def paired(
             if target == "least_load":
                 continue  # (its ratios to a router: that router's against it, inverted)
             for ref in references:
-                if ref == target:
-                    continue
-                if ref == "cache_aware" and not target.startswith("cache_aware"):
+                if ref == target or (ref == "cache_aware" and not target.startswith(ref)):
                     continue  # (cache_aware: the reference of its own variants only)
                 rounds = sorted(set(by[target]) & set(by[ref]))
-                if not rounds:
-                    continue
-                for subset, name in ((rounds, "all"), (None, "queueing")):
-                    if name == "queueing":
-                        if queueing is None or set(rounds) <= queueing:
-                            continue
-                        subset = [n for n in rounds if n in queueing]
-                        if not subset:
-                            continue
-                    assert subset is not None
-                    figures = {}
-                    for key, lower in PAIRED:
-                        ratios = [
-                            by[target][n][key] / by[ref][n][key]
-                            for n in subset
-                            if _positive(by[target][n].get(key)) and _positive(by[ref][n].get(key))
-                        ]
-                        if not ratios:
-                            continue
-                        better = sum(1 for x in ratios if (x <= 1 if lower else x >= 1))
-                        figures[key] = {
-                            "better": better,
-                            "geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
-                            "low": min(ratios),
-                            "high": max(ratios),
-                        }
+                subsets = [("all", rounds)] if rounds else []
+                if queueing is not None and not set(rounds) <= queueing:
+                    queued = [n for n in rounds if n in queueing]
+                    subsets += [("queueing", queued)] if queued else []
+                for name, subset in subsets:
                     out.append(
                         {
                             "workload": wl,
@@ -811,10 +790,32 @@ def paired(
                             "reference": ref,
                             "rounds": name,
                             "count": len(subset),
-                            "figures": figures,
+                            "figures": _ratios(by[target], by[ref], subset),
                         }
                     )
     return out
+
+
+def _ratios(
+    target: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]], rounds: list[int]
+) -> dict[str, dict[str, float]]:
+    """Per PAIRED figure, over `rounds`: in how many the target did as well or better, and
+    the geometric mean, lowest and highest of its ratio to the reference."""
+    figures = {}
+    for key, lower in PAIRED:
+        ratios = [
+            target[n][key] / ref[n][key]
+            for n in rounds
+            if _positive(target[n].get(key)) and _positive(ref[n].get(key))
+        ]
+        if ratios:
+            figures[key] = {
+                "better": sum(1 for x in ratios if (x <= 1 if lower else x >= 1)),
+                "geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
+                "low": min(ratios),
+                "high": max(ratios),
+            }
+    return figures
 
 
 def _positive(value: Any) -> bool:
@@ -937,13 +938,14 @@ async def run_workloads(
             reset_before = not await wait_idle(http, fleet, 5 if not fleet.real else 60)
             if reset_before:
                 await reset(http, fleet)  # the last run's leftovers, aborted
+            traffic = traffic_of(args, i, round_no)
             sessions = list(
                 WORKLOADS[wl](
                     load,
                     args.seed,
                     plan.warmup + plan.seconds,
                     plan.max_requests,
-                    traffic_of(args, i, round_no),
+                    traffic,
                     scale=args.prompt_scale,
                 )
             )
@@ -956,7 +958,7 @@ async def run_workloads(
                 "workload": wl,
                 "load": load,
                 "unit": UNITS[wl],
-                "traffic": traffic_of(args, i, round_no),
+                "traffic": traffic,
                 **summarize(records, samples, at_warmup, plan),
                 "span_s": span,
                 "reset_before": reset_before,
