@@ -320,6 +320,14 @@ class Fleet:
     real: bool = False
 
 
+# A request the model cannot serve whole, whatever routes it: a prompt longer than its
+# context (vLLM's 400 says "maximum context length"), or an answer cut where the context is
+# full. The same requests in every target of a round (the same traffic): counted apart from
+# the failures, which a router could cause or save.
+CONTEXT = "context: "
+CONTEXT_REFUSAL = b"maximum context length"
+
+
 def pct(values: list[float], p: float) -> float:
     """Nearest-rank percentile; nan when empty."""
     if not values:
@@ -344,9 +352,11 @@ async def stream(
             rec.replica = resp.headers.get("X-Replica")
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}"
-                await resp.read()
+                if CONTEXT_REFUSAL in await resp.read() and resp.status == 400:
+                    rec.error = f"{CONTEXT}prompt too long (HTTP 400)"
                 return None
             finished = False
+            reason = None
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue
@@ -363,6 +373,7 @@ async def stream(
                     if rec.ttft is None:  # vLLM's first chunk comes with the first token
                         rec.ttft = loop.time() - t0
                 choice = doc["choices"][0]
+                reason = choice.get("finish_reason") or reason
                 piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
                 if piece:
                     if rec.ttft is None:
@@ -373,7 +384,11 @@ async def stream(
             if real and usage is not None:
                 rec.tokens = usage
             if not finished or rec.tokens != rec.max_tokens:
-                rec.error = f"short stream: {rec.tokens} of {rec.max_tokens} tokens"
+                # Stopped by its length short of max_tokens (the bench ignores EOS): the
+                # model's context filled up, whichever replica answered.
+                full = finished and reason == "length" and rec.tokens < rec.max_tokens
+                why = f"{CONTEXT}full after" if full else "short stream:"
+                rec.error = f"{why} {rec.tokens} of {rec.max_tokens} tokens"
                 return None
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         rec.error = type(e).__name__
@@ -501,10 +516,12 @@ def summarize(
     for r in measured:
         if r.error:
             errors[r.error] = errors.get(r.error, 0) + 1
+    past_context = sum(1 for r in measured if r.error and r.error.startswith(CONTEXT))
     return {
         "requests": len(measured),
         "completed": len(ok),
-        "failed": len(measured) - len(ok),
+        "failed": len(measured) - len(ok) - past_context,
+        "past_context": past_context,  # not failures: no router can serve them (CONTEXT)
         "errors": errors,
         "warmup_requests": len(records) - len(measured),
         "ttft_p50_ms": pct(ttft, 50) * 1e3,
@@ -971,7 +988,9 @@ async def run_workloads(
             cpu = run["cpu_pct"]
             log(
                 f"{label} {wl} {load:g}: TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
-                f"{run['completed']}/{run['requests']} ok, hit "
+                f"{run['completed']}/{run['requests']} ok"
+                + (f" ({run['past_context']} past the context)" if run["past_context"] else "")
+                + ", hit "
                 f"{run['hit_rate']:.2f}, {span:.1f} s, cpu lb {cpu['lb']:.0f}% "
                 f"replicas {cpu['replicas']:.0f}% driver {cpu['driver']:.0f}%"
                 + ("" if run["preemptions"] is None else f", {run['preemptions']:.0f} preempted")
@@ -1214,9 +1233,10 @@ def log_size(procs: Procs, label: str) -> int:
 
 def choice_counts(procs: Procs, label: str, start: int) -> dict[str, int]:
     """The choices an LB logged (`log_choices`) past `start` in its log, by why the chosen
-    replica won (fleetserve.policies.cache_aware.CacheAware._why): `match`, `new`, and the
-    moves away from the replica holding the most, by `cost` and by `bound`."""
-    reasons = ("match", "new", "cost", "bound")
+    replica won (fleetserve.policies.cache_aware.CacheAware._why): `match`, `new`, `recent`
+    (`cache_new: recent`), and the moves away from the replica holding the most, by `cost`
+    and by `bound`."""
+    reasons = ("match", "new", "recent", "cost", "bound")
     counts = dict.fromkeys(("choices", *reasons), 0)
     try:
         with open(procs.workdir / f"lb-{label}.log", "rb") as f:
@@ -1299,11 +1319,13 @@ def report(results: dict[str, Any]) -> None:
             f"{100 * found.get('index_match_rate', 0):.0f}% of the prompt blocks it routed"
         )
     for label, c in results.get("choices", {}).items():
-        with_history = c["choices"] - c["new"]
+        recent = c.get("recent", 0)  # (files from before cache_new have none)
+        with_history = c["choices"] - c["new"] - recent
         print(
-            f"{label}: of {c['choices']} choices logged, {with_history} of prompts some replica "
-            f"held part of; {c['cost'] + c['bound']} went elsewhere than the replica that held "
-            f"the most ({c['cost']} by the cost rule, {c['bound']} by max_extra_load)"
+            f"{label}: of {c['choices']} choices logged, {recent} placed by recent new work "
+            f"(held alike everywhere), {with_history} of other prompts some replica held part "
+            f"of; {c['cost'] + c['bound']} went elsewhere than the replica that held the most "
+            f"({c['cost']} by the cost rule, {c['bound']} by max_extra_load)"
         )
     if results.get("paired"):
         print(

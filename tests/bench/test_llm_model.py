@@ -489,15 +489,17 @@ def test_bench_counts_the_logged_choices_of_each_run(tmp_path: Path) -> None:
     start = run.log_size(procs, "cache_aware")
     with path.open("a") as f:
         f.write(line("new") + line("match") * 4 + line("cost") * 2 + line("bound"))
+        f.write(line("recent") * 2)
         f.write("2026-12-05 11:44:36,000 INFO [w0] replicas: 2 routable\n")
         f.write('2026-12-05 11:44:36,001 INFO [w0] choice {"replica": 1, "bl\n')
         deep = '{"a": ' + "[" * 100_000
         for odd in ('{"why": [1]}', '{"why": "choices"}', deep, '{"why": null}'):
             f.write(f"2026-12-05 11:44:36,002 INFO [w0] choice {odd}\n")
     assert run.choice_counts(procs, "cache_aware", start) == {
-        "choices": 8,
+        "choices": 10,
         "match": 4,
         "new": 1,
+        "recent": 2,
         "cost": 2,
         "bound": 1,
     }
@@ -675,3 +677,73 @@ def test_a_traffic_that_is_no_round_number_is_refused_before_anything_starts(val
     )
     assert proc.returncode != 0
     assert "--traffic must be per-round, same or a number" in proc.stderr
+
+
+def test_requests_past_the_models_context_are_counted_apart_from_failures() -> None:
+    """vLLM's 400 for a prompt longer than its context and an answer cut by a full context
+    (finish_reason "length" short of max_tokens, EOS ignored) are no router's doing: the
+    bench counts them as `past_context`, not `failed`; any other 400 or a stream that stops
+    early is still a failure."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    run = _run_module()
+
+    def sse(tokens: int, reason: str | None, done: bool = True) -> bytes:
+        out = b""
+        for i in range(tokens):
+            last = i == tokens - 1
+            choice = {"delta": {"content": "t"}, "finish_reason": reason if last else None}
+            out += f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+        usage = {"choices": [], "usage": {"completion_tokens": tokens}}
+        out += f"data: {json.dumps(usage)}\n\n".encode()
+        return out + (b"data: [DONE]\n\n" if done else b"")
+
+    replies = {
+        "/ok": (200, sse(4, "length")),
+        "/long": (400, b'{"message":"This model\'s maximum context length is 4096 tokens."}'),
+        "/bad": (400, b'{"message":"temperature must be positive"}'),
+        "/full": (200, sse(2, "length")),
+        "/cut": (200, sse(2, None, done=False)),
+    }
+
+    async def handler(request: web.Request) -> web.Response:
+        status, body = replies[request.path]
+        return web.Response(status=status, body=body, content_type="text/event-stream")
+
+    async def main() -> list[object]:
+        app = web.Application()
+        app.router.add_post("/{name}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        records = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                for path in replies:
+                    rec = run.Record(sent=0.0, measured=True, max_tokens=4)
+                    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+                    await run.stream(http, f"http://127.0.0.1:{port}{path}", body, rec, True)
+                    records.append(rec)
+        finally:
+            await runner.cleanup()
+        return records
+
+    records = asyncio.run(main())
+    errors = [r.error for r in records]  # type: ignore[attr-defined]
+    assert errors == [
+        None,
+        "context: prompt too long (HTTP 400)",
+        "HTTP 400",
+        "context: full after 2 of 4 tokens",
+        "short stream: 2 of 4 tokens",
+    ]
+    plan = run.Plan(0.0, 10.0, 1.0, 100)
+    stats = [{"replica": "r", "requests": 5, "prefix_cache_queries": 0, "prefix_cache_hits": 0}]
+    stats[0].update(running=0, waiting=0)
+    got = run.summarize(records, [(10.0, stats)], {"replicas": stats}, plan)  # type: ignore[arg-type]
+    assert (got["requests"], got["completed"], got["failed"], got["past_context"]) == (5, 1, 2, 2)

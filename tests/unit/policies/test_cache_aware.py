@@ -561,3 +561,102 @@ def test_each_choice_is_explained_when_asked() -> None:
     sel2.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(sel2, history(3)))
     assert told[-1]["why"] == "new"
     assert all(v[3] is None for v in told[-1]["replicas"].values())  # type: ignore[union-attr]
+
+
+def test_the_index_counts_each_replicas_recent_new_blocks_and_decays_them() -> None:
+    """`recent`: the blocks a replica was sent that it did not hold (a re-sent prefix adds
+    nothing), halved after every `capacity` new blocks sent to any replica; forgotten with
+    the replica."""
+    index = PrefixIndex(blocks=100)
+    index.record(1, tuple(range(40)))
+    assert index.recent(1) == 40 and index.recent(2) == 0
+    index.record(1, tuple(range(40)))  # all held: nothing new
+    assert index.recent(1) == 40
+    index.record(2, tuple(range(1000, 1100)))  # 100 new blocks elsewhere: a half-life
+    assert abs(index.recent(1) - 20) < 1e-9 and index.recent(2) == 100
+    index.record(1, tuple(range(40, 50)))  # 10 more: the old ones decayed to now, plus 10
+    assert abs(index.recent(1) - (20 * 0.5 ** (10 / 100) + 10)) < 1e-9
+    # Past the LRU's capacity the count still tells replicas apart (a tree's size would not).
+    for i in range(20):
+        index.record(2, tuple(range(10_000 * (i + 1), 10_000 * (i + 1) + 100)))
+    assert index.recent(2) > 10 * index.recent(1) > 0
+    index.forget(2)
+    assert index.recent(2) == 0
+
+
+def test_new_conversations_go_where_the_least_new_work_went_recently() -> None:
+    """With `new="recent"` a prompt that every replica holds as much of (here: only the
+    shared system prompt) goes to the replica sent the fewest new blocks recently, not the
+    momentarily least queued one, so conversations' homes stay balanced; a later turn still
+    goes by the cost rule to its history."""
+    sel = CacheAware(block_chars=32, new="recent")
+    load = {1: 0, 2: 0}
+    long_one = key_of(sel, history(12))  # one long conversation, wherever it lands
+    home = sel.select([1, 2], load, frozenset(), long_one)
+    assert home is not None
+    other = 2 if home == 1 else 1
+    sel.select([other], load, frozenset(), key_of(sel, chat("warm")))  # both hold the system
+    # Home is idle now, the other replica busier: by load a new conversation would go home
+    # (the default rule, shown with a twin selector); by recent new work, to the other one.
+    load = {home: 0, other: 2}
+    twin = CacheAware(block_chars=32)
+    twin.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(twin, history(12)))
+    twin_home = 1 if twin.index.recent(1) > twin.index.recent(2) else 2
+    twin.select([3 - twin_home], {1: 0, 2: 0}, frozenset(), key_of(twin, chat("warm")))
+    twin_load = {twin_home: 0, 3 - twin_home: 2}
+    new_turn = chat(f"a new conversation {0} " * 8)
+    assert twin.select([1, 2], twin_load, frozenset(), key_of(twin, new_turn)) == twin_home
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, new_turn)) == other
+    # The long conversation's next turn still goes to its history (the cost rule).
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(13))) == home
+    # The load bound still holds: the other replica max_extra_load busier is passed over.
+    load[other] = CacheAware.DEFAULT_MAX_EXTRA_LOAD
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("another " * 9))) == home
+
+
+def test_recent_placement_balances_homes_over_many_conversations() -> None:
+    """Conversations of unequal length started one after another on an idle fleet: placed by
+    recent new work, the replicas' totals differ by no more than the longest conversation
+    (each goes where the least went), whatever order the sizes come in."""
+    for seed in range(3):
+        sel = CacheAware(block_chars=32, new="recent")
+        rng = random.Random(seed)
+        idle = {1: 0, 2: 0, 3: 0}
+        longest = 0
+        for i in range(90):
+            turns = rng.choice([1, 2, 12])
+            parts: list[str] = []
+            for t in range(turns):
+                parts += [f"q{i}.{t} " * 30, f"a{i}.{t} " * 30]
+            key = key_of(sel, chat(*parts, system=f"s{i} " * 9))
+            longest = max(longest, len(key.blocks))
+            sel.select([1, 2, 3], idle, frozenset(), key)
+        sizes = [sel.index.recent(r) for r in (1, 2, 3)]
+        assert max(sizes) - min(sizes) <= longest, (sizes, longest)
+        assert min(sizes) > 0
+
+
+def test_the_new_option_is_checked_and_reaches_the_selector() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from fleetserve.spec.models import LoadBalancerOptions
+
+    with pytest.raises(ValueError, match="'load' or 'recent'"):
+        CacheAware(new="smallest")
+    with pytest.raises(ValidationError, match="cache_new"):
+        LoadBalancerOptions(cache_new="smallest")
+    assert CacheAware().new == "load"  # the default until measured otherwise (bench/llm)
+    sel = make_selector("cache_aware", cache_new="recent")
+    assert isinstance(sel, CacheAware) and sel.new == "recent"
+
+
+def test_a_choice_by_recent_new_work_is_logged_as_such() -> None:
+    sel = CacheAware(block_chars=32, new="recent")
+    told: list[dict[str, object]] = []
+    sel.explain = told.append
+    load = {1: 0, 2: 0}
+    first = sel.select([1, 2], load, frozenset(), key_of(sel, history(3)))
+    later = sel.select([1, 2], load, frozenset(), key_of(sel, history(4)))
+    assert first == later
+    assert [r["why"] for r in told] == ["recent", "match"]  # new, then its history
