@@ -1233,10 +1233,9 @@ def log_size(procs: Procs, label: str) -> int:
 
 def choice_counts(procs: Procs, label: str, start: int) -> dict[str, int]:
     """The choices an LB logged (`log_choices`) past `start` in its log, by why the chosen
-    replica won (fleetserve.policies.cache_aware.CacheAware._why): `match`, `new`, `recent`
-    (`cache_new: recent`), and the moves away from the replica holding the most, by `cost`
-    and by `bound`."""
-    reasons = ("match", "new", "recent", "cost", "bound")
+    replica won (fleetserve.policies.cache_aware.CacheAware._why): `match`, `new`, and the
+    moves away from the replica holding the most, by `cost` and by `bound`."""
+    reasons = ("match", "new", "cost", "bound")
     counts = dict.fromkeys(("choices", *reasons), 0)
     try:
         with open(procs.workdir / f"lb-{label}.log", "rb") as f:
@@ -1319,13 +1318,11 @@ def report(results: dict[str, Any]) -> None:
             f"{100 * found.get('index_match_rate', 0):.0f}% of the prompt blocks it routed"
         )
     for label, c in results.get("choices", {}).items():
-        recent = c.get("recent", 0)  # (files from before cache_new have none)
-        with_history = c["choices"] - c["new"] - recent
+        with_history = c["choices"] - c["new"]
         print(
-            f"{label}: of {c['choices']} choices logged, {recent} placed by recent new work "
-            f"(held alike everywhere), {with_history} of other prompts some replica held part "
-            f"of; {c['cost'] + c['bound']} went elsewhere than the replica that held the most "
-            f"({c['cost']} by the cost rule, {c['bound']} by max_extra_load)"
+            f"{label}: of {c['choices']} choices logged, {with_history} of prompts some replica "
+            f"held part of; {c['cost'] + c['bound']} went elsewhere than the replica that held "
+            f"the most ({c['cost']} by the cost rule, {c['bound']} by max_extra_load)"
         )
     if results.get("paired"):
         print(

@@ -147,11 +147,6 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}  # key -> bit mask of replica slots
         self._slot: dict[int, int] = {}  # replica id -> bit
         self._free_slots: list[int] = []
-        # The blocks each replica was recently sent that it did not hold (its new prefill
-        # work: a conversation's history lands where its turns were sent), decayed by half
-        # every `capacity` new blocks sent to any replica: (value, tick of its last update).
-        self._fresh: dict[int, tuple[float, int]] = {}
-        self._tick = 0  # new blocks recorded, all replicas
 
     def __len__(self) -> int:
         return sum(len(lru) for lru in self._lru.values())
@@ -175,17 +170,12 @@ class PrefixIndex:
         # Last block first: a prompt's first blocks end up the most recent, so its tail is
         # evicted before its prefix (as vLLM frees a sequence's blocks), and what stays of
         # it still matches.
-        added = 0
         for key in reversed(keys):
             if key in lru:
                 lru.move_to_end(key)
             else:
                 lru[key] = None
                 holders[key] = holders.get(key, 0) | bit
-                added += 1
-        if added:  # (what it held decays over these blocks too, as for every replica)
-            self._tick += added
-            self._fresh[replica] = (self.recent(replica) + added, self._tick)
         while len(lru) > self.capacity:
             old, _ = lru.popitem(last=False)
             self._drop(old, bit)
@@ -197,18 +187,8 @@ class PrefixIndex:
         else:
             self._holders.pop(key, None)
 
-    def recent(self, replica: int) -> float:
-        """The prompt blocks `replica` was recently sent that it did not hold: each counts
-        half as much after every `capacity` new blocks recorded for any replica since. As
-        SGLang's router places a new prompt on the worker whose tree is smallest, this
-        balances where conversations live (their later turns follow their history), and
-        unlike a tree's size it keeps telling replicas apart once every LRU is full."""
-        value, at = self._fresh.get(replica, (0.0, self._tick))
-        return value * 0.5 ** ((self._tick - at) / self.capacity) if value else 0.0
-
     def forget(self, replica: int) -> None:
         """A replica left the set: its cache went with it."""
-        self._fresh.pop(replica, None)
         bit = self._slot.pop(replica, None)
         if bit is None:
             return
@@ -292,7 +272,6 @@ class CacheAware:
     # as a conversation moved away costs its later turns and a second copy of its history in
     # another cache.
     DEFAULT_LOAD_WEIGHT = 0.25
-    DEFAULT_NEW = "load"
 
     def __init__(
         self,
@@ -303,17 +282,9 @@ class CacheAware:
         choice: str = DEFAULT_CHOICE,
         decode_weight: float = DEFAULT_DECODE_WEIGHT,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
-        new: str = DEFAULT_NEW,
     ) -> None:
         if choice not in ("cost", "match"):
             raise ValueError(f"cache_aware's choice must be 'cost' or 'match', not {choice!r}")
-        if new not in ("load", "recent"):
-            raise ValueError(f"cache_aware's new must be 'load' or 'recent', not {new!r}")
-        # A prompt every replica within reach holds equally much of (a new conversation, or
-        # one whose shared system prompt all of them hold): "load" places it by the cost
-        # rule (the least queue, then load), "recent" on the replica sent the fewest new
-        # blocks recently (PrefixIndex.recent), so that conversations' homes stay balanced.
-        self.new = new
         self.max_extra_load = max_extra_load
         self.choice = choice
         self.decode_weight = decode_weight
@@ -412,17 +383,8 @@ class CacheAware:
             n = len(keys)
             weight = self.load_weight
             cost = {rid: n - depths[rid] + weight * self._queue(rid, inflight) for rid in within}
-            held = depths.values()
-            by_recent = self.new == "recent" and len(within) > 1 and max(held) - min(held) < 1
-            if by_recent:
-                # Nobody holds more of it than another (within a block, as the precise
-                # index's matches convert to fractions of one): the least recent new work.
-                recent = {rid: round(self.index.recent(rid), 3) for rid in within}
-                lowest = min(recent.values())
-                best = [rid for rid in within if recent[rid] == lowest]
-            else:
-                lowest = min(cost.values())
-                best = [rid for rid in within if cost[rid] == lowest]
+            lowest = min(cost.values())
+            best = [rid for rid in within if cost[rid] == lowest]
             if len(best) > 1:  # (the least loaded of them, then the hash)
                 fewest = min(inflight.get(rid, 0) for rid in best)
                 best = [rid for rid in best if inflight.get(rid, 0) == fewest]
@@ -433,7 +395,6 @@ class CacheAware:
             # counted (its request still weighs as one in flight).
             self.last_uncached = max(0, len(keys) - depth) if key.streams else 0
         else:
-            by_recent = False
             depth, best = self.index.match(keys, within)
             if depth:
                 choice = min(best, key=lambda rid: inflight.get(rid, 0))
@@ -443,7 +404,7 @@ class CacheAware:
                 choice = self._tie(key, candidates, idle)
         if self.explain is not None:
             costs = cost if self.choice == "cost" else None
-            self.explain(self._why(keys, eligible, inflight, choice, costs, by_recent))
+            self.explain(self._why(keys, eligible, inflight, choice, costs))
         self.index.record(choice, keys)
         if self.on_record is not None:
             self.on_record(choice, keys)
@@ -458,15 +419,13 @@ class CacheAware:
         inflight: Mapping[int, int],
         choice: int,
         costs: Mapping[int, float] | None,
-        by_recent: bool = False,
     ) -> dict[str, object]:
         """One choice, for the choice log: the prompt's blocks, each eligible replica's
         matched blocks, requests in flight and prompt blocks queued (and its cost under the
         cost rule; `null`: passed over by max_extra_load), and why the chosen one won:
         `match` (it holds the most of the prompt, or shares the most with others), `cost`
         (another holds more, but its queue cost more), `bound` (the one that holds the most
-        was max_extra_load busier than the least loaded), `new` (nobody holds any of it),
-        `recent` (all hold as much of it: placed by `new="recent"`)."""
+        was max_extra_load busier than the least loaded), `new` (nobody holds any of it)."""
         # (Without the precise index's report of its match: the choice made it already.)
         hook = getattr(self.index, "on_precise", None)
         if hook is not None:
@@ -488,9 +447,7 @@ class CacheAware:
                 self._backlog(rid),
                 None if cost is None else round(cost, 2),
             ]
-        if by_recent:
-            why = "recent"
-        elif not deepest:
+        if not deepest:
             why = "new"
         elif depths[choice] >= deepest:
             why = "match"

@@ -428,11 +428,6 @@ class LoadBalancerOptions(_Strict):
     cache_choice: Literal["cost", "match"] = "cost"
     cache_decode_weight: Annotated[float, Field(ge=0, le=1000)] = 1.0
     cache_load_weight: Annotated[float, Field(ge=0, le=1000)] = 0.25
-    # cache_aware (cost): a prompt that no replica within max_extra_load holds more of than
-    # another (a new conversation) goes by the cost rule ("load": the least queue) or to the
-    # replica sent the fewest new prompt blocks recently ("recent": conversations' homes
-    # balanced over time, as SGLang's router places by its smallest tree).
-    cache_new: Literal["load", "recent"] = "load"
     # cache_aware: log each choice with a prompt (one JSON line: each replica's matched blocks,
     # load, queued blocks and cost, and why the chosen one won) in the LB's log. A debug aid:
     # a line a request (docs/load-balancer.md).
