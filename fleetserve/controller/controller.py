@@ -520,6 +520,8 @@ class Controller:
                 )
             self.store.delete_replica(name, replica_id, self.clock.now(), "replica row purged")
             return
+        if purge and not rec.purge:  # its row goes even if its teardown fails (executor)
+            rec = self.store.update_replica(rec, self.clock.now(), purge=True)
         if rec.status is ReplicaStatus.SHUTTING_DOWN:
             return
         reconciler.executor.terminate(

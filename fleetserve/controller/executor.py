@@ -309,6 +309,17 @@ class Executor:
             else:
                 await self.infra.terminate(rec.handle, rec.launch_token)
         except Exception as e:
+            # `down NAME --replica-id N --purge` (asked before this teardown or during it):
+            # the row goes all the same.
+            fresh = self.store.get_replica(rec.service, rec.replica_id)
+            if (fresh or rec).purge:
+                self.store.delete_replica(
+                    rec.service,
+                    rec.replica_id,
+                    self.clock.now(),
+                    f"replica row purged ({reason}); its teardown failed: {e}",
+                )
+                return
             self.store.update_replica(
                 rec,
                 self.clock.now(),

@@ -41,6 +41,7 @@ class FakeInfra:
         self.host = host
         self.errors: list[Exception] = []
         self.always: Exception | None = None
+        self.terminate_error: Exception | None = None  # raised by every terminate
         self.gate: asyncio.Event | None = None
         self.launches: list[LaunchRequest] = []
         self.cancelled: list[LaunchRequest] = []
@@ -79,6 +80,8 @@ class FakeInfra:
 
     async def terminate(self, handle: str | None, launch_token: str) -> None:
         self.terminated.append((handle, launch_token))
+        if self.terminate_error is not None:
+            raise self.terminate_error
         if handle is not None:
             self.states[handle] = InstanceState(InstanceKind.EXITED, -15, "terminated")
 

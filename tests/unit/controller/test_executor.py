@@ -175,3 +175,24 @@ async def test_a_drain_under_way_ends_when_the_service_goes_down(setup: Setup) -
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=0.2)
     assert setup.infra.terminated == [("svc/1", "token-1")]
     assert setup.clock.now() - start < 12
+
+
+async def test_a_failed_teardown_keeps_the_row_unless_it_is_purged(setup: Setup) -> None:
+    """A teardown that fails leaves the row in FAILED_CLEANUP (the processes may live on);
+    a row marked purge (`down NAME --replica-id N --purge`) goes all the same, with an event
+    that says its teardown failed."""
+    row = await setup.launched()
+    setup.infra.terminate_error = RuntimeError("the instance API timed out")
+    setup.executor.terminate(row, ReplicaStatus.READY, "terminated by user", TerminationCause.USER)
+    await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
+    kept = setup.row()
+    assert kept.status is ReplicaStatus.FAILED_CLEANUP
+    assert "teardown failed: the instance API timed out" in (kept.reason or "")
+    purged = setup.store.update_replica(kept, setup.clock.now(), purge=True)
+    setup.executor.terminate(purged, purged.status, "terminated by user", TerminationCause.USER)
+    await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
+    assert setup.store.get_replica("svc", 1) is None
+    assert any(
+        "replica row purged" in m and "teardown failed: the instance API timed out" in m
+        for m in setup.messages()
+    )
