@@ -322,8 +322,9 @@ class Fleet:
 
 # A request the model cannot serve whole, whatever routes it: a prompt longer than its
 # context (vLLM's 400 says "maximum context length"), or an answer cut where the context is
-# full. The same requests in every target of a round (the same traffic): counted apart from
-# the failures, which a router could cause or save.
+# full. Nearly the same requests in every target of a round (the same sessions; a later
+# prompt holds the model's earlier answers, and a session ends at its first error): counted
+# apart from the failures, which a router could cause or save.
 CONTEXT = "context: "
 CONTEXT_REFUSAL = b"maximum context length"
 
@@ -386,7 +387,10 @@ async def stream(
             if not finished or rec.tokens != rec.max_tokens:
                 # Stopped by its length short of max_tokens (the bench ignores EOS): the
                 # model's context filled up, whichever replica answered.
-                full = finished and reason == "length" and rec.tokens < rec.max_tokens
+                # (vLLM's count: `usage`; counting chunks, one that held back a partial
+                # character would make a whole answer look cut.)
+                counted = usage is not None or not real
+                full = finished and counted and reason == "length" and rec.tokens < rec.max_tokens
                 why = f"{CONTEXT}full after" if full else "short stream:"
                 rec.error = f"{why} {rec.tokens} of {rec.max_tokens} tokens"
                 return None

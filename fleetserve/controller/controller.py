@@ -520,9 +520,9 @@ class Controller:
                 )
             self.store.delete_replica(name, replica_id, self.clock.now(), "replica row purged")
             return
-        if purge and not rec.purge:  # its row goes even if its teardown fails (executor)
-            rec = self.store.update_replica(rec, self.clock.now(), purge=True)
         if rec.status is ReplicaStatus.SHUTTING_DOWN:
+            if purge and not rec.purge:  # its teardown, under way, reads it (executor)
+                self.store.update_replica(rec, self.clock.now(), purge=True)
             return
         reconciler.executor.terminate(
             rec,
@@ -530,6 +530,7 @@ class Controller:
             "terminated by user",
             TerminationCause.USER,
             drain_seconds=self.settings.drain_seconds,
+            purge=purge,  # its row goes even if its teardown fails
         )
         reconciler.wake.set()
 

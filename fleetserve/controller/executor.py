@@ -18,7 +18,13 @@ from fleetserve.controller.pools import WORKER_RUN
 from fleetserve.core.clock import Clock
 from fleetserve.core.errors import FleetserveError, TerminalError, TransientError
 from fleetserve.core.status import ReplicaStatus
-from fleetserve.core.types import ReplicaId, ReplicaRecord, TerminationCause, deletes_row
+from fleetserve.core.types import (
+    ReplicaChanges,
+    ReplicaId,
+    ReplicaRecord,
+    TerminationCause,
+    deletes_row,
+)
 from fleetserve.infra.base import FileMount, Infra, Launched, LaunchRequest
 from fleetserve.infra.git import GitSource
 from fleetserve.infra.host import elsewhere, host_of
@@ -240,20 +246,25 @@ class Executor:
         cause: TerminationCause,
         exit_code: int | None = None,
         drain_seconds: float = 0.0,
+        purge: bool = False,
     ) -> None:
         """Mark SHUTTING_DOWN with its `cause` (out of the LB set at once), let its in-flight
         requests finish (up to `drain_seconds`), stop it, then record how it ended: its row
-        goes if the cause says so (`deletes_row`), else it takes `final_status`."""
+        goes if the cause says so (`deletes_row`) or it is to be purged (`purge`: written
+        with SHUTTING_DOWN, in one write, so no live row ever carries it), even if its
+        teardown fails; else it takes `final_status`."""
         if rec.replica_id in self.terminations:
             return
+        changes: ReplicaChanges = {
+            "status": ReplicaStatus.SHUTTING_DOWN,
+            "reason": reason,
+            "termination_cause": cause,
+            "exit_code": exit_code,
+        }
+        if purge:
+            changes["purge"] = True
         rec = self.store.update_replica(
-            rec,
-            self.clock.now(),
-            message=f"terminating: {reason}",
-            status=ReplicaStatus.SHUTTING_DOWN,
-            reason=reason,
-            termination_cause=cause,
-            exit_code=exit_code,
+            rec, self.clock.now(), message=f"terminating: {reason}", **changes
         )
         task = asyncio.create_task(
             self._terminate(rec, final_status, reason, drain_seconds),
@@ -309,10 +320,7 @@ class Executor:
             else:
                 await self.infra.terminate(rec.handle, rec.launch_token)
         except Exception as e:
-            # `down NAME --replica-id N --purge` (asked before this teardown or during it):
-            # the row goes all the same.
-            fresh = self.store.get_replica(rec.service, rec.replica_id)
-            if (fresh or rec).purge:
+            if self._purged(rec):  # the row goes all the same
                 self.store.delete_replica(
                     rec.service,
                     rec.replica_id,
@@ -327,7 +335,7 @@ class Executor:
                 reason=f"{reason}; teardown failed: {e}",
             )
             return
-        if deletes_row(cause) or rec.purge:
+        if deletes_row(cause) or self._purged(rec):
             self.store.delete_replica(
                 rec.service, rec.replica_id, self.clock.now(), f"replica removed ({reason})"
             )
@@ -336,6 +344,12 @@ class Executor:
             self.store.update_replica(
                 rec, self.clock.now(), status=final, reason=reason, terminated_at=self.clock.now()
             )
+
+    def _purged(self, rec: ReplicaRecord) -> bool:
+        """Whether the user asked for the replica's row to go (`down NAME --replica-id N
+        --purge`), before its teardown began or while it ran: read again from the store."""
+        fresh = self.store.get_replica(rec.service, rec.replica_id)
+        return (fresh or rec).purge
 
     def _done(self, tasks: dict[ReplicaId, asyncio.Task[None]], replica_id: ReplicaId) -> None:
         tasks.pop(replica_id, None)

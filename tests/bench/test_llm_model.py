@@ -689,14 +689,15 @@ def test_requests_past_the_models_context_are_counted_apart_from_failures() -> N
 
     run = _run_module()
 
-    def sse(tokens: int, reason: str | None, done: bool = True) -> bytes:
+    def sse(tokens: int, reason: str | None, done: bool = True, usage: bool = True) -> bytes:
         out = b""
         for i in range(tokens):
             last = i == tokens - 1
             choice = {"delta": {"content": "t"}, "finish_reason": reason if last else None}
             out += f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
-        usage = {"choices": [], "usage": {"completion_tokens": tokens}}
-        out += f"data: {json.dumps(usage)}\n\n".encode()
+        if usage:
+            counts = {"choices": [], "usage": {"completion_tokens": tokens}}
+            out += f"data: {json.dumps(counts)}\n\n".encode()
         return out + (b"data: [DONE]\n\n" if done else b"")
 
     replies = {
@@ -705,6 +706,7 @@ def test_requests_past_the_models_context_are_counted_apart_from_failures() -> N
         "/bad": (400, b'{"message":"temperature must be positive"}'),
         "/full": (200, sse(2, "length")),
         "/cut": (200, sse(2, None, done=False)),
+        "/uncounted": (200, sse(2, "length", usage=False)),  # no usage: the chunks can't say
     }
 
     async def handler(request: web.Request) -> web.Response:
@@ -739,9 +741,10 @@ def test_requests_past_the_models_context_are_counted_apart_from_failures() -> N
         "HTTP 400",
         "context: full after 2 of 4 tokens",
         "short stream: 2 of 4 tokens",
+        "short stream: 2 of 4 tokens",
     ]
     plan = run.Plan(0.0, 10.0, 1.0, 100)
     stats = [{"replica": "r", "requests": 5, "prefix_cache_queries": 0, "prefix_cache_hits": 0}]
     stats[0].update(running=0, waiting=0)
     got = run.summarize(records, [(10.0, stats)], {"replicas": stats}, plan)  # type: ignore[arg-type]
-    assert (got["requests"], got["completed"], got["failed"], got["past_context"]) == (5, 1, 2, 2)
+    assert (got["requests"], got["completed"], got["failed"], got["past_context"]) == (6, 1, 3, 2)

@@ -42,6 +42,7 @@ class FakeInfra:
         self.errors: list[Exception] = []
         self.always: Exception | None = None
         self.terminate_error: Exception | None = None  # raised by every terminate
+        self.terminate_gate: asyncio.Event | None = None  # every terminate waits for it
         self.gate: asyncio.Event | None = None
         self.launches: list[LaunchRequest] = []
         self.cancelled: list[LaunchRequest] = []
@@ -80,6 +81,8 @@ class FakeInfra:
 
     async def terminate(self, handle: str | None, launch_token: str) -> None:
         self.terminated.append((handle, launch_token))
+        if self.terminate_gate is not None:
+            await self.terminate_gate.wait()
         if self.terminate_error is not None:
             raise self.terminate_error
         if handle is not None:

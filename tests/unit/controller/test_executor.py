@@ -179,20 +179,55 @@ async def test_a_drain_under_way_ends_when_the_service_goes_down(setup: Setup) -
 
 async def test_a_failed_teardown_keeps_the_row_unless_it_is_purged(setup: Setup) -> None:
     """A teardown that fails leaves the row in FAILED_CLEANUP (the processes may live on);
-    a row marked purge (`down NAME --replica-id N --purge`) goes all the same, with an event
-    that says its teardown failed."""
+    a termination with `purge` (`down NAME --replica-id N --purge`) removes the row all the
+    same, with an event that says its teardown failed. The purge is written with
+    SHUTTING_DOWN, in the same write."""
     row = await setup.launched()
     setup.infra.terminate_error = RuntimeError("the instance API timed out")
     setup.executor.terminate(row, ReplicaStatus.READY, "terminated by user", TerminationCause.USER)
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
     kept = setup.row()
-    assert kept.status is ReplicaStatus.FAILED_CLEANUP
+    assert kept.status is ReplicaStatus.FAILED_CLEANUP and not kept.purge
     assert "teardown failed: the instance API timed out" in (kept.reason or "")
-    purged = setup.store.update_replica(kept, setup.clock.now(), purge=True)
-    setup.executor.terminate(purged, purged.status, "terminated by user", TerminationCause.USER)
+    setup.infra.terminate_gate = asyncio.Event()
+    setup.executor.terminate(
+        kept, kept.status, "terminated by user", TerminationCause.USER, purge=True
+    )
+    await asyncio.sleep(0)
+    during = setup.row()
+    assert (during.status, during.purge) == (ReplicaStatus.SHUTTING_DOWN, True)
+    setup.infra.terminate_gate.set()
     await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
     assert setup.store.get_replica("svc", 1) is None
     assert any(
         "replica row purged" in m and "teardown failed: the instance API timed out" in m
         for m in setup.messages()
     )
+
+
+@pytest.mark.parametrize("teardown_fails", [False, True], ids=["stopped", "teardown-failed"])
+async def test_a_purge_asked_during_a_teardown_is_honoured(
+    setup: Setup, teardown_fails: bool
+) -> None:
+    """A replica being stopped for a failure keeps its row (FAILED, for the crash-loop
+    count), unless the user purges it while its teardown runs: then the row goes, whether
+    the teardown succeeds or fails."""
+    row = await setup.launched()
+    setup.infra.terminate_gate = asyncio.Event()
+    if teardown_fails:
+        setup.infra.terminate_error = RuntimeError("no answer")
+    setup.executor.terminate(row, ReplicaStatus.FAILED, "probe failed", TerminationCause.FAILURE)
+    await asyncio.sleep(0)
+    during = setup.row()
+    assert during.status is ReplicaStatus.SHUTTING_DOWN and not during.purge
+    setup.store.update_replica(during, setup.clock.now(), purge=True)  # what the API writes
+    setup.infra.terminate_gate.set()
+    await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
+    assert setup.store.get_replica("svc", 1) is None
+
+
+async def test_a_failure_without_purge_keeps_its_row(setup: Setup) -> None:
+    row = await setup.launched()
+    setup.executor.terminate(row, ReplicaStatus.FAILED, "probe failed", TerminationCause.FAILURE)
+    await asyncio.wait_for(setup.executor.wait_idle(), timeout=5)
+    assert setup.row().status is ReplicaStatus.FAILED and not setup.row().purge
