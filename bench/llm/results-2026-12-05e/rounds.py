@@ -25,7 +25,10 @@ def load(path: Path) -> dict[str, Any]:
         return json.load(f)  # type: ignore[no-any-return]
 
 
-def rounds(d: dict[str, Any]) -> None:
+def rounds(d: dict[str, Any], measured_direct: bool = False) -> None:
+    """A run's rounds side by side and its round-by-round comparisons; then, for a run from
+    before the bench measured the unloaded TTFT straight to a replica, those of the rounds
+    where least_load queued 3x against `direct_baseline`."""
     unloaded = d.get("unloaded_rounds") or []
     by: dict[int, dict[str, dict[str, Any]]] = {}
     for r in d["runs"]:
@@ -50,7 +53,7 @@ def rounds(d: dict[str, Any]) -> None:
         print(f"  {n + 1:2d} {traffic!s:>4} {u:4.0f} {times:>5} |" + " |".join(cells))
     for line in run.paired_lines(run.paired(d["runs"], unloaded)):
         print("  " + line)
-    fixed = direct_baseline(d)
+    fixed = unloaded if measured_direct else direct_baseline(d)
     if fixed != unloaded:
         print("  with the rounds measured through least_load given the others' mean baseline:")
         for line in run.paired_lines(run.paired(d["runs"], fixed)):
