@@ -28,6 +28,7 @@ RUNS = (
         "5 rounds, seed 34 (V7's traffics): one LB worker; cache_load_weight 0 + max_extra_load 64",
     ),
     ("V9", "6 rounds, seed 35: one LB worker beside the default two"),
+    ("V10", "6 rounds, seed 36: one LB worker beside the default two, no router"),
 )
 # Runs with least_load, cache_aware and sglang-router at the goal's setting: (file, seed,
 # whether the bench measured its unloaded TTFT straight to a replica; V1 and V2 measured it
