@@ -720,7 +720,7 @@ def test_requests_past_the_models_context_are_counted_apart_from_failures() -> N
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = runner.addresses[0][1]
         records = []
         try:
             async with aiohttp.ClientSession() as http:
