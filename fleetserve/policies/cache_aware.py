@@ -19,11 +19,17 @@ thus stays on the replica that holds its history while the queue there costs les
 prefilling the history elsewhere, and goes elsewhere when it costs more: the trade is made
 per request in the unit that decides the time to first token, not by a fixed load margin.
 With `choice="match"` (the policy before 2026-12-05): the longest match, ties to the less
-loaded. Between equally good replicas (cost: the same cost; match: a new conversation, a
-prompt nobody shares) the less loaded wins, then a consistent hash of the prompt's first
-block, so that the processes of one load balancer and a restarted one place the same new
-prompt on the same replica. Requests without a prompt (GET, non-JSON) or with one shorter
-than a block go by least load (cost: the least queue first).
+loaded. With `choice="owner"`: the longest match, ties to the replica that has held its last
+matched block the longest (its first holder, while it keeps it) rather than the less loaded,
+so that conversations sharing a system prompt go where that prompt went first, as
+sglang-router's tree sends them (each system prompt then lives in one cache, until the load
+bound sends it to a second replica). With `choice="cost_owner"`: the cost rule, except that
+when the replica it picks is one of several that hold the prompt's deepest matched prefix, the
+first holder among them gets the prompt. Between equally good replicas (cost: the same cost;
+match: a new conversation, a prompt nobody shares) the less loaded wins, then a consistent
+hash of the prompt's first block, so that the processes of one load balancer and a restarted
+one place the same new prompt on the same replica. Requests without a prompt (GET, non-JSON)
+or with one shorter than a block go by least load (cost: the least queue first).
 
 Several processes of one load balancer (fleetserve.lb.index_share) share one index: each
 process tells the others its choices (`on_record`) and its in-flight counts, and applies
@@ -54,6 +60,8 @@ DEFAULT_BLOCKS = 2048  # per replica: ~512K characters, ~128K tokens of prompt
 MAX_PROMPT_CHARS = 4 * 1024 * 1024  # what one request may make the index hash
 MAX_MESSAGES = 4096  # messages (and content parts) read of one request; the rest is ignored
 DEFAULT_MAX_BODY_BYTES = 256 * 1024  # of a body read before choosing (cache_max_body_bytes)
+CHOICES = ("cost", "match", "owner", "cost_owner")
+OWNER_CHOICES = ("owner", "cost_owner")  # the choices that read who held a block first
 
 
 def _part_text(content: object) -> str:
@@ -141,10 +149,14 @@ class PrefixIndex:
     """Which replica recently held which prompt blocks: an LRU of block keys per replica and,
     for lookups, each key's holders as a bit mask over replica slots."""
 
-    def __init__(self, blocks: int = DEFAULT_BLOCKS) -> None:
+    def __init__(self, blocks: int = DEFAULT_BLOCKS, owners: bool = False) -> None:
         self.capacity = blocks
+        self.owners = owners  # keep `_owner` (the owner choices need it; others pay nothing)
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._holders: dict[int, int] = {}  # key -> bit mask of replica slots
+        # key -> the bit of the replica that has held it longest (its first holder while
+        # that one keeps it): where `owner` placement sends the prompts that share it.
+        self._owner: dict[int, int] = {}
         self._slot: dict[int, int] = {}  # replica id -> bit
         self._free_slots: list[int] = []
 
@@ -175,7 +187,10 @@ class PrefixIndex:
                 lru.move_to_end(key)
             else:
                 lru[key] = None
-                holders[key] = holders.get(key, 0) | bit
+                held = holders.get(key, 0)
+                if not held and self.owners:
+                    self._owner[key] = bit
+                holders[key] = held | bit
         while len(lru) > self.capacity:
             old, _ = lru.popitem(last=False)
             self._drop(old, bit)
@@ -184,8 +199,11 @@ class PrefixIndex:
         mask = self._holders.get(key, 0) & ~bit
         if mask:
             self._holders[key] = mask
+            if self._owner.get(key) == bit:
+                self._owner[key] = mask & -mask
         else:
             self._holders.pop(key, None)
+            self._owner.pop(key, None)
 
     def forget(self, replica: int) -> None:
         """A replica left the set: its cache went with it."""
@@ -215,6 +233,13 @@ class PrefixIndex:
         if depth == 0:
             return 0, list(among)
         return depth, [rid for rid in among if self._slot.get(rid, 0) & alive]
+
+    def owner(self, key: int) -> int | None:
+        """The replica that has held this block longest (of those that hold it); None: none."""
+        bit = self._owner.get(key)
+        if bit is None:
+            return None
+        return next((rid for rid, b in self._slot.items() if b == bit), None)
 
     def depths(self, keys: Sequence[int], among: Sequence[int]) -> dict[int, float]:
         """How many leading blocks of `keys` each of `among` holds (0 for one it holds none
@@ -283,8 +308,10 @@ class CacheAware:
         decode_weight: float = DEFAULT_DECODE_WEIGHT,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
     ) -> None:
-        if choice not in ("cost", "match"):
-            raise ValueError(f"cache_aware's choice must be 'cost' or 'match', not {choice!r}")
+        if choice not in CHOICES:
+            raise ValueError(
+                f"cache_aware's choice must be one of {', '.join(CHOICES)}, not {choice!r}"
+            )
         self.max_extra_load = max_extra_load
         self.choice = choice
         self.decode_weight = decode_weight
@@ -299,7 +326,7 @@ class CacheAware:
         self.last_uncached = 0
         self.block_chars = block_chars
         self.body_limit = max_body_bytes
-        self.index = PrefixIndex(blocks)
+        self.index = PrefixIndex(blocks, owners=choice in OWNER_CHOICES)
         self._rings: dict[tuple[int, ...], HashRing] = {}  # by member set (a canary has two)
         self.fallback = LeastLoad()
         # The replicas' own running + waiting counts, when the LB reads their metrics
@@ -364,7 +391,8 @@ class CacheAware:
             }
         keys = key.blocks
         self.last_uncached = 0
-        queued = self.choice == "cost" and bool(self.prefilling or self.peer_prefilling)
+        costs_rule = self.choice in ("cost", "cost_owner")
+        queued = costs_rule and bool(self.prefilling or self.peer_prefilling)
         if not keys and not queued:
             return self._by_load(candidates, inflight, exclude)
         eligible = [rid for rid in candidates if rid not in exclude]
@@ -378,7 +406,7 @@ class CacheAware:
             queue = {rid: self._queue(rid, inflight) for rid in within}
             shortest = min(queue.values())
             return self._by_load([r for r in within if queue[r] == shortest], inflight, exclude)
-        if self.choice == "cost":
+        if costs_rule:
             depths = self.index.depths(keys, within)
             n = len(keys)
             weight = self.load_weight
@@ -389,6 +417,14 @@ class CacheAware:
                 fewest = min(inflight.get(rid, 0) for rid in best)
                 best = [rid for rid in best if inflight.get(rid, 0) == fewest]
             choice = best[0] if len(best) == 1 else self._tie(key, candidates, best)
+            deepest = max(depths.values())
+            if self.choice == "cost_owner" and deepest and depths[choice] == deepest:
+                holders = [rid for rid in within if depths[rid] == deepest]
+                if len(holders) > 1:
+                    # (the precise index's depths may be fractional: its block, rounded down)
+                    owner = self.index.owner(keys[max(int(deepest), 1) - 1])
+                    if owner in holders:
+                        choice = owner
             depth = round(depths[choice])
             # Counted as queued until the first byte: a streamed answer's first token. A
             # whole answer's first byte comes at its end, after all of its decoding: not
@@ -396,14 +432,17 @@ class CacheAware:
             self.last_uncached = max(0, len(keys) - depth) if key.streams else 0
         else:
             depth, best = self.index.match(keys, within)
-            if depth:
+            owner = self.index.owner(keys[depth - 1]) if depth and self.choice == "owner" else None
+            if owner is not None and owner in best:
+                choice = owner
+            elif depth:
                 choice = min(best, key=lambda rid: inflight.get(rid, 0))
             else:
                 # Nobody holds any of it: the least loaded, ties broken by the hash.
                 idle = [rid for rid in within if inflight.get(rid, 0) == least]
                 choice = self._tie(key, candidates, idle)
         if self.explain is not None:
-            costs = cost if self.choice == "cost" else None
+            costs = cost if costs_rule else None
             self.explain(self._why(keys, eligible, inflight, choice, costs))
         self.index.record(choice, keys)
         if self.on_record is not None:

@@ -421,6 +421,68 @@ def test_the_match_choice_keeps_the_longest_match_whatever_is_queued() -> None:
     assert sel.last_uncached == 0  # nothing charged: the match choice weighs no queue
 
 
+def test_the_owner_choice_keeps_a_shared_prefix_on_its_first_holder() -> None:
+    """New conversations over one system prompt go where it went first, even once another
+    replica holds it too (sent there past the load bound), while loads stay within the bound;
+    a longer match still wins over the owner of a shorter one."""
+    sel = CacheAware(max_extra_load=4, block_chars=32, choice="owner")
+    load = {1: 0, 2: 0}
+    first = sel.select([1, 2], load, frozenset(), key_of(sel, chat("a" * 200)))
+    assert first is not None
+    other = 2 if first == 1 else 1
+    load[first] = 3  # busier, within the bound: the owner still gets the next conversation
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("b" * 200))) == first
+    load[first] = 4  # at the bound: passed over, so the other replica now holds it as well
+    moved = key_of(sel, chat("c" * 200))
+    assert sel.select([1, 2], load, frozenset(), moved) == other
+    load[first], load[other] = 3, 0
+    # Both hold the system prompt: the least loaded would be `other`; its owner is `first`.
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("d" * 200))) == first
+    # The conversation sent away continues where its history is (the longest match).
+    later = key_of(sel, chat("c" * 200, "ok", "more"))
+    assert sel.select([1, 2], load, frozenset(), later) == other
+
+
+def test_cost_owner_places_a_shared_prefix_by_owner_and_later_turns_by_cost() -> None:
+    """cost_owner: among replicas that hold the same deepest prefix, its first holder (the
+    cost rule would take the less queued one); a conversation whose history only one replica
+    holds is still moved by the cost rule when the queue there costs more than the history."""
+    sel = CacheAware(max_extra_load=8, block_chars=32, choice="cost_owner")
+    load = {1: 0, 2: 0}
+    first = sel.select([1, 2], load, frozenset(), key_of(sel, chat("a" * 200)))
+    assert first is not None
+    other = 2 if first == 1 else 1
+    load[first] = 8  # past the bound: the system prompt goes to the other replica too
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("b" * 200))) == other
+    load[first] = 3
+    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("c" * 200))) == first
+    plain = CacheAware(max_extra_load=8, block_chars=32)
+    plain_load = {1: 0, 2: 0}
+    home = plain.select([1, 2], plain_load, frozenset(), key_of(plain, chat("a" * 200)))
+    plain_load[home] = 8
+    away = plain.select([1, 2], plain_load, frozenset(), key_of(plain, chat("b" * 200)))
+    plain_load[home] = 3
+    assert plain.select([1, 2], plain_load, frozenset(), key_of(plain, chat("c" * 200))) == away
+    # A later turn held only by `first`, with a queue there worth more than its history.
+    turn = key_of(sel, chat("c" * 200, "ok", "more"))
+    sel.prefilling[first] = 100 * len(turn.blocks)
+    assert sel.select([1, 2], load, frozenset(), turn) == other
+
+
+def test_the_owner_passes_to_a_remaining_holder_when_the_first_forgets() -> None:
+    plain = PrefixIndex(blocks=4)  # only the owner choices keep track (the others pay nothing)
+    plain.record(7, [1, 2])
+    assert plain.owner(1) is None
+    index = PrefixIndex(blocks=4, owners=True)
+    index.record(7, [1, 2])
+    index.record(9, [1])
+    assert index.owner(1) == 7 and index.owner(2) == 7
+    index.forget(7)
+    assert index.owner(1) == 9 and index.owner(2) is None
+    index.record(9, [3, 4, 5, 6])  # evicts key 1 from replica 9: nobody holds it
+    assert index.owner(1) is None and index.owner(6) == 9
+
+
 def test_the_cost_choice_still_honours_the_load_bound_and_spreads_new_prompts() -> None:
     sel = CacheAware(max_extra_load=2, block_chars=32)
     load = {1: 0, 2: 0}
@@ -450,7 +512,7 @@ def test_cost_options_are_checked() -> None:
 
     from fleetserve.spec.models import LoadBalancerOptions
 
-    with pytest.raises(ValueError, match="'cost' or 'match'"):
+    with pytest.raises(ValueError, match="cost, match, owner"):
         CacheAware(choice="nearest")
     with pytest.raises(ValidationError, match="cache_choice"):
         LoadBalancerOptions(cache_choice="nearest")

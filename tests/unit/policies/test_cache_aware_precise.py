@@ -114,3 +114,13 @@ def test_the_choice_log_does_not_count_the_precise_match_twice() -> None:
         assert len(lines) == (3 if logged else 0)
         reports[logged] = told
     assert reports[True] == reports[False] and len(reports[True]) == 3
+
+
+def test_the_owner_choices_keep_track_of_first_holders_in_the_precise_mode_too() -> None:
+    assert not policy()[0].index.owners
+    for choice in ("owner", "cost_owner"):
+        sel = PreciseCacheAware(KvIndex(), NoTokens(), choice=choice)
+        assert sel.index.owners
+        sel.index.record(3, [11, 12])
+        sel.index.record(4, [11])
+        assert sel.index.owner(11) == 3
