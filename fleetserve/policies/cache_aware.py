@@ -61,7 +61,6 @@ MAX_PROMPT_CHARS = 4 * 1024 * 1024  # what one request may make the index hash
 MAX_MESSAGES = 4096  # messages (and content parts) read of one request; the rest is ignored
 DEFAULT_MAX_BODY_BYTES = 256 * 1024  # of a body read before choosing (cache_max_body_bytes)
 CHOICES = ("cost", "match", "owner", "cost_owner")
-OWNER_CHOICES = ("owner", "cost_owner")  # the choices that read who held a block first
 
 
 def _part_text(content: object) -> str:
@@ -149,14 +148,10 @@ class PrefixIndex:
     """Which replica recently held which prompt blocks: an LRU of block keys per replica and,
     for lookups, each key's holders as a bit mask over replica slots."""
 
-    def __init__(self, blocks: int = DEFAULT_BLOCKS, owners: bool = False) -> None:
+    def __init__(self, blocks: int = DEFAULT_BLOCKS) -> None:
         self.capacity = blocks
-        self.owners = owners  # keep `_owner` (the owner choices need it; others pay nothing)
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._holders: dict[int, int] = {}  # key -> bit mask of replica slots
-        # key -> the bit of the replica that has held it longest (its first holder while
-        # that one keeps it): where `owner` placement sends the prompts that share it.
-        self._owner: dict[int, int] = {}
         self._slot: dict[int, int] = {}  # replica id -> bit
         self._free_slots: list[int] = []
 
@@ -187,10 +182,7 @@ class PrefixIndex:
                 lru.move_to_end(key)
             else:
                 lru[key] = None
-                held = holders.get(key, 0)
-                if not held and self.owners:
-                    self._owner[key] = bit
-                holders[key] = held | bit
+                holders[key] = holders.get(key, 0) | bit
         while len(lru) > self.capacity:
             old, _ = lru.popitem(last=False)
             self._drop(old, bit)
@@ -199,11 +191,8 @@ class PrefixIndex:
         mask = self._holders.get(key, 0) & ~bit
         if mask:
             self._holders[key] = mask
-            if self._owner.get(key) == bit:
-                self._owner[key] = mask & -mask
         else:
             self._holders.pop(key, None)
-            self._owner.pop(key, None)
 
     def forget(self, replica: int) -> None:
         """A replica left the set: its cache went with it."""
@@ -233,13 +222,6 @@ class PrefixIndex:
         if depth == 0:
             return 0, list(among)
         return depth, [rid for rid in among if self._slot.get(rid, 0) & alive]
-
-    def owner(self, key: int) -> int | None:
-        """The replica that has held this block longest (of those that hold it); None: none."""
-        bit = self._owner.get(key)
-        if bit is None:
-            return None
-        return next((rid for rid, b in self._slot.items() if b == bit), None)
 
     def depths(self, keys: Sequence[int], among: Sequence[int]) -> dict[int, float]:
         """How many leading blocks of `keys` each of `among` holds (0 for one it holds none
@@ -326,7 +308,7 @@ class CacheAware:
         self.last_uncached = 0
         self.block_chars = block_chars
         self.body_limit = max_body_bytes
-        self.index = PrefixIndex(blocks, owners=choice in OWNER_CHOICES)
+        self.index = PrefixIndex(blocks)
         self._rings: dict[tuple[int, ...], HashRing] = {}  # by member set (a canary has two)
         self.fallback = LeastLoad()
         # The replicas' own running + waiting counts, when the LB reads their metrics
@@ -392,6 +374,7 @@ class CacheAware:
         keys = key.blocks
         self.last_uncached = 0
         costs_rule = self.choice in ("cost", "cost_owner")
+        owned = False  # the owner rule overrode what cost (or load) would have chosen
         queued = costs_rule and bool(self.prefilling or self.peer_prefilling)
         if not keys and not queued:
             return self._by_load(candidates, inflight, exclude)
@@ -421,10 +404,8 @@ class CacheAware:
             if self.choice == "cost_owner" and deepest and depths[choice] == deepest:
                 holders = [rid for rid in within if depths[rid] == deepest]
                 if len(holders) > 1:
-                    # (the precise index's depths may be fractional: its block, rounded down)
-                    owner = self.index.owner(keys[max(int(deepest), 1) - 1])
-                    if owner in holders:
-                        choice = owner
+                    keeper = self._tie(key, candidates, holders)
+                    owned, choice = keeper != choice, keeper
             depth = round(depths[choice])
             # Counted as queued until the first byte: a streamed answer's first token. A
             # whole answer's first byte comes at its end, after all of its decoding: not
@@ -432,9 +413,9 @@ class CacheAware:
             self.last_uncached = max(0, len(keys) - depth) if key.streams else 0
         else:
             depth, best = self.index.match(keys, within)
-            owner = self.index.owner(keys[depth - 1]) if depth and self.choice == "owner" else None
-            if owner is not None and owner in best:
-                choice = owner
+            if depth and self.choice == "owner" and len(best) > 1:
+                choice = self._tie(key, candidates, best)
+                owned = choice != min(best, key=lambda rid: inflight.get(rid, 0))
             elif depth:
                 choice = min(best, key=lambda rid: inflight.get(rid, 0))
             else:
@@ -443,7 +424,7 @@ class CacheAware:
                 choice = self._tie(key, candidates, idle)
         if self.explain is not None:
             costs = cost if costs_rule else None
-            self.explain(self._why(keys, eligible, inflight, choice, costs))
+            self.explain(self._why(keys, eligible, inflight, choice, costs, owned))
         self.index.record(choice, keys)
         if self.on_record is not None:
             self.on_record(choice, keys)
@@ -458,6 +439,7 @@ class CacheAware:
         inflight: Mapping[int, int],
         choice: int,
         costs: Mapping[int, float] | None,
+        owned: bool = False,
     ) -> dict[str, object]:
         """One choice, for the choice log: the prompt's blocks, each eligible replica's
         matched blocks, requests in flight and prompt blocks queued (and its cost under the
@@ -488,6 +470,8 @@ class CacheAware:
             ]
         if not deepest:
             why = "new"
+        elif owned:
+            why = "owner"
         elif depths[choice] >= deepest:
             why = "match"
         elif costs is not None and any(depths[r] >= deepest for r in costs):

@@ -18,7 +18,6 @@ from fleetserve.policies.cache_aware import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_BLOCKS,
     DEFAULT_MAX_BODY_BYTES,
-    OWNER_CHOICES,
     CacheAware,
     PrefixIndex,
 )
@@ -131,7 +130,6 @@ class PreciseCacheAware(CacheAware):
         self.precise = precise
         self.tokenizer = tokenizer
         self.index = self.blended = BlendedIndex(blocks, block_chars, precise)
-        self.index.owners = choice in OWNER_CHOICES
 
     def body_key(self, body: bytes, complete: bool) -> RequestKey:
         key = super().body_key(body, complete)

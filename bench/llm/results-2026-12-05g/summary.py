@@ -24,6 +24,8 @@ RUNS = (
     ("W2", "5 rounds, seed 37 (nearer the knee): owner and cost_owner beside the default"),
     ("W3", "4 rounds, seed 35 (far past the knee): owner and cost_owner beside the default"),
     ("W4", "5 rounds, seed 34 (W1's traffics): cost_owner beside the default, no least_load"),
+    ("W5", "4 rounds, seed 32: cost_owner beside the default, no least_load"),
+    ("W6", "4 rounds, seed 38: cost_owner (its keeper by hash, 2nd commit) beside the default"),
 )
 OWNER = "cache_aware@cache_choice=owner"
 COST_OWNER = "cache_aware@cache_choice=cost_owner"

@@ -421,66 +421,74 @@ def test_the_match_choice_keeps_the_longest_match_whatever_is_queued() -> None:
     assert sel.last_uncached == 0  # nothing charged: the match choice weighs no queue
 
 
-def test_the_owner_choice_keeps_a_shared_prefix_on_its_first_holder() -> None:
-    """New conversations over one system prompt go where it went first, even once another
-    replica holds it too (sent there past the load bound), while loads stay within the bound;
-    a longer match still wins over the owner of a shorter one."""
+def _spill(sel: CacheAware) -> tuple[int, int]:
+    """A conversation over SYSTEM, then one sent past the load bound (max_extra_load 4): both
+    replicas hold the system prompt. Returns (first, other)."""
+    load = {1: 0, 2: 0}
+    first = sel.select([1, 2], load, frozenset(), key_of(sel, chat("a" * 200)))
+    assert first is not None
+    load[first] = 4
+    other = sel.select([1, 2], load, frozenset(), key_of(sel, chat("b" * 200)))
+    assert other is not None and other != first
+    return first, other
+
+
+def test_the_owner_choice_keeps_a_shared_prefix_on_one_replica_in_every_process() -> None:
+    """Once two replicas hold a system prompt, the conversations over it go to one of them
+    (a hash of the prompt's first block: the same in every LB process, whatever order they
+    heard of the holders in), whichever is less loaded within the bound; `match` takes the
+    less loaded. A conversation keeps its history (the longest match)."""
     sel = CacheAware(max_extra_load=4, block_chars=32, choice="owner")
-    load = {1: 0, 2: 0}
-    first = sel.select([1, 2], load, frozenset(), key_of(sel, chat("a" * 200)))
-    assert first is not None
-    other = 2 if first == 1 else 1
-    load[first] = 3  # busier, within the bound: the owner still gets the next conversation
-    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("b" * 200))) == first
-    load[first] = 4  # at the bound: passed over, so the other replica now holds it as well
-    moved = key_of(sel, chat("c" * 200))
-    assert sel.select([1, 2], load, frozenset(), moved) == other
-    load[first], load[other] = 3, 0
-    # Both hold the system prompt: the least loaded would be `other`; its owner is `first`.
-    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("d" * 200))) == first
-    # The conversation sent away continues where its history is (the longest match).
-    later = key_of(sel, chat("c" * 200, "ok", "more"))
-    assert sel.select([1, 2], load, frozenset(), later) == other
+    match = CacheAware(max_extra_load=4, block_chars=32, choice="match")
+    first, other = _spill(sel)
+    _spill(match)
+    picks, by_load = set(), set()
+    for i, busy in enumerate((1, 2, 1, 2)):
+        load = {1: 0, 2: 0}
+        load[busy] = 3
+        picks.add(sel.select([1, 2], load, frozenset(), key_of(sel, chat(f"c{i}" * 100))))
+        by_load.add(match.select([1, 2], load, frozenset(), key_of(match, chat(f"c{i}" * 100))))
+    assert len(picks) == 1 and by_load == {1, 2}
+    keeper = picks.pop()
+    peer = CacheAware(max_extra_load=4, block_chars=32, choice="owner")
+    peer.index.record(other, key_of(peer, chat("b" * 200)).blocks)
+    peer.index.record(first, key_of(peer, chat("a" * 200)).blocks)
+    for busy in (1, 2):
+        load = {1: 0, 2: 0}
+        load[busy] = 3
+        assert peer.select([1, 2], load, frozenset(), key_of(peer, chat("d" * 200))) == keeper
+    later = key_of(sel, chat("b" * 200, "ok", "more"))
+    assert sel.select([1, 2], {1: 0, 2: 0}, frozenset(), later) == other
+    # The keeper leaves: the other holder takes the prompt.
+    sel.forget(keeper)
+    rest = other if keeper == first else first
+    assert sel.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(sel, chat("e" * 200))) == rest
 
 
-def test_cost_owner_places_a_shared_prefix_by_owner_and_later_turns_by_cost() -> None:
-    """cost_owner: among replicas that hold the same deepest prefix, its first holder (the
-    cost rule would take the less queued one); a conversation whose history only one replica
-    holds is still moved by the cost rule when the queue there costs more than the history."""
-    sel = CacheAware(max_extra_load=8, block_chars=32, choice="cost_owner")
-    load = {1: 0, 2: 0}
-    first = sel.select([1, 2], load, frozenset(), key_of(sel, chat("a" * 200)))
-    assert first is not None
-    other = 2 if first == 1 else 1
-    load[first] = 8  # past the bound: the system prompt goes to the other replica too
-    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("b" * 200))) == other
-    load[first] = 3
-    assert sel.select([1, 2], load, frozenset(), key_of(sel, chat("c" * 200))) == first
-    plain = CacheAware(max_extra_load=8, block_chars=32)
-    plain_load = {1: 0, 2: 0}
-    home = plain.select([1, 2], plain_load, frozenset(), key_of(plain, chat("a" * 200)))
-    plain_load[home] = 8
-    away = plain.select([1, 2], plain_load, frozenset(), key_of(plain, chat("b" * 200)))
-    plain_load[home] = 3
-    assert plain.select([1, 2], plain_load, frozenset(), key_of(plain, chat("c" * 200))) == away
-    # A later turn held only by `first`, with a queue there worth more than its history.
-    turn = key_of(sel, chat("c" * 200, "ok", "more"))
-    sel.prefilling[first] = 100 * len(turn.blocks)
-    assert sel.select([1, 2], load, frozenset(), turn) == other
-
-
-def test_the_owner_passes_to_a_remaining_holder_when_the_first_forgets() -> None:
-    plain = PrefixIndex(blocks=4)  # only the owner choices keep track (the others pay nothing)
-    plain.record(7, [1, 2])
-    assert plain.owner(1) is None
-    index = PrefixIndex(blocks=4, owners=True)
-    index.record(7, [1, 2])
-    index.record(9, [1])
-    assert index.owner(1) == 7 and index.owner(2) == 7
-    index.forget(7)
-    assert index.owner(1) == 9 and index.owner(2) is None
-    index.record(9, [3, 4, 5, 6])  # evicts key 1 from replica 9: nobody holds it
-    assert index.owner(1) is None and index.owner(6) == 9
+def test_cost_owner_places_a_shared_prefix_by_its_keeper_and_later_turns_by_cost() -> None:
+    """cost_owner: among replicas that hold the same deepest prefix, the keeper (the cost rule
+    would take the less queued one), told as `owner` in the choice log; a conversation whose
+    history only one replica holds is still moved when the queue there costs more than it."""
+    sel = CacheAware(max_extra_load=4, block_chars=32, choice="cost_owner")
+    plain = CacheAware(max_extra_load=4, block_chars=32)
+    _spill(sel)
+    _spill(plain)
+    why: list[dict[str, object]] = []
+    sel.explain = why.append
+    picks, by_cost = set(), set()
+    for i, busy in enumerate((1, 2, 1, 2)):
+        load = {1: 0, 2: 0}
+        load[busy] = 3
+        picks.add(sel.select([1, 2], load, frozenset(), key_of(sel, chat(f"c{i}" * 100))))
+        by_cost.add(plain.select([1, 2], load, frozenset(), key_of(plain, chat(f"c{i}" * 100))))
+    assert len(picks) == 1 and by_cost == {1, 2}
+    assert [w["why"] for w in why].count("owner") == 2  # overrode the cost rule twice of four
+    keeper = picks.pop()
+    # A later turn held only by the keeper, with a queue there worth more than its history.
+    sel.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(sel, chat("f" * 200)))
+    turn = key_of(sel, chat("f" * 200, "ok", "more"))
+    sel.prefilling[keeper] = 100 * len(turn.blocks)
+    assert sel.select([1, 2], {1: 0, 2: 0}, frozenset(), turn) != keeper
 
 
 def test_the_cost_choice_still_honours_the_load_bound_and_spreads_new_prompts() -> None:

@@ -3,6 +3,8 @@ matched on what their engines hold, the others on the approximate index."""
 
 from __future__ import annotations
 
+import json
+
 from fleetserve.policies.cache_aware import block_keys
 from fleetserve.policies.cache_aware_precise import PreciseCacheAware
 from fleetserve.policies.kv_index import BlockRemoved, BlockStored, KvIndex, Trust
@@ -116,11 +118,13 @@ def test_the_choice_log_does_not_count_the_precise_match_twice() -> None:
     assert reports[True] == reports[False] and len(reports[True]) == 3
 
 
-def test_the_owner_choices_keep_track_of_first_holders_in_the_precise_mode_too() -> None:
-    assert not policy()[0].index.owners
+def test_the_owner_choices_place_a_shared_prefix_by_its_keeper_in_the_precise_mode_too() -> None:
+    """(Without tokens the precise mode matches on its approximate index, as here.)"""
+    body = json.dumps({"messages": [{"role": "system", "content": "s" * 600}], "stream": True})
     for choice in ("owner", "cost_owner"):
         sel = PreciseCacheAware(KvIndex(), NoTokens(), choice=choice)
-        assert sel.index.owners
-        sel.index.record(3, [11, 12])
-        sel.index.record(4, [11])
-        assert sel.index.owner(11) == 3
+        key = sel.body_key(body.encode(), True)
+        sel.index.record(3, key.blocks)
+        sel.index.record(4, key.blocks)
+        picks = {sel.select([3, 4], {3: busy, 4: 2 - busy}, frozenset(), key) for busy in (0, 2)}
+        assert len(picks) == 1 and picks <= {3, 4}
