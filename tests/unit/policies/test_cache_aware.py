@@ -433,6 +433,17 @@ def _spill(sel: CacheAware) -> tuple[int, int]:
     return first, other
 
 
+def _new_conversations(sel: CacheAware) -> set[int | None]:
+    """Where four new conversations over SYSTEM go, one replica or the other 3 busier in turn
+    (within the load bound of 4)."""
+    picks = set()
+    for i, busy in enumerate((1, 2, 1, 2)):
+        load = {1: 0, 2: 0}
+        load[busy] = 3
+        picks.add(sel.select([1, 2], load, frozenset(), key_of(sel, chat(f"c{i}" * 100))))
+    return picks
+
+
 def test_the_owner_choice_keeps_a_shared_prefix_on_one_replica_in_every_process() -> None:
     """Once two replicas hold a system prompt, the conversations over it go to one of them
     (a hash of the prompt's first block: the same in every LB process, whatever order they
@@ -442,14 +453,10 @@ def test_the_owner_choice_keeps_a_shared_prefix_on_one_replica_in_every_process(
     match = CacheAware(max_extra_load=4, block_chars=32, choice="match")
     first, other = _spill(sel)
     _spill(match)
-    picks, by_load = set(), set()
-    for i, busy in enumerate((1, 2, 1, 2)):
-        load = {1: 0, 2: 0}
-        load[busy] = 3
-        picks.add(sel.select([1, 2], load, frozenset(), key_of(sel, chat(f"c{i}" * 100))))
-        by_load.add(match.select([1, 2], load, frozenset(), key_of(match, chat(f"c{i}" * 100))))
+    picks, by_load = _new_conversations(sel), _new_conversations(match)
     assert len(picks) == 1 and by_load == {1, 2}
     keeper = picks.pop()
+    assert keeper is not None
     peer = CacheAware(max_extra_load=4, block_chars=32, choice="owner")
     peer.index.record(other, key_of(peer, chat("b" * 200)).blocks)
     peer.index.record(first, key_of(peer, chat("a" * 200)).blocks)
@@ -475,15 +482,11 @@ def test_cost_owner_places_a_shared_prefix_by_its_keeper_and_later_turns_by_cost
     _spill(plain)
     why: list[dict[str, object]] = []
     sel.explain = why.append
-    picks, by_cost = set(), set()
-    for i, busy in enumerate((1, 2, 1, 2)):
-        load = {1: 0, 2: 0}
-        load[busy] = 3
-        picks.add(sel.select([1, 2], load, frozenset(), key_of(sel, chat(f"c{i}" * 100))))
-        by_cost.add(plain.select([1, 2], load, frozenset(), key_of(plain, chat(f"c{i}" * 100))))
+    picks, by_cost = _new_conversations(sel), _new_conversations(plain)
     assert len(picks) == 1 and by_cost == {1, 2}
     assert [w["why"] for w in why].count("owner") == 2  # overrode the cost rule twice of four
     keeper = picks.pop()
+    assert keeper is not None
     # A later turn held only by the keeper, with a queue there worth more than its history.
     sel.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(sel, chat("f" * 200)))
     turn = key_of(sel, chat("f" * 200, "ok", "more"))
