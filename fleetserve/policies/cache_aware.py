@@ -19,17 +19,18 @@ thus stays on the replica that holds its history while the queue there costs les
 prefilling the history elsewhere, and goes elsewhere when it costs more: the trade is made
 per request in the unit that decides the time to first token, not by a fixed load margin.
 With `choice="match"` (the policy before 2026-12-05): the longest match, ties to the less
-loaded. With `choice="owner"`: the longest match, ties to the replica that has held its last
-matched block the longest (its first holder, while it keeps it) rather than the less loaded,
-so that conversations sharing a system prompt go where that prompt went first, as
-sglang-router's tree sends them (each system prompt then lives in one cache, until the load
-bound sends it to a second replica). With `choice="cost_owner"`: the cost rule, except that
-when the replica it picks is one of several that hold the prompt's deepest matched prefix, the
-first holder among them gets the prompt. Between equally good replicas (cost: the same cost;
-match: a new conversation, a prompt nobody shares) the less loaded wins, then a consistent
-hash of the prompt's first block, so that the processes of one load balancer and a restarted
-one place the same new prompt on the same replica. Requests without a prompt (GET, non-JSON)
-or with one shorter than a block go by least load (cost: the least queue first).
+loaded. With `choice="owner"`: the longest match, ties to a keeper rather than the less
+loaded, so that the conversations sharing a system prompt stay on one replica as
+sglang-router's tree keeps them (each system prompt lives in one cache, until the load bound
+sends it to a second replica). With `choice="cost_owner"`: the cost rule, except that when
+the replica it picks is one of several that hold the prompt's deepest matched prefix, their
+keeper gets the prompt. The keeper is the one of those replicas that the consistent hash of
+the prompt's first block picks (`_tie`): every process agrees on it. Between equally good
+replicas (cost: the same cost; match: a new conversation, a prompt nobody shares) the less
+loaded wins, then a consistent hash of the prompt's first block, so that the processes of one
+load balancer and a restarted one place the same new prompt on the same replica. Requests
+without a prompt (GET, non-JSON) or with one shorter than a block go by least load (cost: the
+least queue first).
 
 Several processes of one load balancer (fleetserve.lb.index_share) share one index: each
 process tells the others its choices (`on_record`) and its in-flight counts, and applies
@@ -296,6 +297,7 @@ class CacheAware:
             )
         self.max_extra_load = max_extra_load
         self.choice = choice
+        self._costs = choice in ("cost", "cost_owner")  # the cost rule, with or without keeper
         self.decode_weight = decode_weight
         self.load_weight = load_weight
         # The prompt blocks each replica still has to prefill for the requests sent to it that
@@ -373,7 +375,7 @@ class CacheAware:
             }
         keys = key.blocks
         self.last_uncached = 0
-        costs_rule = self.choice in ("cost", "cost_owner")
+        costs_rule = self._costs
         owned = False  # the owner rule overrode what cost (or load) would have chosen
         queued = costs_rule and bool(self.prefilling or self.peer_prefilling)
         if not keys and not queued:
@@ -400,8 +402,8 @@ class CacheAware:
                 fewest = min(inflight.get(rid, 0) for rid in best)
                 best = [rid for rid in best if inflight.get(rid, 0) == fewest]
             choice = best[0] if len(best) == 1 else self._tie(key, candidates, best)
-            deepest = max(depths.values())
-            if self.choice == "cost_owner" and deepest and depths[choice] == deepest:
+            deepest = max(depths.values()) if self.choice == "cost_owner" else 0
+            if deepest and depths[choice] == deepest:
                 holders = [rid for rid in within if depths[rid] == deepest]
                 if len(holders) > 1:
                     keeper = self._tie(key, candidates, holders)

@@ -424,9 +424,9 @@ class LoadBalancerOptions(_Strict):
     # whose estimated wait for this prompt's first token is least, in prompt blocks (the
     # blocks it would prefill for it + cache_load_weight x (those it still prefills for
     # requests not yet answered + cache_decode_weight per request in flight)); "match": the
-    # longest match (the rule before 2026-12-05); "owner": the longest match, ties to the
-    # replica that held it first; "cost_owner": cost, a prefix several replicas hold going to
-    # its first holder among them. docs/load-balancer.md.
+    # longest match (the rule before 2026-12-05); "owner": the longest match, ties to a keeper
+    # (one replica per shared prefix, by a hash every LB process agrees on); "cost_owner":
+    # cost, a prefix several replicas hold going to their keeper. docs/load-balancer.md.
     cache_choice: Literal["cost", "match", "owner", "cost_owner"] = "cost"
     cache_decode_weight: Annotated[float, Field(ge=0, le=1000)] = 1.0
     cache_load_weight: Annotated[float, Field(ge=0, le=1000)] = 0.25
