@@ -2,6 +2,7 @@
 
 POST/GET / -> a small JSON body naming the replica (X-Replica header too).
 GET /stream -> 20 server-sent events, 10 ms apart (chunked), like an LLM token stream.
+GET /slow -> 30 server-sent events, 1 s apart: a long generation (bench/lb/idle_streams.py).
 Only what the benchmark sends is parsed: no pipelining, Content-Length bodies.
 """
 
@@ -51,17 +52,19 @@ class Http(asyncio.Protocol):
             self.buf = self.buf[end + 4 + length :]
             if head.startswith(b"get /stream"):
                 asyncio.get_running_loop().create_task(self.stream())
+            elif head.startswith(b"get /slow"):
+                asyncio.get_running_loop().create_task(self.stream(30, 1.0))
             else:
                 self.transport.write(RESPONSE)
 
-    async def stream(self) -> None:
+    async def stream(self, events: int = 20, gap: float = 0.01) -> None:
         self.transport.write(STREAM_HEAD)
-        for i in range(20):
+        for i in range(events):
             if self.transport.is_closing():
                 return
             event = b'data: {"token": %d}\n\n' % i
             self.transport.write(b"%x\r\n%s\r\n" % (len(event), event))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(gap)
         if not self.transport.is_closing():
             self.transport.write(b"0\r\n\r\n")
 

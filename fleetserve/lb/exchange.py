@@ -412,6 +412,9 @@ class Exchange:
             prefilling = self.ctx.replicas.prefilling
             prefilling[rid] = prefilling.get(rid, 0) + charge
             self._charged = (rid, charge)
+        counted = self.ctx.replicas.on_count
+        if counted is not None:
+            counted()
 
     def prefilled(self) -> None:
         """The replica answered its first body byte (or ended its answer, or upgraded): its
@@ -462,6 +465,9 @@ class Exchange:
             prefilling[rid] = left
         else:
             prefilling.pop(rid, None)
+        counted = self.ctx.replicas.on_count
+        if counted is not None:
+            counted()
 
     def _end_attempt(self) -> None:
         if self._charged is not None:
@@ -478,6 +484,9 @@ class Exchange:
             inflight[rid] = left
         else:
             inflight.pop(rid, None)
+        counted = self.ctx.replicas.on_count
+        if counted is not None:
+            counted()
 
     def _unlist(self) -> None:
         rid, self._listed = self._listed, None

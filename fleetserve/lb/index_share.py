@@ -3,8 +3,8 @@ policy that shares one (SharesIndex in fleetserve.policies.capabilities: cache_a
 
 The kernel spreads connections over the processes, so a conversation's turns land on
 processes that did not see its earlier turns. Each process therefore tells the others what it
-chose: after a cache_aware choice it queues (replica, the prompt's block keys) and, every
-`interval` seconds while it has something to say, sends one batch on its control channel,
+chose: after a cache_aware choice it queues (replica, the prompt's block keys) and, `interval`
+seconds after a choice or a change of its counts, sends one batch on its control channel,
 with its in-flight counts per replica (and the prompt blocks they still wait to have
 prefilled, for a policy that weighs them) when they changed. The primary applies each worker's
 batch and passes the line on, unparsed again, to the other workers; it sends its own batches
@@ -83,6 +83,7 @@ class IndexShare:
         self.dropped_batches = 0  # not written: a full channel
         self._warned = 0.0
         selector.on_record = self.record
+        replicas.on_count = self._wake.set  # a count changed: send it with the next batch
 
     # this process's choices --------------------------------------------------------------------
 
@@ -118,11 +119,15 @@ class IndexShare:
         return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
 
     async def run(self) -> None:
-        """Send a batch every `interval` while there is something to send or requests are in
-        flight here (their end changes the counts); asleep otherwise."""
+        """Send a batch `interval` after a choice or a change of this process's counts (the
+        changes of that interval go together); asleep otherwise, however many requests are in
+        flight. (It used to wake every `interval` while any was in flight, to see whether
+        their counts had changed: 200 wake-ups a second per process for nothing while long
+        streams ran, CPU taken from replicas sharing the machine's cores.)"""
         while True:
             await self._wake.wait()
             await asyncio.sleep(self.interval)
+            self._wake.clear()  # what changes from here on wakes the next round
             line = self.batch()
             if line is not None:
                 dropped = self.dropped_batches
@@ -131,9 +136,8 @@ class IndexShare:
                     # Not written (a full channel): the counts go again in the next batch,
                     # or the others would keep this line's predecessor's for good.
                     self._sent_inflight = self._sent_prefilling = _UNSENT
+                    self._wake.set()  # (and not only at the next change)
                     continue
-            if not self._sent_inflight and not self._records:
-                self._wake.clear()
             dropped = self.dropped_keys or self.dropped_batches
             if dropped and time.monotonic() - self._warned > 60:
                 self._warned = time.monotonic()

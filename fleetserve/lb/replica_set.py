@@ -30,6 +30,9 @@ class ReplicaSet:
         # WeighsPrefill: prompt blocks sent to each replica and not yet answered (exchange.py)
         self.prefilling: dict[int, int] = {}
         self.last_charge = 0  # the blocks the last pick's replica has to prefill for it
+        # Called after `inflight` or `prefilling` changed (exchange.py): the index share's wake
+        # (fleetserve.lb.index_share), so that it sends counts when they change, not on a timer.
+        self.on_count: Callable[[], None] | None = None
         self.selector = selector
         self.monotonic = monotonic  # the load balancer's clock (fleetserve.core.clock)
         self.upstreams: dict[int, Upstream] = {}

@@ -255,15 +255,19 @@ def load_spec(
         if problem:
             raise InvalidSpec(f"{field}: {problem.removeprefix('holds ')}")
     # envs and secrets are both substituted in the service section (a probe header may carry
-    # a secret token); a secret's value is hidden from any error below.
+    # a secret token); a secret's value is hidden from any error below. A null entry (a value
+    # the user must give) is left as written: substituted as "", it would fail a field that
+    # must not be empty with a message about that field instead of require_values' own.
     values: dict[str, str] = {}
     hidden: list[str] = []
     for field in ("envs", "secrets"):
         given = data.get(field)
         if isinstance(given, dict):
             for k, v in given.items():
-                values[str(k)] = "" if v is None else str(v)
-                if field == "secrets" and v is not None:
+                if v is None:
+                    continue
+                values[str(k)] = str(v)
+                if field == "secrets":
                     hidden.append(str(v))
     if values and isinstance(data["service"], dict):
         try:

@@ -78,11 +78,45 @@ async def test_the_loop_sends_while_busy_and_sleeps_when_idle() -> None:
         await asyncio.sleep(0.05)
         assert [json.loads(x).get("records") for x in sent] == [[[2, [5]]]]
         del replicas.inflight[2]  # the request ended: the counts go out without a choice
+        assert replicas.on_count is not None
+        replicas.on_count()  # (as exchange.py tells, after each change of the counts)
         await asyncio.sleep(0.05)
         assert json.loads(sent[-1])["inflight"] == []
         count = len(sent)
         await asyncio.sleep(0.05)
         assert len(sent) == count and not share._wake.is_set()  # idle: asleep
+    finally:
+        task.cancel()
+
+
+async def test_requests_in_flight_with_no_change_do_not_wake_the_loop() -> None:
+    """Long streams in flight and nothing new: no batch is even looked for (the loop used to
+    wake every interval while any request was in flight)."""
+    sent: list[bytes] = []
+    share, _, replicas = share_of(sent)
+    share.interval = 0.001
+    looks = 0
+    batch = share.batch
+
+    def counted() -> bytes | None:
+        nonlocal looks
+        looks += 1
+        return batch()
+
+    share.batch = counted  # type: ignore[method-assign]
+    task = asyncio.get_running_loop().create_task(share.run())
+    try:
+        replicas.inflight[1] = 4
+        share.record(1, (7,))
+        await asyncio.sleep(0.03)
+        assert len(sent) == 1 and looks == 1
+        await asyncio.sleep(0.1)  # ~100 intervals with 4 requests in flight, none changing
+        assert looks == 1 and not share._wake.is_set()
+        replicas.inflight[1] = 3
+        assert replicas.on_count is not None
+        replicas.on_count()
+        await asyncio.sleep(0.03)
+        assert looks == 2 and json.loads(sent[-1])["inflight"] == [[1, 3]]
     finally:
         task.cancel()
 
@@ -363,6 +397,8 @@ async def test_counts_not_written_go_again() -> None:
         share.record(2, (5,))
         await asyncio.sleep(0.02)
         del replicas.inflight[2], replicas.prefilling[2]  # ended while the channel was full
+        assert replicas.on_count is not None
+        replicas.on_count()
         await asyncio.sleep(0.02)
         assert not sent and share.dropped_batches >= 2
         full = False

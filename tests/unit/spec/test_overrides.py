@@ -64,3 +64,22 @@ def test_a_secret_substituted_into_an_invalid_field_is_hidden_in_the_error() -> 
     # An env is not a secret: its value may be quoted.
     with pytest.raises(InvalidSpec, match="plain-value"):
         parse_spec(text.replace("$AUTH_TOKEN", "$MODEL"), envs={"MODEL": "plain-value"})
+
+
+def test_a_null_entry_in_a_required_field_asks_for_its_value() -> None:
+    # examples/vllm/precise.yaml: `tokenizer: $MODEL` with `MODEL: null`. Substituted as ""
+    # it failed the tokenizer's own check; left as written, the spec parses and the missing
+    # value is named by require_values (what validate and up run next).
+    text = (
+        "envs:\n  MODEL: null\nrun: python3 server.py\nservice:\n  readiness_probe: /h\n"
+        "  load_balancing_policy: cache_aware\n  load_balancer:\n    tokenizer: $MODEL\n"
+        "    kv_events: {}\n"
+    )
+    spec = parse_spec(text)
+    assert spec.service.load_balancer is not None
+    assert spec.service.load_balancer.tokenizer == "$MODEL"
+    with pytest.raises(InvalidSpec, match=r"^envs\.MODEL: null in the YAML"):
+        require_values(spec)
+    given = parse_spec(text, envs={"MODEL": "/models/m"})
+    assert given.service.load_balancer is not None
+    assert given.service.load_balancer.tokenizer == "/models/m"
