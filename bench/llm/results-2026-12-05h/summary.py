@@ -28,6 +28,9 @@ RUNS = (
     ("X7", "3 rounds, seed 46: the same"),
     ("X8", "3 rounds, seed 47: the same, after the index share stopped polling (a fix)"),
 )
+# Two replicas at 2.0 conversations/s (results-2026-12-05g's setting), after the fix: printed
+# on its own, not pooled with the four-replica runs.
+TWO_REPLICAS = ("X9", "4 rounds, seed 48, 2 replicas: least_load, cache_aware, sglang-router")
 pool.TARGETS = (
     "least_load",
     "cache_aware",
@@ -51,6 +54,9 @@ def main() -> None:
     print("is compared over the rounds it ran):")
     for line in run.paired_lines(run.paired(runs, unloaded)):
         print("  " + line)
+    name, what = TWO_REPLICAS
+    print(f"\n{name}: {what}")
+    earlier.rounds(earlier.load(HERE / f"{name}.json.gz"), measured_direct=True)
 
 
 if __name__ == "__main__":
