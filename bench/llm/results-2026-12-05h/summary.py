@@ -1,5 +1,5 @@
 """Prints the figures of results-2026-12-05h.md from the raw files of this folder: each run's
-rounds side by side with the bench's round-by-round comparisons, then the rounds of X3-X8
+rounds side by side with the bench's round-by-round comparisons, then the rounds of X3-X8 and X10
 pooled (4 vLLM replicas, 64 KV blocks each, chat at 1.8 conversations/s, prompts x0.45).
 X1 and X2 (one round at two loads each: the calibration) are in the logs. Run from the
 repository root:
@@ -27,6 +27,7 @@ RUNS = (
     ("X6", "3 rounds, seed 45: cache_aware, `workers: 1`, sglang-router"),
     ("X7", "3 rounds, seed 46: the same"),
     ("X8", "3 rounds, seed 47: the same, after the index share stopped polling (a fix)"),
+    ("X10", "3 rounds, seed 49, after the fix: least_load, cache_aware, sglang-router"),
 )
 # Two replicas at 2.0 conversations/s (results-2026-12-05g's setting), after the fix: printed
 # on its own, not pooled with the four-replica runs.
@@ -49,11 +50,12 @@ def main() -> None:
         d = earlier.load(path)
         earlier.rounds(d, measured_direct=True)
         loaded.append(d)
-    runs, unloaded = pool.pooled(loaded)
-    print(f"\npooled ({len(loaded)} runs, {len(unloaded)} rounds; a target absent from a run")
-    print("is compared over the rounds it ran):")
-    for line in run.paired_lines(run.paired(runs, unloaded)):
-        print("  " + line)
+    for name, files in (("X3-X5", loaded[:3]), ("X3-X8 and X10", loaded)):
+        runs, unloaded = pool.pooled(files)
+        print(f"\npooled, {name} ({len(unloaded)} rounds; a target absent from a run")
+        print("is compared over the rounds it ran):")
+        for line in run.paired_lines(run.paired(runs, unloaded)):
+            print("  " + line)
     name, what = TWO_REPLICAS
     print(f"\n{name}: {what}")
     earlier.rounds(earlier.load(HERE / f"{name}.json.gz"), measured_direct=True)
