@@ -22,23 +22,10 @@ import time
 from pathlib import Path
 
 import aiohttp
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import cpu_seconds
 from run import Procs, start_fleetserve, start_replica
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of a process and its children (the LB's workers)."""
-    total = 0.0
-    try:
-        proc = psutil.Process(pid)
-        for q in [proc, *proc.children(recursive=True)]:
-            t = q.cpu_times()
-            total += t.user + t.system
-    except psutil.NoSuchProcess:
-        pass
-    return total
 
 
 async def hold(url: str, streams: int, seconds: float, pid: int) -> float:
@@ -62,9 +49,9 @@ async def hold(url: str, streams: int, seconds: float, pid: int) -> float:
         tasks = [asyncio.create_task(one()) for _ in range(streams)]
         await asyncio.wait_for(started.wait(), 30)
         await asyncio.sleep(1.0)  # the first events' batches are out
-        cpu0, t0 = tree_cpu(pid), time.monotonic()
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
         await asyncio.sleep(seconds)
-        cpu1, t1 = tree_cpu(pid), time.monotonic()
+        cpu1, t1 = cpu_seconds(pid), time.monotonic()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

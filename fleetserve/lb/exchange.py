@@ -412,9 +412,7 @@ class Exchange:
             prefilling = self.ctx.replicas.prefilling
             prefilling[rid] = prefilling.get(rid, 0) + charge
             self._charged = (rid, charge)
-        counted = self.ctx.replicas.on_count
-        if counted is not None:
-            counted()
+        self.ctx.replicas.on_count()
 
     def prefilled(self) -> None:
         """The replica answered its first body byte (or ended its answer, or upgraded): its
@@ -465,9 +463,7 @@ class Exchange:
             prefilling[rid] = left
         else:
             prefilling.pop(rid, None)
-        counted = self.ctx.replicas.on_count
-        if counted is not None:
-            counted()
+        self.ctx.replicas.on_count()
 
     def _end_attempt(self) -> None:
         if self._charged is not None:
@@ -484,9 +480,7 @@ class Exchange:
             inflight[rid] = left
         else:
             inflight.pop(rid, None)
-        counted = self.ctx.replicas.on_count
-        if counted is not None:
-            counted()
+        self.ctx.replicas.on_count()
 
     def _unlist(self) -> None:
         rid, self._listed = self._listed, None

@@ -21,6 +21,10 @@ log = logging.getLogger("fleetserve.lb")
 Upstream = Endpoint
 
 
+def _no_share() -> None:
+    """ReplicaSet.on_count of a process that shares no index (one worker, another policy)."""
+
+
 class ReplicaSet:
     """`selector` chooses among the replicas; its capabilities (`caps`) are found when it is
     installed, never per request."""
@@ -31,8 +35,9 @@ class ReplicaSet:
         self.prefilling: dict[int, int] = {}
         self.last_charge = 0  # the blocks the last pick's replica has to prefill for it
         # Called after `inflight` or `prefilling` changed (exchange.py): the index share's wake
-        # (fleetserve.lb.index_share), so that it sends counts when they change, not on a timer.
-        self.on_count: Callable[[], None] | None = None
+        # (fleetserve.lb.index_share), so that it sends counts when they change, not on a timer;
+        # nothing without one.
+        self.on_count: Callable[[], None] = _no_share
         self.selector = selector
         self.monotonic = monotonic  # the load balancer's clock (fleetserve.core.clock)
         self.upstreams: dict[int, Upstream] = {}
