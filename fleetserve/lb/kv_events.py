@@ -30,6 +30,7 @@ Optional dependencies (the `llm` extra): pyzmq and msgpack.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import time
@@ -198,10 +199,15 @@ class Counts:
         self.removed = 0
         self.cleared = 0
         self.ignored = 0
+        self.duplicates = 0  # batches the subscription delivered after a replay applied them
         self.fallbacks: dict[str, int] = {}  # by Trust
 
     def fallback(self, trust: Trust) -> None:
         self.fallbacks[trust.value] = self.fallbacks.get(trust.value, 0) + 1
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 class _Rate:
@@ -326,17 +332,22 @@ class ReplicaFollower:
             if seq >= start and (not got or seq > got[-1][0]):
                 got.append((seq, frames[3]))
 
-    async def _catch_up(self, replay: Any, fresh: bool) -> None:
-        """Apply what the publisher buffered after `self.last`; on a fresh start, from 0."""
+    async def _catch_up(self, replay: Any, fresh: bool) -> dict[int, bytes]:
+        """Apply what the publisher buffered after `self.last`; on a fresh start, from 0.
+        Returns the digest of each batch it applied, by seq: the subscription may still
+        deliver them (published while the replay was under way)."""
         start = 0 if fresh else self.last + 1
         first, batches = await self._replay(replay, start)
         if first is not None and first > start:
             # The buffer moved on: what happened in between is lost.
             self.index.clear(self.replica)
             self._set(Trust.INCOMPLETE)
+        applied = {}
         for seq, payload in batches:
             if seq > self.last:
                 self._apply(seq, payload)
+                applied[seq] = _digest(payload)
+        return applied
 
     async def session(self) -> None:
         """Subscribe, catch up and follow until trouble (raised as _SessionEnd)."""
@@ -366,24 +377,32 @@ class ReplicaFollower:
                 self.last = -1
                 self.index.set_trust(self.replica, Trust.CONNECTING)
             await asyncio.sleep(0.05)  # (the subscription reaches the publisher first)
-            await self._catch_up(replay, fresh)
+            # The batches a catch-up applied, which the subscription may deliver again: the
+            # same seq and bytes are skipped, not taken for a restarted publisher's (whose
+            # seqs start again at 0, its batches stamped with another time).
+            replayed = await self._catch_up(replay, fresh)
             if self.index.trust(self.replica) is not Trust.INCOMPLETE:
                 self._set(Trust.LIVE)
             silence = self.settings.silence_seconds * 1000
             while True:
                 if not await sub.poll(silence, zmq.POLLIN):
-                    await self._catch_up(replay, fresh=False)  # the liveness probe
+                    replayed = await self._catch_up(replay, fresh=False)  # the liveness probe
                     continue
                 msg = self._frames(self._received(await sub.recv_multipart()))
                 if msg is None:
                     continue
                 seq, payload = msg
+                if replayed:
+                    if replayed.get(seq) == _digest(payload):
+                        self.counts.duplicates += 1
+                        continue  # applied already, from the replay buffer
+                    replayed = {}  # the subscription is past what the replay applied
                 if seq <= self.last:  # the publisher restarted: its engine's cache is new
                     self.index.clear(self.replica)
                     self.last = -1
                     self._set(Trust.LIVE if seq == 0 else Trust.INCOMPLETE)
                 elif seq > self.last + 1:
-                    await self._catch_up(replay, fresh=False)  # the gap, from the buffer
+                    replayed = await self._catch_up(replay, fresh=False)  # the gap, from the buffer
                 if seq > self.last:
                     self._apply(seq, payload)
         finally:
@@ -503,10 +522,11 @@ class KvEventsCollector:
         events = CounterMetricFamily(
             "fleetserve_lb_kv_events",
             "cache_aware's precise mode: KV events applied (blocks stored, removed, caches "
-            "cleared), blocks not indexed (ignored), and refused frames or batches (bad).",
+            "cleared), blocks not indexed (ignored), refused frames or batches (bad), and "
+            "batches delivered again after a replay had applied them (duplicates).",
             labels=["service", "kind"],
         )
-        for kind in ("stored", "removed", "cleared", "ignored", "bad", "batches"):
+        for kind in ("stored", "removed", "cleared", "ignored", "bad", "batches", "duplicates"):
             events.add_metric([self.service, kind], getattr(c, kind))
         yield events
         falls = CounterMetricFamily(

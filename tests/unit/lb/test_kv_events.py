@@ -163,6 +163,26 @@ async def test_a_gap_is_filled_from_the_replay_buffer(
     assert index.trust(7) is Trust.LIVE
 
 
+async def test_batches_a_replay_applied_are_not_taken_for_a_restart(
+    pub: FakePublisher, ctx: zmq.asyncio.Context, running: list[asyncio.Task[None]]
+) -> None:
+    """A gap makes the follower replay the buffer, which by then holds the batches published
+    right after it too; the subscription then delivers those again. They are skipped, not
+    read as a restarted publisher's (whose seq would be lower than the last applied one),
+    which would drop the replica to the approximate index until its engine cleared."""
+    f, index = follower(pub, ctx)
+    running.append(asyncio.create_task(f.run()))
+    await until(lambda: index.trust(7) is Trust.LIVE)
+    await pub.send(batch(stored([1], PROMPT[:16])), live=False)  # lost on the way
+    for i in range(1, 4):  # published at once: buffered before the replay is answered
+        await pub.send(batch(stored([i + 1], PROMPT[16 * i : 16 * (i + 1)], parent=i)))
+    await until(lambda: f.counts.duplicates >= 1)
+    await pub.send(batch(removed([4])))  # followed live after them
+    await until(lambda: index.match(PROMPT, [7]) == {7: 48})
+    assert index.trust(7) is Trust.LIVE and f.counts.fallbacks == {}
+    assert f.counts.batches == 5
+
+
 async def test_a_lost_batch_falls_back_until_the_engine_clears(
     pub: FakePublisher, ctx: zmq.asyncio.Context, running: list[asyncio.Task[None]]
 ) -> None:
