@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -939,6 +939,22 @@ def traffic_of(args: argparse.Namespace, load_index: int, round_no: int) -> int:
     return load_index + int(traffic)  # one round's traffic, replayed in every round
 
 
+def sessions_of(
+    args: argparse.Namespace, wl: str, load: float, plan: Plan, traffic: int
+) -> list[Session]:
+    """The sessions of workload `wl` at `load` for one run of `plan` (its seed, prompt scale)."""
+    return list(
+        WORKLOADS[wl](
+            load,
+            args.seed,
+            plan.warmup + plan.seconds,
+            plan.max_requests,
+            traffic,
+            scale=args.prompt_scale,
+        )
+    )
+
+
 async def run_workloads(
     http: aiohttp.ClientSession,
     fleet: Fleet,
@@ -960,16 +976,7 @@ async def run_workloads(
             if reset_before:
                 await reset(http, fleet)  # the last run's leftovers, aborted
             traffic = traffic_of(args, i, round_no)
-            sessions = list(
-                WORKLOADS[wl](
-                    load,
-                    args.seed,
-                    plan.warmup + plan.seconds,
-                    plan.max_requests,
-                    traffic,
-                    scale=args.prompt_scale,
-                )
-            )
+            sessions = sessions_of(args, wl, load, plan, traffic)
             cpu0 = (cpu_seconds(lb_pid), cpu_seconds(replicas_pid), time.process_time())
             records, samples, at_warmup, span = await run_sessions(http, fleet, sessions, plan)
             cpu1 = (cpu_seconds(lb_pid), cpu_seconds(replicas_pid), time.process_time())
@@ -1101,6 +1108,104 @@ async def bench(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     return results
 
 
+# --calibrate: the load between trials changes by this factor until the target is bracketed,
+# then by halving the bracket (geometrically); at most this many trials.
+CALIBRATE_STEP = 1.3
+CALIBRATE_TRIES = 6
+CALIBRATE_TRAFFIC = 900_000  # trials draw traffics of their own, never a round's
+
+
+async def calibrated_load(
+    measure: Callable[[float], Awaitable[float]],
+    start: float,
+    target: float,
+    tries: int = CALIBRATE_TRIES,
+) -> tuple[float, list[tuple[float, float]]]:
+    """The load at which `measure(load)` (least_load's TTFT p50 over the unloaded TTFT) is
+    at least `target`: trials from `start`, up by CALIBRATE_STEP while below the target, down
+    while above twice it, then between the two nearest. It stops at a trial within [target,
+    2 x target] or after `tries`, and returns the lowest load tried that reached the target
+    (the highest tried, if none did) with every (load, ratio) tried."""
+    tried: list[tuple[float, float]] = []
+    low: float | None = None
+    high: float | None = None
+    load = start
+    for _ in range(tries):
+        ratio = await measure(load)
+        tried.append((load, ratio))
+        if target <= ratio <= 2 * target:
+            break
+        if ratio < target:
+            low = load
+        else:
+            high = load
+        if low is not None and high is not None:
+            load = math.sqrt(low * high)
+        elif low is not None:
+            load = low * CALIBRATE_STEP
+        else:
+            assert high is not None
+            load = high / CALIBRATE_STEP
+    reached = [load for load, ratio in tried if ratio >= target]
+    return (min(reached) if reached else max(load for load, _ in tried)), tried
+
+
+async def calibrate(
+    http: aiohttp.ClientSession,
+    procs: Procs,
+    vllm: Any,
+    args: argparse.Namespace,
+    loads: dict[str, list[float]],
+    results: dict[str, Any],
+) -> None:
+    """--calibrate X: for each workload, the load (from its first --loads value) at which
+    least_load's TTFT p50 is X times the unloaded TTFT on this machine, by short trials
+    through a least_load LB (caches reset before each); every target then runs at it. A
+    machine twice as fast needs about twice the load for the same regime."""
+    log = print if not args.quiet else (lambda *a, **k: None)
+    lb = start_lb(procs, "least_load", lb_options(args, "least_load"), vllm.ports, "calibrate")
+    if isinstance(lb, str):
+        sys.exit(f"--calibrate: the least_load LB did not start: {lb}")
+    fleet = Fleet(f"http://127.0.0.1:{lb.port}", vllm, real=True)
+    direct = Fleet(vllm.urls[0], vllm, real=True)
+    plan = Plan(args.warmup, min(args.seconds, 20.0), args.drain, args.max_requests)
+    found: dict[str, Any] = {}
+    try:
+        for wl in args.workloads:
+            unloaded = await unloaded_ttft(
+                http, direct, wl, args.seed, args.unloaded_requests, args
+            )
+            base = unloaded["ttft_p50_ms"]
+            trial = 0
+
+            async def measure(load: float, wl: str = wl, base: float = base) -> float:
+                nonlocal trial
+                await wait_idle(http, fleet, 60)
+                await vllm.reset(http)
+                sessions = sessions_of(args, wl, load, plan, CALIBRATE_TRAFFIC + trial)
+                trial += 1
+                records, samples, at_warmup, _ = await run_sessions(http, fleet, sessions, plan)
+                p50 = summarize(records, samples, at_warmup, plan)["ttft_p50_ms"]
+                ratio = p50 / base if base > 0 and not math.isnan(p50) else math.inf
+                log(
+                    f"calibrating {wl} at {load:.3g} {UNITS[wl]}: least_load TTFT p50 "
+                    f"{p50:.0f} ms, {ratio:.1f}x unloaded ({base:.0f} ms)"
+                )
+                return ratio
+
+            load, tried = await calibrated_load(measure, loads[wl][0], args.calibrate)
+            loads[wl] = [round(load, 3)]
+            found[wl] = {"target": args.calibrate, "unloaded_ms": base, "tried": tried}
+            log(f"calibrated {wl}: {loads[wl][0]:g} {UNITS[wl]} (least_load ~{args.calibrate:g}x)")
+    finally:
+        procs.stop(lb.proc)
+    # The first target must start as cold as the others (the trials share its system prompts).
+    await wait_idle(http, direct, 60)
+    await vllm.reset(http)
+    results["calibration"] = found
+    results["loads"] = loads
+
+
 async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     """Real vLLM replicas; each target (fleetserve's LB with each policy, then each router)
     in front of the same replicas, restarted before each target so that it starts cold."""
@@ -1148,6 +1253,8 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
             elif n == 0:
                 took = vllm.start(log)
                 log(f"{args.replicas} vLLM replicas up in {took:.0f} s")
+            if n == 0 and args.calibrate:
+                await calibrate(http, procs, vllm, args, loads, results)
             else:
                 await wait_idle(http, Fleet("", vllm, real=True), 120)
                 await vllm.reset(http)  # cold caches, without a restart
@@ -1453,6 +1560,14 @@ def main() -> None:
         help="vllm: exactly this many KV cache blocks per replica (128 tokens each on the CPU "
         "build; small: the engines evict); --max-model-len must fit in one block fewer",
     )
+    ap.add_argument(
+        "--calibrate",
+        type=float,
+        metavar="X",
+        help="vllm: first find the load (from each workload's first --loads value) at which "
+        "least_load's TTFT p50 is X times the unloaded TTFT on this machine, by short trials, "
+        "and run every target at it (the goal's regime on any machine: e.g. 4)",
+    )
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--plot", type=Path, help="TTFT p50/p99 against load, PNG")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, configs)")
@@ -1480,6 +1595,11 @@ def main() -> None:
         sys.exit(f"{PRECISE} needs --engine vllm (it follows real engines' KV cache events)")
     if args.traffic not in ("per-round", "same") and not re.fullmatch(r"[0-9]{1,6}", args.traffic):
         sys.exit(f"--traffic must be per-round, same or a number (0-999999), not {args.traffic!r}")
+    if args.calibrate is not None:
+        if args.engine != "vllm":
+            sys.exit("--calibrate is for --engine vllm (the fake model's time is simulated)")
+        if not 1.5 <= args.calibrate <= 100:
+            sys.exit(f"--calibrate must be in [1.5, 100], not {args.calibrate:g}")
     if args.prompt_scale is None:
         args.prompt_scale = 0.25 if args.engine == "vllm" else 1.0
     if not 0 < args.prompt_scale <= 4:

@@ -748,3 +748,50 @@ def test_requests_past_the_models_context_are_counted_apart_from_failures() -> N
     stats[0].update(running=0, waiting=0)
     got = run.summarize(records, [(10.0, stats)], {"replicas": stats}, plan)  # type: ignore[arg-type]
     assert (got["requests"], got["completed"], got["failed"], got["past_context"]) == (6, 1, 3, 2)
+
+
+def test_calibration_finds_the_load_where_least_load_queues_the_target_multiple() -> None:
+    """--calibrate: trials go up from the start while least_load's TTFT is under the target
+    multiple of the unloaded one, down while over twice it, then between the two nearest;
+    the lowest load tried that reached the target is kept."""
+    import asyncio
+
+    run = _run_module()
+
+    def knee(at: float) -> object:
+        async def measure(load: float) -> float:  # a fleet that queues past `at`
+            return 1.0 + max(0.0, load - at) * 40
+
+        return measure
+
+    # From below: 0.5, 0.65, 0.845 (1.0x), 1.0985 (4.9x: in [4, 8]).
+    load, tried = asyncio.run(run.calibrated_load(knee(1.0), 0.5, 4.0))
+    assert [round(x, 3) for x, _ in tried] == [0.5, 0.65, 0.845, 1.099]
+    assert load == tried[-1][0] and 4.0 <= tried[-1][1] <= 8.0
+    # From far above: down by the step until under 8x, then bracketed.
+    load, tried = asyncio.run(run.calibrated_load(knee(1.0), 3.0, 4.0))
+    assert tried[0][1] > 8.0 and tried[1][0] < tried[0][0]
+    assert dict(tried)[load] >= 4.0 and load == min(x for x, r in tried if r >= 4.0)
+    # A fleet that never queues that much: the highest load tried, after every try.
+    load, tried = asyncio.run(run.calibrated_load(knee(100.0), 1.0, 4.0, tries=3))
+    assert len(tried) == 3 and load == max(x for x, _ in tried)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--calibrate", "4"], "--calibrate is for --engine vllm"),
+        (["--engine", "vllm", "--calibrate", "1.2"], "--calibrate must be in [1.5, 100]"),
+    ],
+)
+def test_a_calibration_that_cannot_apply_is_refused_before_anything_starts(
+    extra: list[str], says: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(LLM / "run.py"), "--quick", *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert says in proc.stderr

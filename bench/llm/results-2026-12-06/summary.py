@@ -29,6 +29,7 @@ RUNS = (
     ("Y7", "3 rounds, seed 53 (Y6's traffics): cache_aware, cost_owner, sglang-router"),
     ("Y8", "3 rounds, seed 54, chat 1.1: cache_aware, cost_owner, sglang-router"),
     ("Y9", "3 rounds, seed 55, chat 0.9: least_load, cache_aware, sglang-router"),
+    ("Y10", "2 rounds, seed 56, --calibrate 4 (chat 0.845): the README's command"),
 )
 # Runs of one seed replay the same traffics (round n of each): pooled, each run's rounds are
 # rounds of their own, and a pair is compared only within a run.
