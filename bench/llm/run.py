@@ -1195,7 +1195,9 @@ async def calibrate(
 
             load, tried = await calibrated_load(measure, loads[wl][0], args.calibrate)
             loads[wl] = [round(load, 3)]
-            found[wl] = {"target": args.calibrate, "unloaded_ms": base, "tried": tried}
+            # (a trial with no first token at all weighs as past any target: null in the JSON)
+            trials = [[x, r if math.isfinite(r) else None] for x, r in tried]
+            found[wl] = {"target": args.calibrate, "unloaded_ms": base, "tried": trials}
             log(f"calibrated {wl}: {loads[wl][0]:g} {UNITS[wl]} (least_load ~{args.calibrate:g}x)")
     finally:
         procs.stop(lb.proc)
