@@ -30,13 +30,14 @@ RUNS = (
     ("Y8", "3 rounds, seed 54, chat 1.1: cache_aware, cost_owner, sglang-router"),
     ("Y9", "3 rounds, seed 55, chat 0.9: least_load, cache_aware, sglang-router"),
     ("Y10", "2 rounds, seed 56, --calibrate 4 (chat 0.845): the README's command"),
+    ("Y11", "3 rounds, seed 57, --calibrate 4 (chat 0.845): the same"),
 )
 # Runs of one seed replay the same traffics (round n of each): pooled, each run's rounds are
 # rounds of their own, and a pair is compared only within a run.
 POOLS = (
     ("seed 52, far past the knee (Y3-Y5)", ("Y3", "Y4", "Y5")),
     ("seed 53, near the knee (Y6, Y7)", ("Y6", "Y7")),
-    ("every run (Y3-Y9; a pair within one load)", ("Y3", "Y4", "Y5", "Y6", "Y7", "Y8", "Y9")),
+    ("every run (Y3-Y11; a pair within one load)", tuple(f"Y{n}" for n in range(3, 12))),
 )
 pool.TARGETS = (
     "least_load",
