@@ -183,6 +183,25 @@ async def test_batches_a_replay_applied_are_not_taken_for_a_restart(
     assert f.counts.batches == 5
 
 
+async def test_a_restart_inside_what_a_replay_applied_is_still_followed_afresh(
+    pub: FakePublisher, ctx: zmq.asyncio.Context, running: list[asyncio.Task[None]]
+) -> None:
+    """Right after a replay, a batch whose seq the replay applied but whose bytes differ is a
+    restarted engine's (its seqs start again at 0), not a duplicate."""
+    f, index = follower(pub, ctx)
+    running.append(asyncio.create_task(f.run()))
+    await until(lambda: index.trust(7) is Trust.LIVE)
+    await pub.send(batch(stored([1], PROMPT[:16])), live=False)  # seq 0, lost: a gap
+    for i in range(1, 4):
+        await pub.send(batch(stored([i + 1], PROMPT[16 * i : 16 * (i + 1)], parent=i)))
+    await until(lambda: f.counts.duplicates >= 1)  # the replay applied seqs 0-3
+    await until(lambda: index.match(PROMPT, [7]) == {7: 64})
+    pub.seq, pub.buffer = 0, []  # a new engine process: seq 0 again, other bytes
+    await pub.send(batch(stored([9], [5] * 16)))
+    await until(lambda: index.match(PROMPT, [7]) == {7: 0})
+    assert index.trust(7) is Trust.LIVE and index.blocks(7) == 1
+
+
 async def test_a_lost_batch_falls_back_until_the_engine_clears(
     pub: FakePublisher, ctx: zmq.asyncio.Context, running: list[asyncio.Task[None]]
 ) -> None:
