@@ -46,6 +46,10 @@ class ExchangeContext:
     queue_size: int  # ... at most this many requests wait
     queue_timeout: float  # ... each at most this long
     wake: Callable[[], Coroutine[Any, Any, None]] | None = None  # asks the controller for one
+    # load_balancer.engine_priority: the head to send with the request's priority hint
+    # (fleetserve.lb.priority), from the head, the prompt blocks the replica lacks and the
+    # client's headers; None when off.
+    priority_header: Callable[[bytes, int, dict[bytes, bytes]], bytes] | None = None
     # The sweep's clock: monotonic seconds, at most one sweep old (the proxy's sweep sets it).
     clock: float = 0.0
     queued: int = 0  # requests waiting for a first replica
@@ -196,6 +200,7 @@ class Exchange:
         "local",
         "method",
         "moved",
+        "priority",
         "replica",
         "sent_at",
         "sent_to_client",
@@ -245,6 +250,7 @@ class Exchange:
         # WeighsPrefill: the prompt blocks the pick's replica has to prefill for this request,
         # and the replica whose `prefilling` count holds them (from send to first byte)
         self.charge = 0
+        self.priority: int | None = None  # engine_priority: the prompt blocks not cached there
         self._charged: tuple[int, int] | None = None
         self._settled = True
         self._waiter: asyncio.Future[str] | None = None
@@ -548,7 +554,10 @@ class Exchange:
         if body.replay:
             body.held = body.replay + body.held  # a retry: the body goes again, from its start
             body.replay, body.replay_size = [], 0
-        out = [self.head, *(self._frame(data) for data in body.held)]
+        head = self.head
+        if self.priority is not None and self.ctx.priority_header is not None:
+            head = self.ctx.priority_header(head, self.priority, self.headers)
+        out = [head, *(self._frame(data) for data in body.held)]
         if body.complete and self.chunked:
             out.append(b"0\r\n\r\n")
         conn.write(b"".join(out))  # one send for the head and what came of the body so far
@@ -695,7 +704,7 @@ class Exchange:
         upstream = ctx.replicas.pick(frozenset(), key)
         if upstream is None:
             return False
-        self.charge = ctx.replicas.last_charge
+        self._picked()
         conn = ctx.pool.idle_conn(upstream)
         if conn is None:
             self.chosen = upstream  # the task connects to it: a pick is not made twice
@@ -703,6 +712,12 @@ class Exchange:
         self._begin_attempt(upstream)
         self._send(conn, upstream)
         return True
+
+    def _picked(self) -> None:
+        """What the policy said of the replica it just picked for this request: the blocks
+        it has to prefill (`charge`) and the prompt blocks it lacks (`priority`)."""
+        replicas = self.ctx.replicas
+        self.charge, self.priority = replicas.last_charge, replicas.last_missing
 
     # the task path -------------------------------------------------------------------------------
 
@@ -745,7 +760,7 @@ class Exchange:
             upstream, self.chosen = self.chosen, None
             if upstream is None or upstream.replica_id not in ctx.replicas.upstreams:
                 upstream = ctx.replicas.pick(frozenset(self.tried), key)
-                self.charge = ctx.replicas.last_charge
+                self._picked()
             if upstream is None:
                 break
             rid = str(upstream.replica_id)

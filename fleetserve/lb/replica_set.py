@@ -34,6 +34,7 @@ class ReplicaSet:
         # WeighsPrefill: prompt blocks sent to each replica and not yet answered (exchange.py)
         self.prefilling: dict[int, int] = {}
         self.last_charge = 0  # the blocks the last pick's replica has to prefill for it
+        self.last_missing: int | None = None  # ... of the prompt, streamed or not (None: none)
         # Called after `inflight` or `prefilling` changed (exchange.py): the index share's wake
         # (fleetserve.lb.index_share), so that it sends counts when they change, not on a timer;
         # nothing without one.
@@ -127,11 +128,13 @@ class ReplicaSet:
         that some input reaches) never fails the request: it is routed by least load, and
         the failure is logged (once a minute) and counted (`policy_errors`)."""
         self.last_charge = 0
+        self.last_missing = None
         try:
             picked = self._pick(exclude, key)
             weighs = self.caps.weighs_prefill
             if weighs is not None and picked is not None:
                 self.last_charge = weighs.last_uncached
+                self.last_missing = weighs.last_missing
             return picked
         except Exception:
             self.policy_failed(f"the {type(self._selector).__name__} policy failed on a request")

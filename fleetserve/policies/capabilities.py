@@ -137,6 +137,7 @@ class WeighsPrefill(Protocol):
     and takes them off at the request's first byte or end."""
 
     last_uncached: int
+    last_missing: int | None
     prefilling: dict[int, int]
 
 

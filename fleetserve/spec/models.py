@@ -434,6 +434,12 @@ class LoadBalancerOptions(_Strict):
     # load, queued blocks and cost, and why the chosen one won) in the LB's log. A debug aid:
     # a line a request (docs/load-balancer.md).
     log_choices: bool = False
+    # cache_aware: send each request's priority to the replica (vLLM's X-Vllm-Priority header,
+    # read when the engine runs with --scheduling-policy priority): "uncached", the prompt
+    # blocks the chosen replica lacks (fewest first); "deadline", now in ms plus
+    # engine_priority_ms_per_block per such block; null: none. docs/load-balancer.md.
+    engine_priority: Literal["uncached", "deadline"] | None = None
+    engine_priority_ms_per_block: Annotated[float, Field(ge=0, le=60_000)] = 20.0
     # cache_aware: a request body up to this size is read before choosing (larger: its head).
     cache_max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024)] = 256 * 1024
     # cache_aware: read each replica's Prometheus metrics this often (vLLM, SGLang and TGI
@@ -625,6 +631,14 @@ class ServiceSection(_Strict):
             raise ValueError(
                 "load_balancer.log_choices logs cache_aware's choices: it needs "
                 "load_balancing_policy: cache_aware and data_plane: python"
+            )
+        if lb.engine_priority is not None and (
+            self.load_balancing_policy != "cache_aware" or lb.data_plane == "nginx"
+        ):
+            raise ValueError(
+                "load_balancer.engine_priority sends cache_aware's estimate of each prompt's "
+                "uncached blocks: it needs load_balancing_policy: cache_aware and "
+                "data_plane: python"
             )
         if lb.move_waiting_requests and lb.data_plane == "nginx":
             raise ValueError("load_balancer.move_waiting_requests needs data_plane: python")

@@ -210,6 +210,22 @@ def test_chat_completions_stream_token_by_token(served: Served) -> None:
         raise AssertionError(f"three answers each arrived in one piece: gaps {tries}")
 
 
+def test_vllm_in_its_default_mode_answers_requests_with_a_priority_hint(served: Served) -> None:
+    """load_balancer.engine_priority adds vLLM's X-Vllm-Priority header: an engine left in its
+    default first-come-first-served mode answers such a request as any other (the header is
+    only read in --scheduling-policy priority; bench/llm's runs used that mode)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+    for url in served.ready().values():
+        req = urllib.request.Request(
+            url + "/v1/chat/completions",
+            data=json.dumps({**body, "max_tokens": 4, "ignore_eos": True}).encode(),
+            headers={"Content-Type": "application/json", "X-Vllm-Priority": "1765000000123"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+
+
 def test_cache_aware_sends_the_next_turn_where_vllm_has_the_prefix(served: Served) -> None:
     """Each conversation's second turn goes to the replica that served its first, where
     vLLM's own prefix cache then hits the whole first turn (vllm:prefix_cache_hits_total)."""

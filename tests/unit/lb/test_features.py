@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,79 @@ async def test_cache_aware_keeps_conversations_on_their_replica_and_bodies_whole
         async with s.get(f"{lb}/v1/models") as r:
             assert r.status == 200
     assert len(replicas.upstreams) == 2
+
+
+@pytest.mark.parametrize("mode", ["uncached", "deadline", None])
+async def test_engine_priority_tells_the_replica_how_much_of_the_prompt_it_lacks(
+    start: Start, mode: str | None
+) -> None:
+    seen: list[dict[str, Any]] = []
+    a = await start(upstream_app("a", seen))
+    lb, _ = await make_lb(
+        start, "cache_aware", [Upstream(1, f"http://127.0.0.1:{a}", 1)], engine_priority=mode
+    )
+    system = "You are a careful assistant; you answer in one short line. " * 20  # ~1,200 chars
+    first = {"model": "m", "messages": [{"role": "system", "content": system}], "stream": True}
+    longer = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "a question that is new here " * 20},  # ~560 chars
+        ],
+    }
+    async with aiohttp.ClientSession() as s:
+        for body, headers in (
+            (first, {}),
+            (first, {}),
+            (longer, {}),
+            (longer, {"X-Vllm-Priority": "-5"}),
+            ({**longer, "priority": 3}, {}),  # its own priority, in the body: no hint
+            (None, {}),  # no prompt to read: no hint
+        ):
+            before = loop_ms()
+            kwargs: dict[str, Any] = {"json": body} if body is not None else {"data": b"x"}
+            async with s.post(f"{lb}/v1/chat/completions", headers=headers, **kwargs) as r:
+                assert r.status == 200
+            seen[-1]["before"], seen[-1]["after"] = before, loop_ms()
+    values = [h["headers"].get("X-Vllm-Priority") for h in seen]
+    if mode is None:
+        assert values == [None, None, None, "-5", None, None]
+        return
+    assert values[3] == "-5"  # the client's own is left as it is
+    assert values[4:] == [None, None]
+    # The first request lacks all of its blocks (a 256-character block each, the last one
+    # partial: not counted), the second none, the third only those of its new message.
+    missing = [4, 0, 2]
+    if mode == "uncached":
+        assert [int(v) for v in values[:3]] == missing
+    else:  # now in ms, plus 20 ms a block lacking
+        for hint, blocks in zip(seen[:3], missing, strict=True):
+            value = int(hint["headers"]["X-Vllm-Priority"]) - 20 * blocks
+            assert hint["before"] - 1 <= value <= hint["after"] + 1
+
+
+def test_engine_priority_is_refused_where_it_would_send_nothing() -> None:
+    """Another policy has no estimate to send, nor does the nginx data plane: a clear error;
+    an unknown mode names the ones there are."""
+    from fleetserve.spec.loader import InvalidSpec, parse_spec
+
+    yaml = (
+        "service:\n  readiness_probe: /\n  replicas: 1\n  load_balancing_policy: {policy}\n"
+        "  load_balancer:\n    engine_priority: {mode}\n    data_plane: {plane}\n"
+        "run: python -m http.server $PORT\n"
+    )
+    spec = parse_spec(yaml.format(policy="cache_aware", mode="deadline", plane="python"))
+    assert spec.service is not None and spec.service.load_balancer.engine_priority == "deadline"
+    for policy, plane in (("least_load", "python"), ("cache_aware", "nginx")):
+        with pytest.raises(InvalidSpec, match="engine_priority sends cache_aware's estimate"):
+            parse_spec(yaml.format(policy=policy, mode="uncached", plane=plane))
+    with pytest.raises(InvalidSpec, match="engine_priority") as bad:
+        parse_spec(yaml.format(policy="cache_aware", mode="fifo", plane="python"))
+    assert "uncached" in str(bad.value) and "deadline" in str(bad.value)
+
+
+def loop_ms() -> int:
+    return int(time.time() * 1000)
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "prefix_affinity"])
