@@ -26,6 +26,7 @@ from fleetserve.lb.http import (
     error_response,
 )
 from fleetserve.lb.metrics import Rejection
+from fleetserve.lb.priority import PRIORITY
 
 
 class Listener(Protocol):
@@ -340,6 +341,8 @@ class ClientConn(asyncio.Protocol):
         drop = HOP_BY_HOP
         if has_connection:
             drop = drop | (connection_tokens(headers) - FRAMING)
+        if self.ctx.priority_header is not None:
+            drop = drop | PRIORITY  # engine_priority: the LB's hint replaces the client's
         out = [method, b" ", self._url, b" HTTP/1.1\r\n"]
         for name, value in headers:
             ln = name.lower()

@@ -47,9 +47,9 @@ class ExchangeContext:
     queue_timeout: float  # ... each at most this long
     wake: Callable[[], Coroutine[Any, Any, None]] | None = None  # asks the controller for one
     # load_balancer.engine_priority: the head to send with the request's priority hint
-    # (fleetserve.lb.priority), from the head, the prompt blocks the replica lacks and the
-    # client's headers; None when off.
-    priority_header: Callable[[bytes, int, dict[bytes, bytes]], bytes] | None = None
+    # (fleetserve.lb.priority), from the head and the prompt blocks the replica lacks; None
+    # when off.
+    priority_header: Callable[[bytes, int], bytes] | None = None
     # The sweep's clock: monotonic seconds, at most one sweep old (the proxy's sweep sets it).
     clock: float = 0.0
     queued: int = 0  # requests waiting for a first replica
@@ -555,8 +555,8 @@ class Exchange:
             body.held = body.replay + body.held  # a retry: the body goes again, from its start
             body.replay, body.replay_size = [], 0
         head = self.head
-        if self.priority is not None and self.ctx.priority_header is not None:
-            head = self.ctx.priority_header(head, self.priority, self.headers)
+        if self.ctx.priority_header is not None:
+            head = self.ctx.priority_header(head, self.priority or 0)
         out = [head, *(self._frame(data) for data in body.held)]
         if body.complete and self.chunked:
             out.append(b"0\r\n\r\n")

@@ -76,7 +76,6 @@ def _part_text(content: object) -> str:
 
 
 _STREAM = re.compile(rb'"stream"\s*:\s*true')
-_PRIORITY = re.compile(rb'"priority"\s*:')
 
 
 def prompt_text(body: bytes) -> str | None:
@@ -87,16 +86,15 @@ def prompt_text(body: bytes) -> str | None:
     return parse_prompt(body)[0]
 
 
-def parse_prompt(body: bytes) -> tuple[str | None, bool, bool]:
-    """`prompt_text` of the body, whether it asks for a streamed answer, and whether it names
-    its own scheduling priority (vLLM's `priority` field)."""
+def parse_prompt(body: bytes) -> tuple[str | None, bool]:
+    """`prompt_text` of the body, and whether it asks for a streamed answer."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return None, False, False
+        return None, False
     if not isinstance(doc, dict):
-        return None, False, False
-    return _render(doc), doc.get("stream") is True, "priority" in doc
+        return None, False
+    return _render(doc), doc.get("stream") is True
 
 
 def _render(doc: dict[str, object]) -> str | None:
@@ -311,8 +309,7 @@ class CacheAware:
         # balancer adds them to `prefilling` when the request is sent, until its first byte.
         self.last_uncached = 0
         # The prompt blocks the last choice's replica did not hold (streamed or not): the load
-        # balancer's `engine_priority` hint; None for a request without a prompt, or one that
-        # names its own priority.
+        # balancer's `engine_priority` hint; None for a request without a prompt.
         self.last_missing: int | None = None
         self.block_chars = block_chars
         self.body_limit = max_body_bytes
@@ -350,11 +347,9 @@ class CacheAware:
         """The prompt's blocks: of a whole body, parsed; of a longer one (its first
         `body_limit` bytes), its first prompt field's start."""
         if complete:
-            text, streams, prioritised = parse_prompt(body)
+            text, streams = parse_prompt(body)
         else:
-            text = prompt_prefix(body, 1 << 20)
-            streams = _STREAM.search(body) is not None
-            prioritised = _PRIORITY.search(body) is not None
+            text, streams = prompt_prefix(body, 1 << 20), _STREAM.search(body) is not None
         if text is None:
             return NO_KEY
         return RequestKey(
@@ -362,7 +357,6 @@ class CacheAware:
             blocks=self.keys(text),
             text_chars=len(text),
             streams=streams,
-            prioritised=prioritised,
         )
 
     def forget(self, replica: int) -> None:
@@ -434,7 +428,7 @@ class CacheAware:
                 # Nobody holds any of it: the least loaded, ties broken by the hash.
                 idle = [rid for rid in within if inflight.get(rid, 0) == least]
                 choice = self._tie(key, candidates, idle)
-        self.last_missing = None if key.prioritised else max(0, len(keys) - depth)
+        self.last_missing = max(0, len(keys) - depth)
         if self.explain is not None:
             costs = cost if costs_rule else None
             self.explain(self._why(keys, eligible, inflight, choice, costs, owned))

@@ -33,7 +33,6 @@ class RequestKey:
     tokens: tuple[int, ...] = ()
     text_chars: int = 0
     streams: bool = False  # the body asks for a streamed answer ("stream": true)
-    prioritised: bool = False  # the body names its own scheduling priority ("priority")
 
 
 NO_KEY = RequestKey()

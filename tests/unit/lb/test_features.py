@@ -118,7 +118,15 @@ async def test_engine_priority_tells_the_replica_how_much_of_the_prompt_it_lacks
     start: Start, mode: str | None
 ) -> None:
     seen: list[dict[str, Any]] = []
-    a = await start(upstream_app("a", seen))
+
+    async def record(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append({"hints": request.headers.getall("X-Vllm-Priority", [])})
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", record)
+    a = await start(app)
     lb, _ = await make_lb(
         start, "cache_aware", [Upstream(1, f"http://127.0.0.1:{a}", 1)], engine_priority=mode
     )
@@ -131,34 +139,36 @@ async def test_engine_priority_tells_the_replica_how_much_of_the_prompt_it_lacks
             {"role": "user", "content": "a question that is new here " * 20},  # ~560 chars
         ],
     }
+    fresh = {"model": "m", "prompt": "another prompt that nobody sent before " * 20}
     async with aiohttp.ClientSession() as s:
         for body, headers in (
             (first, {}),
             (first, {}),
             (longer, {}),
-            (longer, {"X-Vllm-Priority": "-5"}),
-            ({**longer, "priority": 3}, {}),  # its own priority, in the body: no hint
-            (None, {}),  # no prompt to read: no hint
+            (fresh, {"X-Vllm-Priority": "-5"}),  # a client that would go first
+            ({**fresh, "priority": -5}, {}),  # ... or says so in vLLM's body field
+            (None, {}),  # no prompt to read
         ):
             before = loop_ms()
             kwargs: dict[str, Any] = {"json": body} if body is not None else {"data": b"x"}
             async with s.post(f"{lb}/v1/chat/completions", headers=headers, **kwargs) as r:
                 assert r.status == 200
             seen[-1]["before"], seen[-1]["after"] = before, loop_ms()
-    values = [h["headers"].get("X-Vllm-Priority") for h in seen]
-    if mode is None:
+    assert all(len(h["hints"]) <= 1 for h in seen)  # never the client's and the LB's
+    values = [h["hints"][0] if h["hints"] else None for h in seen]
+    if mode is None:  # nothing sent, nothing taken away
         assert values == [None, None, None, "-5", None, None]
         return
-    assert values[3] == "-5"  # the client's own is left as it is
-    assert values[4:] == [None, None]
     # The first request lacks all of its blocks (a 256-character block each, the last one
-    # partial: not counted), the second none, the third only those of its new message.
-    missing = [4, 0, 2]
+    # partial: not counted), the second none, the third only those of its new message; the
+    # client's own header is replaced by the LB's (which vLLM reads before the body's field);
+    # a request without a prompt counts as lacking none.
+    missing = [4, 0, 2, 3, 0, 0]
     if mode == "uncached":
-        assert [int(v) for v in values[:3]] == missing
+        assert values == [str(m) for m in missing]
     else:  # now in ms, plus 20 ms a block lacking
-        for hint, blocks in zip(seen[:3], missing, strict=True):
-            value = int(hint["headers"]["X-Vllm-Priority"]) - 20 * blocks
+        for hint, blocks in zip(seen, missing, strict=True):
+            value = int(hint["hints"][0]) - 20 * blocks
             assert hint["before"] - 1 <= value <= hint["after"] + 1
 
 

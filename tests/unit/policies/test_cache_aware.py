@@ -557,8 +557,7 @@ def test_the_load_weight_scales_the_queue_against_the_history() -> None:
 @pytest.mark.parametrize("choice", ["cost", "match", "owner", "cost_owner"])
 def test_the_blocks_a_replica_lacks_are_told_for_every_request_with_a_prompt(choice: str) -> None:
     """`last_missing` (load_balancer.engine_priority's hint): the prompt blocks the chosen
-    replica does not hold, under every rule, streamed or not; None without a prompt or for a
-    body that names its own priority (whole, or seen in the head of a long one)."""
+    replica does not hold, under every rule, streamed or not; None without a prompt."""
     sel = CacheAware(block_chars=32, choice=choice)
     load = {1: 0, 2: 0}
     body = json.loads(history(2))
@@ -570,15 +569,8 @@ def test_the_blocks_a_replica_lacks_are_told_for_every_request_with_a_prompt(cho
     longer = sel.body_key(history(3), True)
     sel.select([1, 2], load, frozenset(), longer)
     assert sel.last_missing == len(longer.blocks) - len(whole.blocks)
-    own = sel.body_key(json.dumps({**body, "priority": 4}).encode(), True)
-    assert own.prioritised and own.blocks == whole.blocks
-    assert sel.select([1, 2], load, frozenset(), own) is not None
-    assert sel.last_missing is None
     assert sel.select([1, 2], load, frozenset(), NO_KEY) is not None
     assert sel.last_missing is None
-    head = json.dumps({"priority": 1, "messages": [{"role": "user", "content": "y" * 999}]})
-    assert sel.body_key(head.encode()[:500], False).prioritised
-    assert not sel.body_key(head.replace('"priority"', '"other"').encode()[:500], False).prioritised
 
 
 def test_only_a_streamed_answer_is_counted_as_queued_until_its_first_byte() -> None:
