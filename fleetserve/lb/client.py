@@ -341,7 +341,7 @@ class ClientConn(asyncio.Protocol):
         drop = HOP_BY_HOP
         if has_connection:
             drop = drop | (connection_tokens(headers) - FRAMING)
-        if self.ctx.priority_header is not None:
+        if self.ctx.priority is not None:
             drop = drop | PRIORITY  # engine_priority: the LB's hint replaces the client's
         out = [method, b" ", self._url, b" HTTP/1.1\r\n"]
         for name, value in headers:

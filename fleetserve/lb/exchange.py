@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from fleetserve.lb.http import HIGH_WATER, Limits, error_response
 from fleetserve.lb.metrics import LoadTracker, Metrics
+from fleetserve.lb.priority import PriorityHints
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.lb.upstream import Pool, UpstreamConn
 from fleetserve.policies.lb import NO_KEY, RequestKey
@@ -46,10 +47,9 @@ class ExchangeContext:
     queue_size: int  # ... at most this many requests wait
     queue_timeout: float  # ... each at most this long
     wake: Callable[[], Coroutine[Any, Any, None]] | None = None  # asks the controller for one
-    # load_balancer.engine_priority: the head to send with the request's priority hint
-    # (fleetserve.lb.priority), from the head and the prompt blocks the replica lacks; None
-    # when off.
-    priority_header: Callable[[bytes, int], bytes] | None = None
+    # load_balancer.engine_priority: writes the request's priority hint into its head
+    # (fleetserve.lb.priority); None when off.
+    priority: PriorityHints | None = None
     # The sweep's clock: monotonic seconds, at most one sweep old (the proxy's sweep sets it).
     clock: float = 0.0
     queued: int = 0  # requests waiting for a first replica
@@ -201,6 +201,7 @@ class Exchange:
         "method",
         "moved",
         "priority",
+        "priority_since",
         "replica",
         "sent_at",
         "sent_to_client",
@@ -251,6 +252,7 @@ class Exchange:
         # and the replica whose `prefilling` count holds them (from send to first byte)
         self.charge = 0
         self.priority: int | None = None  # engine_priority: the prompt blocks not cached there
+        self.priority_since = 0  # ... and when it was first sent (ms since the epoch)
         self._charged: tuple[int, int] | None = None
         self._settled = True
         self._waiter: asyncio.Future[str] | None = None
@@ -532,6 +534,7 @@ class Exchange:
             conn.close()
         self.held_head = None
         self.chosen = upstream
+        self.priority = None  # (engine_priority: not known to lack less than all of it there)
         self._settle("moved")
         return True
 
@@ -555,8 +558,11 @@ class Exchange:
             body.held = body.replay + body.held  # a retry: the body goes again, from its start
             body.replay, body.replay_size = [], 0
         head = self.head
-        if self.ctx.priority_header is not None:
-            head = self.ctx.priority_header(head, self.priority or 0)
+        hints = self.ctx.priority
+        if hints is not None:
+            if not self.priority_since:  # (a retry or a move keeps its place in time)
+                self.priority_since = hints.stamp()
+            head = hints.head(head, self.priority, self._body_bytes(), self.priority_since)
         out = [head, *(self._frame(data) for data in body.held)]
         if body.complete and self.chunked:
             out.append(b"0\r\n\r\n")
@@ -712,6 +718,16 @@ class Exchange:
         self._begin_attempt(upstream)
         self._send(conn, upstream)
         return True
+
+    def _body_bytes(self) -> int:
+        """The body's length: its Content-Length, else what is about to go of it."""
+        length = self.headers.get(b"content-length")
+        if length:
+            try:
+                return int(length)
+            except ValueError:
+                pass
+        return sum(map(len, self.body.held))
 
     def _picked(self) -> None:
         """What the policy said of the replica it just picked for this request: the blocks

@@ -9,26 +9,43 @@ import time
 from collections.abc import Callable
 
 # The client's own header is dropped from the head (fleetserve.lb.client) while the LB sends
-# its hint: no client puts itself ahead of the others.
+# its hint: a client does not set its own priority.
 PRIORITY = frozenset({b"x-vllm-priority"})
 
-PriorityHeader = Callable[[bytes, int], bytes]
 
+class PriorityHints:
+    """Writes the hint into a request's head. `uncached`: the prompt blocks the chosen
+    replica does not hold; `deadline`: the time in ms since the epoch at which the request was
+    first sent plus `ms_per_block` per such block (a long prefill is passed only by shorter
+    ones that arrive within that margin after it). A request whose prompt the LB did not read
+    (token ids, a list of prompts, a body sent after `Expect: 100-continue`, a request moved
+    to another replica) counts as lacking all of its body: its bytes / `block_chars`."""
 
-def priority_header(
-    mode: str | None, ms_per_block: float, clock: Callable[[], float] = time.time
-) -> PriorityHeader | None:
-    """The function that adds the hint to a request's head (None: no `mode`). `uncached`: the
-    prompt blocks the chosen replica does not hold; `deadline`: the time in ms since the
-    epoch plus `ms_per_block` per such block (a long prefill waits for the shorter ones that
-    arrive within that margin, never longer). A request whose prompt the LB does not read
-    (no JSON prompt, token ids) counts as lacking none."""
-    if mode is None:
-        return None
-    deadline = mode == "deadline"
+    __slots__ = ("block_chars", "clock", "deadline", "ms_per_block")
 
-    def write(head: bytes, missing: int) -> bytes:
-        value = int(clock() * 1000) + round(ms_per_block * missing) if deadline else missing
+    def __init__(
+        self,
+        mode: str,
+        ms_per_block: float,
+        block_chars: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.deadline = mode == "deadline"
+        self.ms_per_block = ms_per_block
+        self.block_chars = block_chars
+        self.clock = clock
+
+    def stamp(self) -> int:
+        """Now, in ms since the epoch (the LB's processes share it)."""
+        return int(self.clock() * 1000)
+
+    def head(self, head: bytes, missing: int | None, body_bytes: int, since_ms: int) -> bytes:
+        if missing is None:
+            missing = body_bytes // self.block_chars
+        value = since_ms + round(self.ms_per_block * missing) if self.deadline else missing
         return b"%sX-Vllm-Priority: %d\r\n\r\n" % (head[:-2], value)
 
-    return write
+
+def priority_hints(mode: str | None, ms_per_block: float, block_chars: int) -> PriorityHints | None:
+    """The hints of `load_balancer.engine_priority` (None: no mode)."""
+    return None if mode is None else PriorityHints(mode, ms_per_block, block_chars)

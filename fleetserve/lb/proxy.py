@@ -29,7 +29,7 @@ from fleetserve.lb.http import Limits, error_response
 from fleetserve.lb.kv_events import KvEventsFollower
 from fleetserve.lb.metrics import LoadTracker, Metrics
 from fleetserve.lb.mover import Mover
-from fleetserve.lb.priority import priority_header
+from fleetserve.lb.priority import priority_hints
 from fleetserve.lb.replica_load import ReplicaLoadPoller
 from fleetserve.lb.replica_set import ReplicaSet
 from fleetserve.lb.upstream import Pool
@@ -139,8 +139,10 @@ class Proxy:
             queue_size=self.opts.queue_size,
             queue_timeout=self.opts.queue_timeout_seconds,
             wake=wake,
-            priority_header=priority_header(
-                self.opts.engine_priority, self.opts.engine_priority_ms_per_block
+            priority=priority_hints(
+                self.opts.engine_priority,
+                self.opts.engine_priority_ms_per_block,
+                self.opts.cache_block_chars,
             ),
         )
         if self.opts.move_waiting_requests:

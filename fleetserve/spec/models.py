@@ -440,6 +440,17 @@ class LoadBalancerOptions(_Strict):
     # engine_priority_ms_per_block per such block; null: none. docs/load-balancer.md.
     engine_priority: Literal["uncached", "deadline"] | None = None
     engine_priority_ms_per_block: Annotated[float, Field(ge=0, le=60_000)] = 20.0
+
+    @field_validator("engine_priority", mode="before")
+    @classmethod
+    def _priority_mode(cls, value: object) -> object:
+        if isinstance(value, bool):  # YAML's off / no / false (on / yes / true)
+            raise ValueError(
+                "engine_priority is uncached, deadline or null; YAML reads off, no and false "
+                "as a boolean: write null to send no hints"
+            )
+        return value
+
     # cache_aware: a request body up to this size is read before choosing (larger: its head).
     cache_max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024)] = 256 * 1024
     # cache_aware: read each replica's Prometheus metrics this often (vLLM, SGLang and TGI

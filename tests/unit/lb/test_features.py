@@ -140,6 +140,11 @@ async def test_engine_priority_tells_the_replica_how_much_of_the_prompt_it_lacks
         ],
     }
     fresh = {"model": "m", "prompt": "another prompt that nobody sent before " * 20}
+    # Prompts the LB does not read count as lacking all of their body (bytes / 256): a list
+    # of prompts (it reads the first), one sent after `Expect: 100-continue` (it places the
+    # request before the body comes), a body that is not JSON.
+    batch = {"model": "m", "prompt": ["hi", "a second prompt in the batch " * 40]}
+    waits = {"model": "m", "prompt": "a prompt sent only once the replica says go on " * 30}
     async with aiohttp.ClientSession() as s:
         for body, headers in (
             (first, {}),
@@ -147,23 +152,26 @@ async def test_engine_priority_tells_the_replica_how_much_of_the_prompt_it_lacks
             (longer, {}),
             (fresh, {"X-Vllm-Priority": "-5"}),  # a client that would go first
             ({**fresh, "priority": -5}, {}),  # ... or says so in vLLM's body field
-            (None, {}),  # no prompt to read
+            (batch, {}),
+            (waits, {"Expect": "100-continue"}),
+            (b"x" * 600, {}),
         ):
             before = loop_ms()
-            kwargs: dict[str, Any] = {"json": body} if body is not None else {"data": b"x"}
+            kwargs: dict[str, Any] = {"data": body} if isinstance(body, bytes) else {"json": body}
             async with s.post(f"{lb}/v1/chat/completions", headers=headers, **kwargs) as r:
                 assert r.status == 200
             seen[-1]["before"], seen[-1]["after"] = before, loop_ms()
     assert all(len(h["hints"]) <= 1 for h in seen)  # never the client's and the LB's
     values = [h["hints"][0] if h["hints"] else None for h in seen]
     if mode is None:  # nothing sent, nothing taken away
-        assert values == [None, None, None, "-5", None, None]
+        assert values == [None, None, None, "-5", None, None, None, None]
         return
     # The first request lacks all of its blocks (a 256-character block each, the last one
     # partial: not counted), the second none, the third only those of its new message; the
-    # client's own header is replaced by the LB's (which vLLM reads before the body's field);
-    # a request without a prompt counts as lacking none.
-    missing = [4, 0, 2, 3, 0, 0]
+    # client's own header is replaced by the LB's (which vLLM reads before the body's field).
+    unread = [len(json.dumps(batch)) // 256, len(json.dumps(waits)) // 256, 600 // 256]
+    assert unread[0] >= 4 and unread[1] >= 5
+    missing = [4, 0, 2, 3, 0, *unread]
     if mode == "uncached":
         assert values == [str(m) for m in missing]
     else:  # now in ms, plus 20 ms a block lacking
@@ -190,6 +198,10 @@ def test_engine_priority_is_refused_where_it_would_send_nothing() -> None:
     with pytest.raises(InvalidSpec, match="engine_priority") as bad:
         parse_spec(yaml.format(policy="cache_aware", mode="fifo", plane="python"))
     assert "uncached" in str(bad.value) and "deadline" in str(bad.value)
+    with pytest.raises(InvalidSpec, match="write null to send no hints"):  # YAML's off: False
+        parse_spec(yaml.format(policy="cache_aware", mode="off", plane="python"))
+    spec = parse_spec(yaml.format(policy="cache_aware", mode="null", plane="python"))
+    assert spec.service is not None and spec.service.load_balancer.engine_priority is None
 
 
 def loop_ms() -> int:

@@ -168,10 +168,12 @@ class Engine:
         self.running = 0
         self.served: list[str] = []
         self.aborted: list[str] = []
+        self.hints: dict[str, str | None] = {}  # X-Vllm-Priority by request id (engine_priority)
 
     def app(self) -> web.Application:
         async def chat(request: web.Request) -> web.StreamResponse:
             body = await request.json()
+            self.hints[body["id"]] = request.headers.get("X-Vllm-Priority")
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)  # the head, before the first token
             self.waiting += 1
@@ -289,6 +291,58 @@ async def test_queued_requests_move_to_a_replica_made_ready(
         assert text == "".join(f"data: {replica} {t}\n\n" for t in range(3)) + "data: [DONE]\n\n"
     moved = 'fleetserve_lb_requests_moved_total{policy="least_load",replica="1",service="svc"}'
     assert f"{moved} 2.0" in metrics
+
+
+async def test_a_moved_request_is_hinted_as_lacking_all_of_its_prompt(
+    start: Start,  # noqa: F811
+    session: aiohttp.ClientSession,
+) -> None:
+    """engine_priority: the hint a request carries is the one of the replica it is sent to;
+    moved, it counts as lacking all of its body there (its bytes / cache_block_chars), not
+    what it lacked where it waited."""
+    a, b = Engine("A"), Engine("B")
+    up_a, up_b = _up(1, await start(a.app())), _up(2, await start(b.app()))
+    lb, replicas, _ = await make_lb_proxy(
+        start,
+        "cache_aware",
+        [up_a],
+        replica_metrics_seconds=0.1,
+        move_waiting_requests=True,
+        engine_priority="uncached",
+    )
+    system = "a system prompt that every conversation here shares " * 40  # ~2,100 characters
+    bodies = {
+        f"q{i}": {
+            "id": f"q{i}",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question {i}"},
+            ],
+        }
+        for i in range(4)
+    }
+
+    async def send(body: dict[str, Any]) -> int:
+        async with session.post(f"{lb}/v1/chat/completions", json=body) as r:
+            await r.read()
+            return r.status
+
+    tasks = []
+    for body in bodies.values():
+        tasks.append(asyncio.create_task(send(body)))
+        await asyncio.sleep(0.05)  # arrive in order
+    for _ in range(100):
+        if a.waiting == 3:
+            break
+        await asyncio.sleep(0.01)
+    replicas.replace([up_a, up_b])
+    assert await asyncio.wait_for(asyncio.gather(*tasks), 20) == [200] * 4
+    assert sorted(b.served) == ["q2", "q3"]
+    first = int(a.hints["q0"] or -1)
+    assert first >= 8  # all of the shared prompt, at first
+    assert all(0 <= int(a.hints[q] or -1) < first for q in ("q1", "q2", "q3"))  # held at A
+    for q in ("q2", "q3"):  # at B: all of the body
+        assert b.hints[q] == str(len(json.dumps(bodies[q])) // 256)
 
 
 async def test_without_the_option_queued_requests_stay(
