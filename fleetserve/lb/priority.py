@@ -11,6 +11,7 @@ from collections.abc import Callable
 # The client's own header is dropped from the head (fleetserve.lb.client) while the LB sends
 # its hint: a client does not set its own priority.
 PRIORITY = frozenset({b"x-vllm-priority"})
+INT64_MAX = (1 << 63) - 1
 
 
 class PriorityHints:
@@ -43,7 +44,8 @@ class PriorityHints:
         if missing is None:
             missing = body_bytes // self.block_chars
         value = since_ms + round(self.ms_per_block * missing) if self.deadline else missing
-        return b"%sX-Vllm-Priority: %d\r\n\r\n" % (head[:-2], value)
+        # (vLLM keeps it as a 64-bit integer; a client may claim any Content-Length)
+        return b"%sX-Vllm-Priority: %d\r\n\r\n" % (head[:-2], min(value, INT64_MAX))
 
 
 def priority_hints(mode: str | None, ms_per_block: float, block_chars: int) -> PriorityHints | None:

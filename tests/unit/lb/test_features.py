@@ -18,6 +18,7 @@ from aiohttp import web
 from fleetserve.lb.admin import make_admin_app
 from fleetserve.lb.build import tls_context
 from fleetserve.lb.config import LbConfig
+from fleetserve.lb.priority import PriorityHints
 from fleetserve.lb.proxy import Proxy
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.factory import make_selector
@@ -178,6 +179,19 @@ async def test_engine_priority_tells_the_replica_how_much_of_the_prompt_it_lacks
         for hint, blocks in zip(seen, missing, strict=True):
             value = int(hint["hints"][0]) - 20 * blocks
             assert hint["before"] - 1 <= value <= hint["after"] + 1
+
+
+def test_an_engine_priority_hint_stays_a_64_bit_integer() -> None:
+    """A client may claim any Content-Length; the hint it yields never leaves vLLM's range."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"
+    for mode, ms in (("uncached", 20.0), ("deadline", 60_000.0)):
+        hints = PriorityHints(mode, ms, 256, clock=lambda: 1_765_000_000.5)
+        assert hints.head(head, 3, 0, hints.stamp()).endswith(
+            b"Host: x\r\nX-Vllm-Priority: %d\r\n\r\n"
+            % (3 if mode == "uncached" else 1_765_000_000_500 + 180_000)
+        )
+        huge = hints.head(head, None, 10**30, hints.stamp())
+        assert huge.endswith(b"X-Vllm-Priority: %d\r\n\r\n" % ((1 << 63) - 1))
 
 
 def test_engine_priority_is_refused_where_it_would_send_nothing() -> None:
