@@ -210,6 +210,18 @@ def _digest(payload: bytes) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+REPLAYED_KEPT = 4096  # batches remembered as applied by replays, newest first
+
+
+def _kept(replayed: dict[int, bytes], more: dict[int, bytes]) -> dict[int, bytes]:
+    """The batches replays applied that the subscription has not delivered yet: the earlier
+    ones and `more`, at most REPLAYED_KEPT (the newest)."""
+    replayed.update(more)
+    if len(replayed) > REPLAYED_KEPT:
+        replayed = dict(sorted(replayed.items())[-REPLAYED_KEPT:])
+    return replayed
+
+
 class _Rate:
     """A token bucket of blocks per second (one second's worth of burst)."""
 
@@ -386,7 +398,9 @@ class ReplicaFollower:
             silence = self.settings.silence_seconds * 1000
             while True:
                 if not await sub.poll(silence, zmq.POLLIN):
-                    replayed = await self._catch_up(replay, fresh=False)  # the liveness probe
+                    # The liveness probe. What earlier probes applied may still be on its way
+                    # through the subscription: kept, not replaced by this probe's batches.
+                    replayed = _kept(replayed, await self._catch_up(replay, fresh=False))
                     continue
                 msg = self._frames(self._received(await sub.recv_multipart()))
                 if msg is None:

@@ -183,6 +183,29 @@ async def test_batches_a_replay_applied_are_not_taken_for_a_restart(
     assert f.counts.batches == 5
 
 
+async def test_a_batch_an_earlier_probe_applied_is_still_a_duplicate_after_a_later_one(
+    pub: FakePublisher, ctx: zmq.asyncio.Context, running: list[asyncio.Task[None]]
+) -> None:
+    """On a loaded machine a batch can reach the subscription after two silence probes: the
+    first replayed it, the second found nothing new. It is still the same batch (seen in
+    the full suite: a replica's index cleared and marked incomplete)."""
+    f, index = follower(pub, ctx, silence_seconds=0.2, timeout_seconds=0.5)
+    running.append(asyncio.create_task(f.run()))
+    await until(lambda: index.trust(7) is Trust.LIVE)
+    await pub.send(batch(stored([1], PROMPT[:16])))  # seq 0, live
+    await until(lambda: index.match(PROMPT, [7]) == {7: 16})
+    late = batch(stored([2], PROMPT[16:32], parent=1))
+    await pub.send(late, live=False)  # seq 1: only in the buffer for now
+    await until(lambda: index.match(PROMPT, [7]) == {7: 32})  # a probe replayed it
+    probes = f.counts.batches
+    await asyncio.sleep(0.7)  # more probes, finding nothing new
+    assert f.counts.batches == probes
+    await pub.pub.send_multipart([TOPIC, (1).to_bytes(8, "big"), late])  # now it arrives
+    await until(lambda: f.counts.duplicates >= 1)
+    assert index.trust(7) is Trust.LIVE and f.counts.fallbacks == {}
+    assert index.match(PROMPT, [7]) == {7: 32}
+
+
 async def test_a_restart_inside_what_a_replay_applied_is_still_followed_afresh(
     pub: FakePublisher, ctx: zmq.asyncio.Context, running: list[asyncio.Task[None]]
 ) -> None:
