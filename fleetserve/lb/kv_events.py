@@ -416,7 +416,8 @@ class ReplicaFollower:
                     self.last = -1
                     self._set(Trust.LIVE if seq == 0 else Trust.INCOMPLETE)
                 elif seq > self.last + 1:
-                    replayed = await self._catch_up(replay, fresh=False)  # the gap, from the buffer
+                    # The gap, from the buffer (what it applies joins the record above).
+                    replayed = _kept(replayed, await self._catch_up(replay, fresh=False))
                 if seq > self.last:
                     self._apply(seq, payload)
         finally:

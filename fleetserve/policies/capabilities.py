@@ -134,7 +134,8 @@ class WeighsPrefill(Protocol):
     """The selector says, after each choice, how many prompt blocks the chosen replica has to
     prefill for that request (`last_uncached`); the load balancer adds them to the replica's
     count in `prefilling` (its own dict, installed in the selector) when it sends the request
-    and takes them off at the request's first byte or end."""
+    and takes them off at the request's first byte or end. `last_missing`: the prompt blocks
+    it lacks, streamed or not (None: no prompt), the hint of `engine_priority`."""
 
     last_uncached: int
     last_missing: int | None

@@ -1,4 +1,4 @@
-"""Starting real load-balancer processes in tests."""
+"""Starting real load-balancer processes in tests, and service specs for LB options."""
 
 from __future__ import annotations
 
@@ -68,3 +68,14 @@ async def wait_workers(
             return found
         await asyncio.sleep(0.1)
     return []
+
+
+def spec_with_lb(policy: str, plane: str, **options: str) -> str:
+    """A service YAML with `policy`, `data_plane: plane` and these `load_balancer` options
+    (values as YAML writes them)."""
+    lines = "".join(f"    {name}: {value}\n" for name, value in options.items())
+    return (
+        f"service:\n  readiness_probe: /\n  replicas: 1\n  load_balancing_policy: {policy}\n"
+        f"  load_balancer:\n{lines}    data_plane: {plane}\n"
+        "run: python -m http.server $PORT\n"
+    )

@@ -86,14 +86,10 @@ def test_the_option_is_refused_where_it_would_log_nothing() -> None:
     """log_choices logs cache_aware's choices: with another policy, or on nginx, a clear error
     instead of a setting that silently does nothing."""
     from fleetserve.spec.loader import InvalidSpec, parse_spec
+    from tests.unit.lb.helpers import spec_with_lb
 
-    yaml = (
-        "service:\n  readiness_probe: /\n  replicas: 1\n  load_balancing_policy: {policy}\n"
-        "  load_balancer:\n    log_choices: true\n    data_plane: {plane}\n"
-        "run: python -m http.server $PORT\n"
-    )
-    spec = parse_spec(yaml.format(policy="cache_aware", plane="python"))
+    spec = parse_spec(spec_with_lb("cache_aware", "python", log_choices="true"))
     assert spec.service is not None and spec.service.load_balancer.log_choices
     for policy, plane in (("least_load", "python"), ("cache_aware", "nginx")):
         with pytest.raises(InvalidSpec, match="log_choices logs cache_aware's choices"):
-            parse_spec(yaml.format(policy=policy, plane=plane))
+            parse_spec(spec_with_lb(policy, plane, log_choices="true"))

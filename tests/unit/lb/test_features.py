@@ -24,7 +24,7 @@ from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.policies.factory import make_selector
 from fleetserve.policies.prompt import prompt_prefix
 from fleetserve.spec.models import LoadBalancerOptions
-from tests.unit.lb.helpers import tls_files
+from tests.unit.lb.helpers import spec_with_lb, tls_files
 from tests.unit.lb.test_proxy import Start, make_lb, make_lb_proxy, start, upstream_app
 
 __all__ = ["start"]  # the fixture, re-used
@@ -199,23 +199,22 @@ def test_engine_priority_is_refused_where_it_would_send_nothing() -> None:
     an unknown mode names the ones there are."""
     from fleetserve.spec.loader import InvalidSpec, parse_spec
 
-    yaml = (
-        "service:\n  readiness_probe: /\n  replicas: 1\n  load_balancing_policy: {policy}\n"
-        "  load_balancer:\n    engine_priority: {mode}\n    data_plane: {plane}\n"
-        "run: python -m http.server $PORT\n"
-    )
-    spec = parse_spec(yaml.format(policy="cache_aware", mode="deadline", plane="python"))
-    assert spec.service is not None and spec.service.load_balancer.engine_priority == "deadline"
+    def spec(policy: str, mode: str, plane: str = "python") -> str:
+        return spec_with_lb(policy, plane, engine_priority=mode)
+
+    parsed = parse_spec(spec("cache_aware", "deadline"))
+    assert parsed.service is not None
+    assert parsed.service.load_balancer.engine_priority == "deadline"
     for policy, plane in (("least_load", "python"), ("cache_aware", "nginx")):
         with pytest.raises(InvalidSpec, match="engine_priority sends cache_aware's estimate"):
-            parse_spec(yaml.format(policy=policy, mode="uncached", plane=plane))
+            parse_spec(spec(policy, "uncached", plane))
     with pytest.raises(InvalidSpec, match="engine_priority") as bad:
-        parse_spec(yaml.format(policy="cache_aware", mode="fifo", plane="python"))
+        parse_spec(spec("cache_aware", "fifo"))
     assert "uncached" in str(bad.value) and "deadline" in str(bad.value)
     with pytest.raises(InvalidSpec, match="write null to send no hints"):  # YAML's off: False
-        parse_spec(yaml.format(policy="cache_aware", mode="off", plane="python"))
-    spec = parse_spec(yaml.format(policy="cache_aware", mode="null", plane="python"))
-    assert spec.service is not None and spec.service.load_balancer.engine_priority is None
+        parse_spec(spec("cache_aware", "off"))
+    parsed = parse_spec(spec("cache_aware", "null"))
+    assert parsed.service is not None and parsed.service.load_balancer.engine_priority is None
 
 
 def loop_ms() -> int:
