@@ -106,6 +106,13 @@ class ClientConn(asyncio.Protocol):
         self.full = False  # `limits.pipelined` requests are queued: what comes waits unparsed
         self.backlog = b""  # what came while `full`, parsed once the queue drains
         self.upgrading = False
+        # A chunked body's trailer fields are bounded as a head's fields are, and so are the
+        # bytes that bring no body byte while a chunked body is in progress (a trailer line or
+        # a chunk extension that never ends): `framing` of them in a row.
+        self.trailer_bytes = 0
+        self.trailer_count = 0
+        self.framing = 0
+        self.body_moved = False
         self._refused: _Refused | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -155,6 +162,7 @@ class ClientConn(asyncio.Protocol):
             self.read_bytes = len(data)
             if self.in_head:
                 self.head_bytes += len(data)
+            self.body_moved = False
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade as e:
@@ -164,6 +172,8 @@ class ClientConn(asyncio.Protocol):
             else:
                 if self.in_head and self.head_bytes > self.limits.head_bytes:
                     self._refuse(self._too_large(Rejection.HEADER_BYTES))
+                elif not self.body_moved and self._framing_over(len(data)):
+                    self._parse_failed(None)
         if self.starting is not None:
             ex, self.starting = self.starting, None
             self._start(ex)
@@ -204,6 +214,7 @@ class ClientConn(asyncio.Protocol):
         self.read_bytes = len(data)
         if self.in_head:
             self.head_bytes += len(data)
+        self.body_moved = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
@@ -217,6 +228,23 @@ class ClientConn(asyncio.Protocol):
         if self.in_head and self.head_bytes > self.limits.head_bytes:
             self._refuse(self._too_large(Rejection.HEADER_BYTES))
             return False
+        if not self.body_moved and self._framing_over(len(data)):
+            self._parse_failed(None)
+            return False
+        return True
+
+    def _framing_over(self, size: int) -> bool:
+        """Whether a chunked body in progress has now had more than the head's limit of bytes
+        in a row without a body byte (a trailer or a chunk line that never ends: the parser
+        holds it whole, and joins it by copying)."""
+        ex = self.building
+        if ex is None or not ex.chunked or ex.body.complete or self.in_head:
+            self.framing = 0
+            return False
+        self.framing += size
+        if self.framing <= self.limits.head_bytes:
+            return False
+        self._refused = self._too_large(Rejection.HEADER_BYTES)
         return True
 
     def _upgraded_at(self, e: httptools.HttpParserUpgrade, data: bytes) -> None:
@@ -227,7 +255,7 @@ class ClientConn(asyncio.Protocol):
         if ex is not None and offset < len(data):
             ex.tunnel_from_client(data[offset:])
 
-    def _parse_failed(self, e: httptools.HttpParserError) -> None:
+    def _parse_failed(self, e: httptools.HttpParserError | None) -> None:
         refused, self._refused = self._refused, None
         if refused is None:
             # llhttp is strict: ambiguous framing (Content-Length with Transfer-Encoding,
@@ -281,6 +309,7 @@ class ClientConn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
+        self.trailer_bytes = self.trailer_count = self.framing = 0
         self.in_head = True
         self.head_started = self.ctx.clock
         self.head_first = self.read_bytes  # at most this much of the head is in this read
@@ -299,7 +328,17 @@ class ClientConn(asyncio.Protocol):
             )
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
+        if self.in_head:
+            self._headers.append((name, value))
+            return
+        # A trailer field, after a chunked body: not passed on, but bounded as a head is.
+        self.trailer_count += 1
+        self.trailer_bytes += len(name) + len(value) + 4
+        limits = self.limits
+        if self.trailer_count > limits.header_count:
+            self._stop(self._too_large(Rejection.HEADER_COUNT))
+        if self.trailer_bytes > limits.header_bytes:
+            self._stop(self._too_large(Rejection.HEADER_BYTES))
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -334,8 +373,20 @@ class ClientConn(asyncio.Protocol):
                 )
             )
         method = parser.get_method()
+        if method == b"CONNECT":
+            self._stop(
+                _Refused(
+                    405,
+                    "method_not_allowed",
+                    "CONNECT is not served: this is a load balancer, not a forward proxy",
+                    Rejection.BAD_REQUEST,
+                )
+            )
         upgrade = parser.should_upgrade()
-        chunked = b"chunked" in lower.get(b"transfer-encoding", b"").lower()
+        te = lower.get(b"transfer-encoding")
+        chunked = False
+        if te is not None:
+            chunked = self._check_transfer_encoding(headers)
         has_body = chunked or int(lower.get(b"content-length", b"0") or 0) > 0
         strip_auth = bool(listener.keys)
         drop = HOP_BY_HOP
@@ -350,6 +401,9 @@ class ClientConn(asyncio.Protocol):
                 continue
             out += (name, b": ", value, b"\r\n")
         prior = lower.get(b"x-forwarded-for")
+        if prior is not None and len(lower) < len(headers):
+            # Several X-Forwarded-For lines are one list, in their order (RFC 9110 5.3).
+            prior = b", ".join(v for n, v in headers if n.lower() == b"x-forwarded-for")
         out += (b"X-Forwarded-For: ", prior + b", " + self.peer if prior else self.peer, b"\r\n")
         out += (b"X-Forwarded-Proto: ", self.scheme, b"\r\n")
         if host is not None:
@@ -393,6 +447,20 @@ class ClientConn(asyncio.Protocol):
         if http10 and b"transfer-encoding" in lower:
             self._stop(self._bad("an HTTP/1.0 request has no Transfer-Encoding"))  # RFC 9112 6.1
 
+    def _check_transfer_encoding(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A request's Transfer-Encoding must end with chunked (RFC 9112 6.3): anything else
+        cannot be framed and is refused here, before a replica sees the request (the parser
+        says so only after the head, once it has been queued). True: the body is chunked."""
+        codings = [
+            c.strip().lower()
+            for n, v in headers
+            if n.lower() == b"transfer-encoding"
+            for c in v.split(b",")
+        ]
+        if not codings or codings[-1] != b"chunked":
+            self._stop(self._bad("a request's Transfer-Encoding must end with chunked"))
+        return True
+
     def _check_head_size(self, headers: list[tuple[bytes, bytes]]) -> None:
         limits = self.limits
         if len(headers) > limits.header_count:
@@ -425,6 +493,8 @@ class ClientConn(asyncio.Protocol):
         return (f"[{host}]:{sock[1]}" if ":" in host else f"{host}:{sock[1]}").encode()
 
     def on_body(self, body: bytes) -> None:
+        self.body_moved = True
+        self.framing = 0
         if self.building is not None:
             self.building.on_body(body)
 

@@ -189,6 +189,7 @@ class Exchange:
         "client",
         "conn",
         "ctx",
+        "early",
         "failures",
         "first_byte",
         "has_body",
@@ -230,6 +231,10 @@ class Exchange:
         self.chunked = False
         self.http10 = False  # the client speaks HTTP/1.0: no chunked framing towards it
         self.wants_upgrade = False  # the client asked for a protocol upgrade (WebSocket)
+        # What the client sent after an Upgrade request's head: the tunnel's first bytes,
+        # held until the replica agrees (101). Sent earlier, a replica that declines would
+        # read them as a request of their own and answer it on a pooled connection.
+        self.early: list[bytes] = []
         self.headers = headers  # lower-case names
         self.body = Body(complete=not has_body)
         self.conn: UpstreamConn | None = None
@@ -321,10 +326,10 @@ class Exchange:
             self._list(self.replica.replica_id)  # sent before its body ended
 
     def tunnel_from_client(self, data: bytes) -> None:
-        if self.conn is not None:
+        if self.upgrade and self.conn is not None:
             self.conn.write(data)
         else:
-            self.body.held.append(data)
+            self.early.append(data)  # (at most the rest of the read that held the head)
 
     # replica -> client ---------------------------------------------------------------------
 
@@ -346,6 +351,13 @@ class Exchange:
 
     def response_complete(self, upstream_keep_alive: bool) -> None:
         conn, self.conn = self.conn, None
+        if self.wants_upgrade:
+            # The replica declined the upgrade: what the client sent after its head is
+            # neither a tunnel nor a request the load balancer parsed. Neither connection
+            # is used again (the client is told by the close).
+            self.early.clear()
+            self.keep_alive = False
+            upstream_keep_alive = False
         if conn is not None:
             self.status = conn.status
             if upstream_keep_alive and self.body.complete:
@@ -363,9 +375,9 @@ class Exchange:
         self.client.tunnel_to(self)
         if self.conn is not None:
             self.status = self.conn.status
-            for data in self.body.held:
+            for data in self.early:
                 self.conn.write(data)
-            self.body.held.clear()
+        self.early.clear()
 
     def upstream_lost(self, got_bytes: bool, tunnel: bool) -> None:
         conn, self.conn = self.conn, None

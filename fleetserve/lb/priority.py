@@ -19,8 +19,9 @@ class PriorityHints:
     replica does not hold; `deadline`: the time in ms since the epoch at which the request was
     first sent plus `ms_per_block` per such block (a long prefill is passed only by shorter
     ones that arrive within that margin after it). A request whose prompt the LB did not read
-    (token ids, a list of prompts, a body sent after `Expect: 100-continue`, a request moved
-    to another replica) counts as lacking all of its body: its bytes / `block_chars`."""
+    whole (token ids, a list of prompts, a body past the read limit, one sent after `Expect:
+    100-continue`, a request moved to another replica) counts as lacking all of its body: its
+    bytes / `block_chars`."""
 
     __slots__ = ("block_chars", "clock", "deadline", "ms_per_block")
 

@@ -87,6 +87,12 @@ class UpstreamConn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as e:
+            if not ex.wants_upgrade:
+                # A 101 to a request that asked for no upgrade would turn the client's
+                # connection into a raw tunnel to the replica.
+                self.close()
+                ex.upstream_failed("invalid response: 101 to a request that asked no upgrade")
+                return
             self.tunnel = True  # 101 Switching Protocols: raw bytes both ways from now
             if self.rewriter is not None and e.args and isinstance(e.args[0], int):
                 ex.to_client(data[e.args[0] :])
@@ -170,8 +176,8 @@ class ResponseRewriter:
         status = conn.status
         headers, reason = self.headers, self.reason
         self.headers, self.reason = [], b""
-        if ex.http10 and 100 <= status < 200:
-            return
+        if (ex.http10 and 100 <= status < 200) or (status == 101 and not ex.wants_upgrade):
+            return  # (a 101 nobody asked for is refused once parsed: data_received)
         head = response_head(
             status,
             reason,

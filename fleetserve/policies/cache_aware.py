@@ -86,22 +86,26 @@ def prompt_text(body: bytes) -> str | None:
     return parse_prompt(body)[0]
 
 
-def parse_prompt(body: bytes) -> tuple[str | None, bool]:
-    """`prompt_text` of the body, and whether it asks for a streamed answer."""
+def parse_prompt(body: bytes) -> tuple[str | None, bool, bool]:
+    """`prompt_text` of the body, whether it asks for a streamed answer, and whether that
+    text is all of the prompt (False: the first of a list of prompts, or cut at a bound)."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return None, False
+        return None, False, False
     if not isinstance(doc, dict):
-        return None, False
-    return _render(doc), doc.get("stream") is True
+        return None, False, False
+    text, whole = _render(doc)
+    return text, doc.get("stream") is True, whole
 
 
-def _render(doc: dict[str, object]) -> str | None:
+def _render(doc: dict[str, object]) -> tuple[str | None, bool]:
     messages = doc.get("messages")
+    whole = True
     if isinstance(messages, list) and messages:
         parts = []
         size = 0
+        whole = len(messages) <= MAX_MESSAGES
         for m in messages[:MAX_MESSAGES]:
             if isinstance(m, dict):
                 role = m.get("role")
@@ -115,9 +119,12 @@ def _render(doc: dict[str, object]) -> str | None:
     else:
         prompt = doc.get("prompt", doc.get("input"))
         if isinstance(prompt, list) and prompt:
+            whole = len(prompt) == 1  # a batch: placed by its first prompt
             prompt = prompt[0]
         text = prompt if isinstance(prompt, str) else ""
-    return text[:MAX_PROMPT_CHARS] or None
+    if len(text) > MAX_PROMPT_CHARS:
+        text, whole = text[:MAX_PROMPT_CHARS], False
+    return text or None, whole
 
 
 def block_keys(text: str, block_chars: int) -> tuple[int, ...]:
@@ -347,9 +354,10 @@ class CacheAware:
         """The prompt's blocks: of a whole body, parsed; of a longer one (its first
         `body_limit` bytes), its first prompt field's start."""
         if complete:
-            text, streams = parse_prompt(body)
+            text, streams, whole = parse_prompt(body)
         else:
             text, streams = prompt_prefix(body, 1 << 20), _STREAM.search(body) is not None
+            whole = False
         if text is None:
             return NO_KEY
         return RequestKey(
@@ -357,6 +365,7 @@ class CacheAware:
             blocks=self.keys(text),
             text_chars=len(text),
             streams=streams,
+            partial=not whole,
         )
 
     def forget(self, replica: int) -> None:
@@ -428,7 +437,8 @@ class CacheAware:
                 # Nobody holds any of it: the least loaded, ties broken by the hash.
                 idle = [rid for rid in within if inflight.get(rid, 0) == least]
                 choice = self._tie(key, candidates, idle)
-        self.last_missing = max(0, len(keys) - depth)
+        # (a prompt read in part lacks an unknown share: engine_priority counts its body)
+        self.last_missing = None if key.partial else max(0, len(keys) - depth)
         if self.explain is not None:
             costs = cost if costs_rule else None
             self.explain(self._why(keys, eligible, inflight, choice, costs, owned))

@@ -33,6 +33,9 @@ class RequestKey:
     tokens: tuple[int, ...] = ()
     text_chars: int = 0
     streams: bool = False  # the body asks for a streamed answer ("stream": true)
+    # `blocks` cover only part of the prompt (the first of a batch of prompts, the start of a
+    # body past cache_max_body_bytes): what the chosen replica lacks is not known.
+    partial: bool = False
 
 
 NO_KEY = RequestKey()

@@ -94,6 +94,8 @@ BAD_REQUESTS = {
     "TE with a vertical tab": POST + b"Transfer-Encoding: \x0bchunked\r\n\r\n0\r\n\r\n",
     "TE folded": POST + b"Transfer-Encoding:\r\n chunked\r\n\r\n0\r\n\r\n",
     "TE on HTTP/1.0": b"POST /a HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    # (the parser refuses it only after the head: the LB must before it queues the request)
+    "TE not ending with chunked": POST + b"Transfer-Encoding: gzip\r\n\r\nabc",
     "bare LF": b"GET /a HTTP/1.1\nHost: x\n\n",
     "bare LF after a header": b"GET /a HTTP/1.1\r\nHost: x\nX-A: b\r\n\r\n",
     "bare CR": b"GET /a HTTP/1.1\r\nHost: x\rX-A: b\r\n\r\n",
@@ -532,3 +534,112 @@ async def test_one_client_address_past_its_limit_gets_503_and_others_are_served(
     await eventually(lambda: proxy.per_client == {})
     assert rejected(proxy, "client_connections") == 1
     assert "/again" in replica.paths()
+
+
+async def test_connect_gets_405_and_several_forwarded_for_lines_stay_one_list(
+    serve: Serve,
+) -> None:
+    replica, proxy, port = await serve()
+    reply = await converse(port, b"CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n" + SMUGGLED)
+    assert (reply.statuses, reply.closed) == ([405], True)
+    assert rejected(proxy, "bad_request") == 1
+    two = head([b"X-Forwarded-For: 192.0.2.1\r\n", b"X-Forwarded-For: 192.0.2.2, 192.0.2.3\r\n"])
+    reply = await converse(port, two, read_for=1)
+    assert reply.statuses == [200]
+    assert replica.paths() == ["/a"]
+    forwarded = replica.seen[0].headers["x-forwarded-for"]
+    assert forwarded == "192.0.2.1, 192.0.2.2, 192.0.2.3, 127.0.0.1"
+
+
+CHUNKED_POST = POST + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+
+
+async def test_trailers_are_bounded_as_a_head_is(serve: Serve) -> None:
+    _, proxy, port = await serve()
+    async with good_client(f"http://127.0.0.1:{port}"):
+        # A few trailer fields: the request passes (its trailers are not passed on).
+        reply = await converse(port, CHUNKED_POST + b"X-T: 1\r\nX-U: 2\r\n\r\n", read_for=1)
+        assert reply.statuses == [200]
+        cases = [
+            ("101 trailer fields", b"".join(b"X-%d: v\r\n" % i for i in range(101)) + b"\r\n"),
+            (
+                "70 trailer fields of 1 KiB",
+                b"".join(b"X-%d: %s\r\n" % (i, b"v" * 1024) for i in range(70)),
+            ),
+            ("a 5 MB trailer that never ends", b"X-Big: " + b"a" * (5 << 20)),
+            ("20 MB of trailer lines", b"X-A: b\r\n" * (20 << 17)),
+        ]
+        for name, trailer in cases:
+            reply = await converse(port, CHUNKED_POST + trailer, read_for=5, send_for=5)
+            assert (reply.statuses, reply.closed) == ([431], True), name
+            assert reply.seconds < 3, name
+    assert rejected(proxy, "header_count") + rejected(proxy, "header_bytes") == len(cases)
+
+
+class _RawReplica(asyncio.Protocol):
+    """Answers every head it reads with `answer` on a kept-alive connection, whatever the
+    head asks (a replica that ignores an Upgrade it cannot serve), and records the bytes."""
+
+    def __init__(self, answer: bytes, got: list[bytes], conns: list[int]) -> None:
+        self.answer, self.got, self.conns = answer, got, conns
+        self.buf = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.conns.append(1)
+
+    def data_received(self, data: bytes) -> None:
+        self.got.append(data)
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            _, _, self.buf = self.buf.partition(b"\r\n\r\n")
+            self.transport.write(self.answer)  # type: ignore[attr-defined]
+
+
+async def raw_replica(answer: bytes) -> tuple[asyncio.Server, list[bytes], list[int]]:
+    got: list[bytes] = []
+    conns: list[int] = []
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _RawReplica(answer, got, conns), "127.0.0.1", 0)
+    return server, got, conns
+
+
+UPGRADE = b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+
+
+async def test_a_declined_upgrade_sends_nothing_after_its_head_and_reuses_no_connection(
+    start: Start,
+) -> None:
+    # What a client sends after an Upgrade request's head belongs to the tunnel: a replica
+    # that declines the upgrade must never read it as a request of its own (its answer would
+    # reach the next client of a pooled connection).
+    server, got, conns = await raw_replica(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno")
+    port = int(server.sockets[0].getsockname()[1])
+    try:
+        _, _, proxy = await make_lb_proxy(
+            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
+        )
+        reply = await converse(proxy.port, UPGRADE + SMUGGLED, read_for=3)
+        assert (reply.statuses, reply.closed) == ([200], True)
+        assert b"/smuggled" not in b"".join(got)
+        # The next request goes on a new connection to the replica, not the declined one.
+        reply = await converse(proxy.port, b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n", read_for=1)
+        assert reply.statuses == [200]
+        assert len(conns) == 2
+    finally:
+        server.close()
+
+
+async def test_a_101_to_a_request_that_asked_no_upgrade_is_a_502(start: Start) -> None:
+    server, _, _ = await raw_replica(
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n"
+    )
+    port = int(server.sockets[0].getsockname()[1])
+    try:
+        _, _, proxy = await make_lb_proxy(
+            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
+        )
+        reply = await converse(proxy.port, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n", read_for=2)
+        assert reply.statuses == [502]
+    finally:
+        server.close()

@@ -144,7 +144,8 @@ async def test_engine_priority_tells_the_replica_how_much_of_the_prompt_it_lacks
     # Prompts the LB does not read count as lacking all of their body (bytes / 256): a list
     # of prompts (it reads the first), one sent after `Expect: 100-continue` (it places the
     # request before the body comes), a body that is not JSON.
-    batch = {"model": "m", "prompt": ["hi", "a second prompt in the batch " * 40]}
+    # (the batch's first prompt is long: the hint must not be that prompt's alone)
+    batch = {"model": "m", "prompt": [system, "a second prompt in the batch " * 40]}
     waits = {"model": "m", "prompt": "a prompt sent only once the replica says go on " * 30}
     async with aiohttp.ClientSession() as s:
         for body, headers in (

@@ -571,6 +571,17 @@ def test_the_blocks_a_replica_lacks_are_told_for_every_request_with_a_prompt(cho
     assert sel.last_missing == len(longer.blocks) - len(whole.blocks)
     assert sel.select([1, 2], load, frozenset(), NO_KEY) is not None
     assert sel.last_missing is None
+    # A prompt read in part (the first of a batch, the start of a body past the limit) is
+    # placed by what was read, but what the replica lacks of it is not known: None.
+    prompt = body["messages"][0]["content"] * 4
+    one = sel.body_key(json.dumps({"prompt": [prompt]}).encode(), True)
+    batch = sel.body_key(json.dumps({"prompt": [prompt, "and more"]}).encode(), True)
+    start = sel.body_key(json.dumps({"prompt": prompt}).encode()[:-10], False)
+    assert not one.partial and batch.partial and start.partial
+    assert batch.blocks == one.blocks
+    for key in (one, batch, start):
+        assert sel.select([1, 2], load, frozenset(), key) is not None
+        assert (sel.last_missing is None) == key.partial
 
 
 def test_only_a_streamed_answer_is_counted_as_queued_until_its_first_byte() -> None:
