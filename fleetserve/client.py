@@ -48,6 +48,10 @@ from fleetserve.oshelpers.files import open_private
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 FAILED_SERVICE_STATUSES = ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")
 WAIT_POLL = 0.5  # seconds between polls of a wait
+# A wait rides out a controller that does not answer (restarting) for this long in a row.
+OUTAGE_SECONDS = 60.0
+# `down` of a service already FAILED_CLEANUP: its old status is not taken for the new try's.
+STALE_CLEANUP_SECONDS = 15.0
 BUSY_WAIT_SECONDS = 10.0  # for a controller whose port is open but that does not answer yet
 
 
@@ -433,6 +437,13 @@ class Client:
         port = urlsplit(self.url).port or self.settings.api_port
         uids = listener_uids(port)
         me = os.getuid()
+        if not uids:
+            # Nobody listens: the controller stopped or is restarting, which a waiting command
+            # rides out (TransientError), not a stranger on its port.
+            raise TransientError(
+                f"no fleetserve controller answers at {self.url} (nothing listens on port "
+                f"{port}; `fleetserve server start` starts one)"
+            )
         if uids != {me}:
             who = ", ".join(str(u) for u in sorted(uids)) or "nobody"
             raise Unauthorized(
@@ -527,7 +538,7 @@ class Client:
         `timeout` seconds raises WaitTimeout. `on_poll` sees each view (the CLI's progress)."""
         deadline = time.monotonic() + timeout
         while True:
-            svc = self.service(name)
+            svc = self._service_riding_outages(name, deadline)
             if on_poll is not None:
                 on_poll(svc)
             if svc.status == "READY":
@@ -601,16 +612,42 @@ class Client:
         resp = self._call("DELETE", f"/services/{name}", params={"purge": purge})
         return ServiceInfo.model_validate(resp.json())
 
-    def wait_gone(self, name: str, timeout: float = 120.0) -> ServiceInfo | None:
-        """Wait until `down` has removed the service; returns its last view if it stayed."""
-        deadline = time.monotonic() + timeout
+    def _service_riding_outages(self, name: str, deadline: float) -> ServiceInfo:
+        """The service's view; a controller that does not answer (stopped, restarting) is
+        waited for up to OUTAGE_SECONDS in a row (its work goes on after a restart), never
+        past `deadline`."""
+        down_since: float | None = None
+        while True:
+            try:
+                return self.service(name)
+            except TransientError:
+                now = time.monotonic()
+                down_since = now if down_since is None else down_since
+                if now - down_since >= OUTAGE_SECONDS or now >= deadline:
+                    raise
+                time.sleep(1.0)
+
+    def wait_gone(
+        self, name: str, timeout: float = 120.0, purge: bool = False
+    ) -> ServiceInfo | None:
+        """Wait until `down` has removed the service; returns its last view if it stayed
+        (FAILED_CLEANUP: its replicas could not be terminated; with `purge` the service goes
+        anyway, so only the timeout ends the wait)."""
+        start = time.monotonic()
+        deadline = start + timeout
         last: ServiceInfo | None = None
+        stale = False  # it was FAILED_CLEANUP before this `down` (a retry of the cleanup)
+        first = True
         while time.monotonic() < deadline:
             try:
-                last = self.service(name)
+                last = self._service_riding_outages(name, deadline)
             except NotFound:
                 return None
-            if last.status == "FAILED_CLEANUP":
+            failed = last.status == "FAILED_CLEANUP"
+            stale = failed and (stale or first)
+            first = False
+            settled = not stale or time.monotonic() - start >= STALE_CLEANUP_SECONDS
+            if failed and not purge and settled:
                 return last
             time.sleep(0.3)
         return last

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from fleetserve.api.models import Preempted
+from fleetserve.cli.safe import safe
 from fleetserve.client import Client
 from fleetserve.core.errors import FleetserveError, InvalidSpec
 
@@ -26,7 +27,7 @@ MAX_REPLAY_STEPS = 100_000
 
 
 def _fail(e: FleetserveError) -> typer.Exit:
-    Console(stderr=True, highlight=False).print(f"[red]Error:[/] {e.message}")
+    Console(stderr=True, highlight=False).print(f"[red]Error:[/] {safe(e.message)}")
     return typer.Exit(e.exit_code)
 
 

@@ -9,11 +9,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from fleetserve.cli.completion import complete_service
 from fleetserve.cli.envs import overrides
 from fleetserve.cli.output import OutputFormat
+from fleetserve.cli.safe import safe
 from fleetserve.core.errors import FleetserveError
 
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -22,7 +22,7 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 200, soft_wrap
 
 
 def fail(e: FleetserveError) -> typer.Exit:
-    err.print(f"[red]Error:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
+    err.print(f"[red]Error:[/] {safe(e.message)}", highlight=False, soft_wrap=True)
     return typer.Exit(e.exit_code)
 
 
@@ -77,7 +77,7 @@ def env_overrides(
 
 def print_warnings(lines: list[str], to: Console | None = None) -> None:
     for line in lines:
-        (to or out).print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        (to or out).print(f"[yellow]warning:[/] {safe(line)}", highlight=False, soft_wrap=True)
 
 
 WaitOption = Annotated[

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from fleetserve.client import Client
 from fleetserve.core.errors import FleetserveError
+from fleetserve.core.text import visible
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -25,7 +26,7 @@ def dashboard(
         with Client() as client:
             link = client.dashboard_link()
     except FleetserveError as e:
-        err.print(f"Error: {e.message}", markup=False)
+        err.print(f"Error: {visible(e.message, chr(10))}", markup=False)
         raise typer.Exit(e.exit_code) from None
     out.print("Dashboard login link (works once, within 2 minutes):", markup=False)
     out.print(link, markup=False, soft_wrap=True)

@@ -12,13 +12,13 @@ from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.markup import escape
 
 from fleetserve.cli import logs, services, status
 from fleetserve.cli.chaos import chaos_app
 from fleetserve.cli.common import err
 from fleetserve.cli.dashboard import dashboard
 from fleetserve.cli.pools import jobs_app, pool_app
+from fleetserve.cli.safe import safe
 from fleetserve.cli.server import server_app
 from fleetserve.cli.simulate import simulate_app
 from fleetserve.core.errors import FleetserveError
@@ -86,7 +86,7 @@ def main() -> None:
     bad = _not_text_argument()
     if bad is not None:
         err.print(
-            f"[red]Error:[/] '{escape(bad)}': an argument that is not UTF-8 text "
+            f"[red]Error:[/] '{safe(bad)}': an argument that is not UTF-8 text "
             "(names, values and paths must be)",
             highlight=False,
         )
@@ -94,7 +94,7 @@ def main() -> None:
     try:
         app()
     except FleetserveError as e:  # raised outside a command's own handling (settings, say)
-        err.print(f"[red]Error:[/] {e.message}", highlight=False)
+        err.print(f"[red]Error:[/] {safe(e.message)}", highlight=False)
         sys.exit(e.exit_code)
     except ValidationError as e:  # an answer that is not the controller's (or a newer one)
         err.print(

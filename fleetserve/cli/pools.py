@@ -13,7 +13,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from fleetserve.api.models import JobInfo, ServiceInfo
@@ -22,6 +21,7 @@ from fleetserve.cli.envs import overrides
 from fleetserve.cli.output import OutputFormat, OutputOption, emit
 from fleetserve.cli.progress import Progress
 from fleetserve.cli.render import ago, styled
+from fleetserve.cli.safe import safe
 from fleetserve.client import Client
 from fleetserve.core.errors import FleetserveError, InvalidSpec, ServiceFailed
 
@@ -55,7 +55,7 @@ def _pool_name(name: str) -> str:
 
 
 def _fail(e: FleetserveError) -> typer.Exit:
-    err.print(f"[red]Error:[/] {escape(e.message)}")
+    err.print(f"[red]Error:[/] {safe(e.message)}")
     return typer.Exit(e.exit_code)
 
 
@@ -91,7 +91,7 @@ def workers_table(pools: list[ServiceInfo], jobs: list[JobInfo]) -> Table:
                 ago(r.launched_at),
                 styled(r.status),
                 f"job {job}" if job else "-",
-                r.reason or "",
+                safe(r.reason or ""),
             )
     return t
 
@@ -127,7 +127,7 @@ def jobs_table(jobs: list[JobInfo]) -> Table:
             str(j.worker_id) if j.worker_id else "-",
             ago(j.created_at),
             took,
-            j.reason or "",
+            safe(j.reason or ""),
         )
     return t
 
@@ -165,15 +165,15 @@ def apply(
         done = client.apply_pool(pool, file, workers, envs, secrets)
         p = done.pool
         out.print(
-            f"Pool [bold]{escape(p.name)}[/] {done.action}: {p.target_replicas} worker(s) wanted."
+            f"Pool [bold]{safe(p.name)}[/] {done.action}: {p.target_replicas} worker(s) wanted."
         )
         if done.note:
-            err.print(f"Note: {escape(done.note)}.", soft_wrap=True)
+            err.print(f"Note: {safe(done.note)}.", soft_wrap=True)
         if wait:
             with Progress(out, err) as prog:
                 p = _wait_workers(client, p.name, prog)
             ready = sum(r.status == "READY" for r in p.replicas)
-            out.print(f"Pool {escape(p.name)}: {ready} worker(s) READY.")
+            out.print(f"Pool {safe(p.name)}: {ready} worker(s) READY.")
     except FleetserveError as e:
         raise _fail(e) from None
     out.print(
@@ -191,10 +191,10 @@ def _wait_workers(client: Client, name: str, prog: Progress) -> ServiceInfo:
         for r in p.replicas:
             if seen.get(r.replica_id) != r.status:
                 seen[r.replica_id] = r.status
-                why = f" - {escape(r.reason)}" if r.reason else ""
+                why = f" - {safe(r.reason)}" if r.reason else ""
                 prog.line(f"  worker {r.replica_id} (v{r.version}): {styled(r.status)}{why}")
         ready = [r for r in p.replicas if r.status == "READY" and r.version == p.active_version]
-        prog.state(f"{escape(name)}: {len(ready)}/{p.target_replicas} worker(s) READY")
+        prog.state(f"{safe(name)}: {len(ready)}/{p.target_replicas} worker(s) READY")
         if p.failure_reason and not ready:
             raise ServiceFailed(
                 f"pool {name} cannot start workers: {p.failure_reason}. Fix it with "
@@ -232,7 +232,7 @@ def pool_status(
     out.print(pools_table(pools))
     for p in pools:
         if p.failure_reason:
-            out.print(f"[red]{p.name}:[/] {p.failure_reason}")
+            out.print(f"[red]{safe(p.name)}:[/] {safe(p.failure_reason)}")
     out.print(workers_table(pools, jobs))
 
 
@@ -249,7 +249,7 @@ def pool_down(
     try:
         client = Client()
         client.down_pool(name, purge, cancel_jobs)
-        left = client.wait_gone(name)
+        left = client.wait_gone(name, purge=purge)
     except FleetserveError as e:
         raise _fail(e) from None
     if left is not None:
@@ -297,7 +297,7 @@ def launch(
         ids = [j.job_id for j in jobs]
         span = f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
         with Progress(out, err, quiet) as prog:
-            prog.line(f"Queued {len(ids)} job(s) on pool {escape(pool)}: ids {span}.")
+            prog.line(f"Queued {len(ids)} job(s) on pool {safe(pool)}: ids {span}.")
             if not wait:
                 prog.line(f"Follow them with `fleetserve jobs queue -p {pool}`.")
             else:
@@ -330,9 +330,9 @@ def _wait_jobs(client: Client, pool: str, ids: list[int], prog: Progress) -> lis
                 svc = client.service(pool)
                 if svc.max_replicas == 0:
                     prog.line(
-                        f"Pool {escape(pool)} has no worker and may have none (0 wanted, at "
+                        f"Pool {safe(pool)} has no worker and may have none (0 wanted, at "
                         f"most 0): the jobs wait until it has one. `fleetserve pool apply -p "
-                        f"{escape(pool)} --workers N` gives it some; Ctrl-C stops waiting."
+                        f"{safe(pool)} --workers N` gives it some; Ctrl-C stops waiting."
                     )
         counts: dict[str, int] = {}
         for j in now:
@@ -344,13 +344,13 @@ def _wait_jobs(client: Client, pool: str, ids: list[int], prog: Progress) -> lis
                     if j.ended_at is not None and j.started_at is not None
                     else ""
                 )
-                why = f" - {escape(j.reason)}" if j.reason and j.status != "SUCCEEDED" else ""
+                why = f" - {safe(j.reason)}" if j.reason and j.status != "SUCCEEDED" else ""
                 logs = f" (`fleetserve jobs logs {j.job_id}`)" if j.status == "FAILED" else ""
                 prog.line(
                     f"  job {j.job_id} (rank {j.rank}): {_job_status(j.status)}{took}{why}{logs}"
                 )
         prog.state(
-            f"jobs on {escape(pool)}: "
+            f"jobs on {safe(pool)}: "
             + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
         )
         if all(j.status in ENDED for j in now):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from rich.markup import escape
 from rich.table import Table
 
 from fleetserve.api.models import EventInfo, ServiceInfo
+from fleetserve.cli.safe import safe
 
 _STYLE = {
     "READY": "green",
@@ -84,7 +84,7 @@ def replicas_table(services: list[ServiceInfo]) -> Table:
                 str(r.pid) if r.pid else "-",
                 ago(r.launched_at),
                 styled(r.status),
-                r.reason or "",
+                safe(r.reason or ""),
             )
     return t
 
@@ -114,7 +114,7 @@ def events_table(name: str, events: list[EventInfo], kinds: bool = False) -> Tab
             *([e.kind] if kinds else []),
             str(e.replica_id) if e.replica_id is not None else "",
             _change(e),
-            escape(e.message),
+            safe(e.message),
         )
     return t
 
@@ -126,5 +126,5 @@ def event_line(e: EventInfo) -> str:
     parts = [when(e.at), f"{e.kind:<10}", f"{replica:<11}"]
     if change:
         parts.append(change)
-    parts.append(escape(e.message))
+    parts.append(safe(e.message))
     return "  ".join(parts)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from fleetserve.api.models import ServiceInfo
 from fleetserve.cli.common import (
@@ -31,6 +30,7 @@ from fleetserve.cli.completion import complete_service
 from fleetserve.cli.output import OutputFormat, emit
 from fleetserve.cli.progress import Progress
 from fleetserve.cli.render import styled
+from fleetserve.cli.safe import safe
 from fleetserve.client import Client
 from fleetserve.core.errors import FleetserveError, InvalidSpec, ServiceFailed
 from fleetserve.oshelpers import netcaps
@@ -89,7 +89,7 @@ def validate(
         warnings.append("run: ignored in a pool (its jobs bring their own `run`)")
     print_warnings(warnings)
     for line in not_here:
-        out.print(f"[red]cannot run here:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        out.print(f"[red]cannot run here:[/] {safe(line)}", highlight=False, soft_wrap=True)
     if pool is not None:
         lo, hi = pool.bounds()
         size = f"{lo}..{hi}" if pool.autoscaled else str(lo)
@@ -103,7 +103,7 @@ def validate(
         )
     if not_here:
         out.print(
-            f"[green]OK[/] {escape(str(file))}: valid ({summary}), but `fleetserve up` refuses it "
+            f"[green]OK[/] {safe(str(file))}: valid ({summary}), but `fleetserve up` refuses it "
             "here (cannot run here: above)",
             highlight=False,
             soft_wrap=True,
@@ -111,7 +111,7 @@ def validate(
         if strict:
             raise typer.Exit(2)
         return
-    out.print(f"[green]OK[/] {escape(str(file))}: {summary}", highlight=False, soft_wrap=True)
+    out.print(f"[green]OK[/] {safe(str(file))}: {summary}", highlight=False, soft_wrap=True)
 
 
 _SEEDED = -1  # a key of `seen`: the first view was taken
@@ -135,7 +135,7 @@ def _print_changes(
     for r in svc.replicas:
         if seen.get(r.replica_id) != r.status:
             seen[r.replica_id] = r.status
-            extra = f" - {escape(r.reason)}" if r.reason else ""
+            extra = f" - {safe(r.reason)}" if r.reason else ""
             which = f"{r.replica_id} (v{r.version})" if versions else str(r.replica_id)
             prog.line(f"  replica {which}: {styled(r.status)}{extra}")
 
@@ -148,7 +148,7 @@ def _fleet_state(svc: ServiceInfo, version: int | None = None) -> str:
         count[r.status] = count.get(r.status, 0) + 1
     parts = ", ".join(f"{n} {status}" for status, n in sorted(count.items())) or "no replica yet"
     of = f" v{version}" if version is not None else ""
-    return f"{escape(svc.name)}{of}: {parts} (target {svc.target_replicas})"
+    return f"{safe(svc.name)}{of}: {parts} (target {svc.target_replicas})"
 
 
 def _last_setup_line(
@@ -165,7 +165,7 @@ def _last_setup_line(
         line = lines[-1].strip()[:160] if lines else ""
         if line and shown.get(r.replica_id) != line:
             shown[r.replica_id] = line
-            prog.line(f"    [dim]replica {r.replica_id}:[/] {escape(line)}")
+            prog.line(f"    [dim]replica {r.replica_id}:[/] {safe(line)}")
         return  # one replica's setup is enough to show progress
 
 
@@ -228,7 +228,7 @@ def up(
         print_warnings(svc.warnings, err if quiet else out)
         lo, hi = svc.min_replicas, svc.max_replicas
         size = f"{lo}" if lo == hi else f"{lo}..{hi}"
-        accepted = f"Service [bold]{escape(svc.name)}[/] accepted: {size} replica(s)."
+        accepted = f"Service [bold]{safe(svc.name)}[/] accepted: {size} replica(s)."
         if detach:  # the acceptance is the result
             if quiet:
                 emit(svc, output)
@@ -249,10 +249,10 @@ def up(
         emit(svc, output)
         return
     if svc.status == "READY":
-        out.print(f"Service [bold]{escape(svc.name)}[/] is READY.")
+        out.print(f"Service [bold]{safe(svc.name)}[/] is READY.")
     else:
         out.print(
-            f"Service [bold]{escape(svc.name)}[/] is scaled to zero: the first request starts "
+            f"Service [bold]{safe(svc.name)}[/] is scaled to zero: the first request starts "
             "a replica (and waits for it)."
         )
     out.print(f"Endpoint: {svc.endpoint}", highlight=False)
@@ -379,13 +379,11 @@ def update(
             if not in_place:  # (in place: the result says so, below)
                 if svc.traffic_percent is not None:
                     prog.line(
-                        f"Canary: version {version} of {escape(name)} takes "
+                        f"Canary: version {version} of {safe(name)} takes "
                         f"{svc.traffic_percent}% of requests once a replica of it is READY."
                     )
                 else:
-                    prog.line(
-                        f"Rolling out version {version} of {escape(name)} ({svc.update_mode})."
-                    )
+                    prog.line(f"Rolling out version {version} of {safe(name)} ({svc.update_mode}).")
                 if not detach:
                     svc = _follow_rollout(client, name, version, prog)
     except FleetserveError as e:
@@ -487,16 +485,17 @@ def down(
                 # The others are still taken down (a full disk refuses every write, say,
                 # and each service's processes are stopped all the same).
                 refused.append(e)
-                err.print(f"[red]{n}:[/] {e.message}", highlight=False, soft_wrap=True)
+                err.print(f"[red]{safe(n)}:[/] {safe(e.message)}", highlight=False, soft_wrap=True)
         failed = bool(refused)
         for n in requested:
             out.print(f"Taking down {n}...")
-            left = client.wait_gone(n)
+            left = client.wait_gone(n, purge=purge)
             if left is None:
                 out.print(f"Service [bold]{n}[/] is down.")
             else:
                 failed = True
-                err.print(f"[red]{n}:[/] {left.failure_reason or left.status}", highlight=False)
+                why = left.failure_reason or left.status
+                err.print(f"[red]{safe(n)}:[/] {safe(why)}", highlight=False)
         if failed:
             raise typer.Exit(refused[0].exit_code if refused else 1)
     except FleetserveError as e:

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Group, RenderableType
-from rich.markup import escape
 from rich.text import Text
 
 from fleetserve.api.models import EventInfo, ServiceInfo
@@ -25,8 +24,10 @@ from fleetserve.cli.output import (
     write,
 )
 from fleetserve.cli.render import event_line, events_table, replicas_table, services_table
+from fleetserve.cli.safe import safe
 from fleetserve.client import Client
 from fleetserve.core.errors import FleetserveError, InvalidSpec, NotFound, TransientError
+from fleetserve.core.text import visible
 
 
 def status(
@@ -101,7 +102,7 @@ def _status_view(
     parts: list[RenderableType] = [services_table(services)]
     for s in services:
         if s.failure_reason:
-            parts.append(Text.from_markup(f"[red]{escape(s.name)}:[/] {escape(s.failure_reason)}"))
+            parts.append(Text.from_markup(f"[red]{safe(s.name)}:[/] {safe(s.failure_reason)}"))
             if s.serving_version and s.serving_version != s.active_version:
                 parts.append(
                     Text(
@@ -145,7 +146,7 @@ def _watch_status(client: Client, name: str | None, verbose: bool, interval: flo
         try:
             parts = _status_view(client, client.status(name), verbose)
         except TransientError as e:
-            parts = [Text(f"{e.message} (retrying)", style="red")]
+            parts = [Text(f"{visible(e.message)} (retrying)", style="red")]
         return Group(head, *parts)
 
     try:
@@ -236,7 +237,9 @@ def _follow_events(
                 raise typer.Exit(1) from None
             except TransientError as down:
                 if not unreachable:
-                    err.print(f"[yellow]warning:[/] {down.message} (retrying)", highlight=False)
+                    err.print(
+                        f"[yellow]warning:[/] {safe(down.message)} (retrying)", highlight=False
+                    )
                 unreachable = True
                 break
             unreachable = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from fleetserve.core.text import visible
 from fleetserve.core.types import ReplicaId
 from fleetserve.infra.base import Infra
 
@@ -27,7 +28,9 @@ async def log_tail(infra: Infra, service: str, replica_id: ReplicaId, handle: st
 
     with contextlib.suppress(Exception):
         await asyncio.wait_for(read(), READ_SECONDS)
-    own = [ln.strip() for ln in lines if ln.strip() and not ln.startswith(_OWN)][-TAIL_LINES:]
+    # (escaped: a replica's output must not drive the terminal of whoever reads the reason)
+    own = [visible(ln.strip()) for ln in lines if ln.strip() and not ln.startswith(_OWN)]
+    own = own[-TAIL_LINES:]
     if not own:
         return ""
     shown = " | ".join(ln if len(ln) <= LINE_CHARS else ln[: LINE_CHARS - 3] + "..." for ln in own)

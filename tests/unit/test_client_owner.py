@@ -14,7 +14,7 @@ import pytest
 
 from fleetserve.client import Client
 from fleetserve.controller.settings import Settings
-from fleetserve.core.errors import InvalidSpec, Unauthorized
+from fleetserve.core.errors import InvalidSpec, TransientError, Unauthorized
 from fleetserve.core.sockets import listener_uids
 from tests.nobody import NOBODY, nobody_listening
 
@@ -43,12 +43,15 @@ def test_listener_uids_sees_another_users_listener() -> None:
 
 def test_no_listener_means_no_token(tmp_path: Path) -> None:
     """Fail closed: a port nobody listens on (a fake controller that closed its listening
-    socket but kept a connection) gets no request at all."""
+    socket but kept a connection) gets no request at all. It says so as a controller that
+    does not answer (exit 5, which a waiting command rides out: a controller restarting),
+    not as a stranger's port (exit 7)."""
     settings = Settings(home=tmp_path, api_port=_free_port())
     client = Client(settings=settings, auto_start=False, token="t" * 43)
     client._checked = True  # as if /health had answered
-    with pytest.raises(Unauthorized, match="not held by this user's controller"):
+    with pytest.raises(TransientError, match="nothing listens on port") as e:
         client.status()
+    assert e.value.exit_code == 5
 
 
 def test_a_remote_url_must_be_https(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from fleetserve.api.models import Health, JobInfo, PoolApplied, ReplicaInfo, Ser
 from fleetserve.cli import logs, pools, services, status
 from fleetserve.cli.main import app
 from fleetserve.client import Client
-from fleetserve.core.errors import ServiceFailed
+from fleetserve.core.errors import NotFound, ServiceFailed, TransientError
 
 T0 = 1_700_000_000.0
 YAML = "service:\n  readiness_probe: /health\n  replicas: 2\nrun: python3 server.py\n"
@@ -57,6 +57,7 @@ class Fake:
         pass
 
     wait_ready = Client.wait_ready
+    _service_riding_outages = Client._service_riding_outages
 
     def health(self) -> Health:
         return Health(ok=True, version="0", pid=1, home="/h", processes="cgroups")
@@ -84,7 +85,7 @@ class Fake:
         Fake.calls.append(("down", name))
         return view("SHUTTING_DOWN", [])
 
-    def wait_gone(self, name: str) -> None:
+    def wait_gone(self, name: str, purge: bool = False) -> None:
         return None
 
     def replica_logs(
@@ -194,6 +195,66 @@ def test_sdk_wait_ready_raises_with_the_reason() -> None:
     Fake.views = [view("FAILED", [], failure_reason=f"replica 1: {CAUSE}")]
     with pytest.raises(ServiceFailed, match="can't open file"):
         Fake().wait_ready("web", timeout=5)
+
+
+class _Clock:
+    """Time that passes only when the code sleeps."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        monkeypatch.setattr(sdk.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(sdk.time, "sleep", self.sleep)
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _scripted(script: list[Any]) -> Fake:
+    class Scripted(Fake):
+        def service(self, name: str) -> ServiceInfo:
+            item = script.pop(0)
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, ServiceInfo)
+            return item
+
+    return Scripted()
+
+
+def test_sdk_waits_ride_out_a_controller_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A controller that stops answering for a while (restarting) does not end a wait; one
+    that stays away past OUTAGE_SECONDS does, with its error."""
+    clock = _Clock(monkeypatch)
+    down = TransientError("no fleetserve controller answers (nothing listens on port 1)")
+    script: list[Any] = [down, down, view("STARTING", []), down, view("READY", [])]
+    assert _scripted(script).wait_ready("web", timeout=600).status == "READY"
+    assert not script
+    script[:] = [down] * 1000
+    clock.now = 0.0
+    with pytest.raises(TransientError, match="nothing listens"):
+        _scripted(script).wait_ready("web", timeout=600)
+    assert clock.now == pytest.approx(sdk.OUTAGE_SECONDS, abs=1.0)  # not the 600 s timeout
+
+
+def test_sdk_wait_gone_of_a_purge_is_not_ended_by_the_old_failed_cleanup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock(monkeypatch)
+    failed = view("FAILED_CLEANUP", [], failure_reason="could not terminate replicas")
+    script: list[Any] = [failed, failed, NotFound("service web not found")]
+    assert Client.wait_gone(_scripted(script), "web", timeout=60, purge=True) is None  # type: ignore[arg-type]
+    # Without --purge the status from before this `down` does not answer for it at once...
+    script[:] = [failed] * 1000
+    clock.now = 0.0
+    left = Client.wait_gone(_scripted(script), "web", timeout=100)  # type: ignore[arg-type]
+    assert left is not None and left.status == "FAILED_CLEANUP"
+    assert clock.now == pytest.approx(sdk.STALE_CLEANUP_SECONDS, abs=0.5)
+    # ... while a cleanup seen to fail after its service was shutting down does.
+    script[:] = [view("SHUTTING_DOWN", []), failed]
+    clock.now = 0.0
+    left = Client.wait_gone(_scripted(script), "web", timeout=100)  # type: ignore[arg-type]
+    assert left is not None and left.status == "FAILED_CLEANUP" and not script
+    assert clock.now < 1
 
 
 def test_down_takes_yes() -> None:

@@ -19,7 +19,9 @@ from fleetserve.cli import completion, logs, pools, services, status
 from fleetserve.cli.main import app
 from fleetserve.cli.output import OutputFormat, check_interval, dumps, stream_item, to_data
 from fleetserve.cli.render import event_line, events_table, when
+from fleetserve.cli.safe import safe
 from fleetserve.core.errors import NotFound, TransientError
+from fleetserve.core.text import visible
 
 T0 = 1_700_000_000.0
 SVC = ServiceInfo(
@@ -410,3 +412,68 @@ def test_completion_without_a_controller_is_empty_fast_and_starts_nothing(
 def test_completion_is_installable_from_the_cli() -> None:
     res = run("--help")
     assert "--install-completion" in res.stdout and "--show-completion" in res.stdout
+
+
+# Text a replica wrote: rich markup in brackets (vLLM's `[api_server.py:1024]`), a closing tag
+# that matches nothing, and escape sequences that would set the terminal's title and clear it.
+HOSTILE = (
+    "INFO [api_server.py:1024] model dir [/mnt/models/llama] is empty "
+    "\x1b]0;PWNED\x07 \x1b[2J cleared\r done \u202e"
+)
+
+
+def test_a_replicas_text_is_shown_as_it_is_never_as_markup_or_terminal_control(
+    fake: type[FakeClient],
+) -> None:
+    """A replica's failure reason, a pool worker's and a job's, an event's message and an
+    error's: brackets are shown, control characters as escapes, and no command fails on them
+    (`status` used to fail for every service while one reason held a stray closing tag)."""
+    replica = SVC.replicas[0].model_copy(update={"status": "FAILED", "reason": HOSTILE})
+    bad = SVC.model_copy(update={"replicas": [replica], "failure_reason": HOSTILE})
+    job = JobInfo.model_validate(
+        {
+            "job_id": 1,
+            "pool": "batch",
+            "batch": 1,
+            "rank": 0,
+            "num_jobs": 1,
+            "status": "FAILED",
+            "created_at": T0,
+            "reason": HOSTILE,
+        }
+    )
+    FakeClient.services, FakeClient.pool_list, FakeClient.jobs_list = (
+        [bad],
+        [POOL.model_copy(update={"replicas": [replica], "failure_reason": HOSTILE})],
+        [job],
+    )
+    FakeClient.script = [[event(1, message=HOSTILE)]]
+    try:
+        outputs = [
+            run("status"),
+            run("status", "web"),
+            run("pool", "status"),
+            run("jobs", "queue"),
+            run("events", "web"),
+        ]
+    finally:
+        FakeClient.services, FakeClient.pool_list, FakeClient.jobs_list = [SVC], [POOL], []
+    for i, res in enumerate(outputs):
+        assert res.exit_code == 0, res.output
+        assert "\x1b" not in res.output and "\x07" not in res.output and "\r" not in res.output
+        if i == 3:
+            continue  # (the jobs table is too narrow here to show its reasons)
+        text = "".join(res.output.split())  # (the tables wrap the cells' words)
+        assert "[/mnt/models/llama]" in text and "[api_server.py:1024]" in text, i
+        assert "\\x1b]0;PWNED\\x07" in text and "\\u202e" in text, i
+    error = Console(record=True, width=300)
+    error.print(f"Error: {safe(HOSTILE)}", soft_wrap=True)
+    assert "[/mnt/models/llama]" in error.export_text() and "\x1b" not in error.export_text()
+
+
+def test_visible_keeps_printable_text_and_escapes_the_rest() -> None:
+    assert visible("plain, ümlaut [x] 日本") == "plain, ümlaut [x] 日本"
+    assert visible("a\x1b[2Jb\x07\x00\x7f\x9b") == "a\\x1b[2Jb\\x07\\x00\\x7f\\x9b"
+    assert visible("one\ntwo\tthree") == "one\\x0atwo\\x09three"
+    assert visible("one\ntwo", "\n") == "one\ntwo"
+    assert visible("\u202eevil\U000e0001") == "\\u202eevil\\U000e0001"
