@@ -231,6 +231,16 @@ def _local_url(settings: HomeSettings) -> str:
     return local_url(scheme, settings.api_host, settings.api_port)
 
 
+def current_folder() -> str:
+    """This process's current folder (a spec's relative paths start there, as in SkyPilot)."""
+    try:
+        return str(Path.cwd())
+    except FileNotFoundError:
+        raise InvalidSpec(
+            "the current folder no longer exists: run the command from an existing folder"
+        ) from None
+
+
 class Client:
     def __init__(
         self,
@@ -523,7 +533,7 @@ class Client:
         except OSError as e:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
         # Relative paths in the YAML start from the caller's folder, as in SkyPilot.
-        svc = self.up(text, name, str(Path.cwd()), infra, envs, secrets, host)
+        svc = self.up(text, name, current_folder(), infra, envs, secrets, host)
         return self.wait_ready(svc.name, timeout) if wait else svc
 
     def wait_ready(
@@ -571,7 +581,7 @@ class Client:
             raise InvalidSpec(f"{p}: cannot be read: {e.strerror}") from None
         body = {
             "yaml": text,
-            "base_dir": str(Path.cwd()),
+            "base_dir": current_folder(),
             "mode": mode,
             "traffic_percent": traffic_percent,
             "envs": dict(envs) if envs else None,
@@ -668,7 +678,7 @@ class Client:
         body = {
             "yaml": text,
             "workers": workers,
-            "base_dir": str(Path.cwd()),
+            "base_dir": current_folder(),
             "envs": dict(envs) if envs else None,
             "secrets": dict(secrets) if secrets else None,
         }

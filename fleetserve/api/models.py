@@ -4,14 +4,31 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
 MAX_OVERRIDES = 256  # --env / --secret values in one request, each kind
 MAX_OVERRIDE_NAME = 256  # characters of a variable's name
 MAX_OVERRIDE_VALUE = 64 * 1024  # characters of its value
 
-_Name = Annotated[str, StringConstraints(max_length=MAX_OVERRIDE_NAME)]
-_Value = Annotated[str, StringConstraints(max_length=MAX_OVERRIDE_VALUE)]
+
+def _no_nul(value: str) -> str:
+    # A process environment, a path or a header cannot hold one: refused here, not at launch.
+    if "\x00" in value:
+        raise ValueError("a NUL character (\\0) is not allowed")
+    return value
+
+
+def _absolute(value: str | None) -> str | None:
+    if value is not None and not value.startswith("/"):
+        raise ValueError("must be an absolute path (the caller's current folder)")
+    return value
+
+
+_Name = Annotated[str, StringConstraints(max_length=MAX_OVERRIDE_NAME), AfterValidator(_no_nul)]
+_Value = Annotated[str, StringConstraints(max_length=MAX_OVERRIDE_VALUE), AfterValidator(_no_nul)]
+_BaseDir = Annotated[
+    str | None, AfterValidator(lambda v: _absolute(v if v is None else _no_nul(v)))
+]
 Overrides = Annotated[
     dict[_Name, _Value] | None,
     Field(
@@ -28,11 +45,11 @@ class CreateService(BaseModel):
     name: str | None = Field(
         None, max_length=64, description="Service name; default: the YAML's name."
     )
-    base_dir: str | None = Field(
+    base_dir: _BaseDir = Field(
         None,
         max_length=4096,
-        description="Folder that relative workdir, file_mounts and tls paths start from (the "
-        "caller's current folder, as in SkyPilot); default: the controller's.",
+        description="Absolute folder that relative workdir, file_mounts and tls paths start "
+        "from (the caller's current folder, as in SkyPilot); default: the controller's.",
     )
     infra: str | None = Field(
         None, max_length=64, description="local or ray; default: the YAML's, else local"
@@ -49,7 +66,7 @@ class CreateService(BaseModel):
 class UpdateService(BaseModel):
     model_config = ConfigDict(extra="forbid")
     yaml: str = Field(max_length=1024 * 1024, description="The new service YAML, as text.")
-    base_dir: str | None = Field(None, max_length=4096)
+    base_dir: _BaseDir = Field(None, max_length=4096)
     mode: str = Field("rolling", max_length=16, description="rolling or blue_green")
     traffic_percent: int | None = Field(
         None, ge=1, le=99, description="A canary: this share of requests to the new version."
@@ -175,7 +192,7 @@ class ApplyPool(BaseModel):
     workers: StrictInt | None = Field(
         None, ge=0, le=1000, description="A fixed size (pool.workers)."
     )
-    base_dir: str | None = Field(None, max_length=4096)
+    base_dir: _BaseDir = Field(None, max_length=4096)
     envs: Overrides = None
     secrets: Overrides = None
 

@@ -27,6 +27,8 @@ def parse_assignments(items: list[str], flag: str, shell: Mapping[str, str]) -> 
                     f"{flag} {key}: no value given and {key} is not set in this shell"
                 )
             value = shell[key]
+        if "\x00" in value:  # (the process environment cannot hold one)
+            raise InvalidSpec(f"{flag} {key}: a NUL character (\\0) is not allowed in a value")
         out[key] = value
     return out
 
@@ -68,7 +70,10 @@ def parse_dotenv(text: str, source: str) -> dict[str, str]:
         key = key.strip()
         if not sep or not _NAME.fullmatch(key):
             raise InvalidSpec(f"{where}: expected KEY=VALUE")
-        out[key] = _unquote(raw.strip(), where)
+        value = _unquote(raw.strip(), where)
+        if "\x00" in value:  # (the process environment cannot hold one)
+            raise InvalidSpec(f"{where}: a NUL character (\\0) is not allowed in a value")
+        out[key] = value
     return out
 
 

@@ -31,7 +31,7 @@ from fleetserve.cli.output import OutputFormat, emit
 from fleetserve.cli.progress import Progress
 from fleetserve.cli.render import styled
 from fleetserve.cli.safe import safe
-from fleetserve.client import Client
+from fleetserve.client import Client, current_folder
 from fleetserve.core.errors import FleetserveError, InvalidSpec, ServiceFailed
 from fleetserve.oshelpers import netcaps
 from fleetserve.spec.admission import deploy_problems
@@ -73,6 +73,7 @@ def validate(
             raise InvalidSpec(
                 f"infra {infra!r} is not available; supported: {', '.join(FLEETSERVE_INFRAS)}"
             )
+        here = Path(current_folder())
     except InvalidSpec as e:
         raise fail(e) from None
     if infra is not None:  # as `up --infra` overrides the YAML's resources.infra
@@ -81,7 +82,7 @@ def validate(
         )
     infra = spec.requested_infra() or "local"
     mode = os.environ.get(netcaps.MODE_ENV, "auto")
-    not_here = deploy_problems(spec, infra, mode if mode in netcaps.MODES else "auto", Path.cwd())
+    not_here = deploy_problems(spec, infra, mode if mode in netcaps.MODES else "auto", here)
     warnings = compat_warnings(spec, infra)
     pool = spec.service.pool
     if pool is not None and spec.run is not None:

@@ -62,6 +62,21 @@ LOG_EVENTS_KEPT = 100  # disk-full events waiting for the database to take write
 MAX_CACHED_SPECS = 4096  # parsed specs kept (each a few KiB); past it the cache starts anew
 
 
+def _base_dir(given: str | None) -> Path:
+    """The folder a spec's relative paths start from: the caller's (the API refuses a relative
+    one), else this controller's current folder, which may have been removed since it
+    started."""
+    if given:
+        return Path(given)
+    try:
+        return Path.cwd()
+    except FileNotFoundError:
+        raise InvalidSpec(
+            "base_dir: not given, and the controller's current folder no longer exists: "
+            "send base_dir (the absolute folder relative paths start from)"
+        ) from None
+
+
 class Controller:
     def __init__(
         self,
@@ -354,7 +369,7 @@ class Controller:
         if host is not None:  # `up --host ADDRESS` overrides service.load_balancer.host
             spec = override_host(spec, host)
         check_deployable(spec, self.infra.name, self.settings.replica_netns)
-        spec = resolve_paths(spec, Path(base_dir or Path.cwd()))
+        spec = resolve_paths(spec, _base_dir(base_dir))
         svc_name = service_name(name, spec)
         self.check_fixed_port(svc_name, spec)
         existing = self.store.get_service(svc_name)
@@ -421,7 +436,7 @@ class Controller:
             svc,
             current,
             yaml_text,
-            Path(base_dir or Path.cwd()),
+            _base_dir(base_dir),
             mode,
             traffic_percent,
             self.infra.name,

@@ -147,6 +147,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# An HTTP field name: a token (RFC 9110 5.1).
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def _latin1(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class ReadinessProbe(_Strict):
     path: str
     initial_delay_seconds: Seconds = DEFAULT_INITIAL_DELAY_SECONDS
@@ -185,6 +199,25 @@ class ReadinessProbe(_Strict):
             if problem:
                 raise ValueError(f"a string post_data: the JSON {problem}")
             return parsed
+        return v
+
+    @field_validator("headers")
+    @classmethod
+    def _sendable_headers(cls, v: dict[str, str]) -> dict[str, str]:
+        # Checked here, after $VAR substitution: a header that cannot be sent would otherwise
+        # fail every probe once initial_delay_seconds (20 minutes by default) had passed. The
+        # value is never quoted (it may hold a secret).
+        for name, value in v.items():
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"header {name[:80]!r}: not a header name (letters, digits and "
+                    "!#$%&'*+-.^_`|~ only)"
+                )
+            if any(c in value for c in "\r\n\0") or not _latin1(value):
+                raise ValueError(
+                    f"header {name}: its value (after $VAR substitution) cannot be sent in an "
+                    "HTTP head: a line break, a NUL or a character outside Latin-1"
+                )
         return v
 
     @property

@@ -72,3 +72,25 @@ def test_a_service_made_again_under_its_name_shows_its_new_spec(
     text = YAML.format(n=5)
     ctl.store.create_service("web", text, parse_spec(text).model_dump_json(), 9.0)
     assert client.get("/api/v1/services/web").json()["min_replicas"] == 5
+
+
+def test_a_nul_in_an_override_or_a_relative_base_dir_is_a_422_and_stores_nothing(
+    api: tuple[TestClient, Controller],
+) -> None:
+    """A NUL byte cannot be put in a process environment or a path: refused when the request
+    comes (it was accepted, then failed every launch); a relative base_dir would resolve
+    against whatever folder the controller was started in."""
+    client, ctl = api
+    text = YAML.format(n=1)
+    for body, where in (
+        ({"envs": {"A": "x\u0000y"}}, "envs"),
+        ({"secrets": {"S\u0000": "v"}}, "secrets"),
+        ({"base_dir": "/tmp\u0000x"}, "base_dir"),
+        ({"base_dir": "relative/dir"}, "base_dir"),
+    ):
+        r = client.post("/api/v1/services", json={"yaml": text, "name": "web", **body})
+        assert r.status_code == 422, (body, r.text)
+        assert where in r.text and ("NUL" in r.text or "absolute" in r.text)
+        r = client.post("/api/v1/services/web/update", json={"yaml": text, **body})
+        assert r.status_code in (404, 422), r.text
+    assert ctl.store.get_service("web") is None

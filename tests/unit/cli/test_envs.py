@@ -74,3 +74,16 @@ def test_env_wins_over_the_file_and_secrets_stay_apart(tmp_path: Path) -> None:
 def test_a_missing_env_file_is_an_invalid_input(tmp_path: Path) -> None:
     with pytest.raises(InvalidSpec, match=r"--env-file .*cannot be read"):
         overrides(None, tmp_path / "nope.env", None, {})
+
+
+def test_a_nul_in_a_value_is_refused_where_it_is_given(tmp_path: Path) -> None:
+    """A process environment cannot hold a NUL: refused by `validate` and `up` at once, not by
+    every launch after the service was accepted."""
+    with pytest.raises(InvalidSpec, match=r"nul.env:1: a NUL character"):
+        env_file = tmp_path / "nul.env"
+        env_file.write_bytes(b"A=x\x00y\n")
+        overrides(None, env_file, None, {})
+    with pytest.raises(InvalidSpec, match=r"--secret S: a NUL character"):
+        parse_assignments(["S=a\x00b"], "--secret", {})
+    with pytest.raises(InvalidSpec, match=r"--env K: a NUL character"):
+        parse_assignments(["K"], "--env", {"K": "a\x00"})

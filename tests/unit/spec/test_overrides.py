@@ -83,3 +83,30 @@ def test_a_null_entry_in_a_required_field_asks_for_its_value() -> None:
     given = parse_spec(text, envs={"MODEL": "/models/m"})
     assert given.service.load_balancer is not None
     assert given.service.load_balancer.tokenizer == "/models/m"
+
+
+@pytest.mark.parametrize(
+    ("secret", "model", "problem"),
+    [
+        ("tok\nInjected: 1", "small", "header Authorization: its value"),
+        ("tok-123", "caf\u00e9 \u20ac", "header X-Model: its value"),
+        ("tok\x00", "small", "header Authorization: its value"),
+    ],
+)
+def test_a_probe_header_that_cannot_be_sent_is_refused_at_load_without_its_value(
+    secret: str, model: str, problem: str
+) -> None:
+    """Checked after substitution, so `validate` and `up` refuse it at once (it failed every
+    probe 20 minutes later); the message names the header, never the (secret) value."""
+    with pytest.raises(InvalidSpec) as e:
+        parse_spec(YAML, envs={"MODEL": model, "HF_TOKEN": "hf"}, secrets={"AUTH_TOKEN": secret})
+    assert problem in e.value.message
+    assert secret.split("\n")[0] not in e.value.message and "\u20ac" not in e.value.message
+    bad_name = YAML.replace("X-Model:", "X Model:")
+    with pytest.raises(InvalidSpec, match="not a header name"):
+        parse_spec(bad_name, envs={"HF_TOKEN": "hf"}, secrets={"AUTH_TOKEN": "t"})
+    # Latin-1 that is not ASCII can be sent (as SkyServe's requests would send it).
+    ok = parse_spec(
+        YAML, envs={"MODEL": "caf\u00e9", "HF_TOKEN": "hf"}, secrets={"AUTH_TOKEN": "t"}
+    )
+    assert ok.service is not None and ok.service.readiness_probe.headers["X-Model"] == "caf\u00e9"
