@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import errno
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,7 +47,7 @@ from fleetserve.infra.jobs import JobRunner
 from fleetserve.infra.local import LocalInfra
 from fleetserve.infra.zones import Held
 from fleetserve.lb.messages import LoadReport
-from fleetserve.oshelpers.files import disk_full, rotate_log
+from fleetserve.oshelpers.files import disk_full, rotate_log, while_alive
 from fleetserve.spec.admission import check_deployable, resolve_paths, service_name
 from fleetserve.spec.exposure import exposure_warning, override_host
 from fleetserve.spec.loader import parse_spec
@@ -870,7 +870,19 @@ class Controller:
         infra = self.infra_for(row.infra) if row else self.infra
         if row is None or row.status.is_terminal:
             follow = False  # it has ended: its log will not grow (`logs` follows by default)
-        return infra.logs(name, replica_id, follow, row.handle if row else None, tail)
+        lines = infra.logs(name, replica_id, follow, row.handle if row else None, tail)
+        if not follow:
+            return lines
+
+        def alive() -> bool:  # (a follow ends with its replica, terminated or taken down)
+            now = self.store.get_replica(name, replica_id)
+            return now is not None and not now.status.is_terminal
+
+        return while_alive(lines, alive)
+
+    def service_alive(self, name: str) -> Callable[[], bool]:
+        """Whether the service still exists, for a follow of its logs to end with it."""
+        return lambda: self.store.get_service(name) is not None
 
     def _log_exists(self, name: str, file: str) -> bool:
         return (self.settings.logs_dir / name / file).exists()

@@ -11,7 +11,7 @@ import contextlib
 import errno
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +69,39 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                         f.seek(0)  # rotated: the file was copied away and truncated
             else:
                 return
+
+
+async def while_alive(
+    lines: AsyncIterator[str], alive: Callable[[], bool], every: float = 1.0
+) -> AsyncIterator[str]:
+    """`lines` (a followed log) until `alive()` has been false at two checks `every` seconds
+    apart (the second lets the lines written before the end come through): a follow of a
+    replica or service that ended ends too, instead of holding its client forever."""
+    source = lines.__aiter__()
+    gone = 0
+    try:
+        while True:
+            nxt = asyncio.ensure_future(source.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=every)
+                if done:
+                    break
+                gone = gone + 1 if not alive() else 0
+                if gone >= 2:
+                    nxt.cancel()
+                    with contextlib.suppress(BaseException):
+                        await nxt
+                    return
+            try:
+                line = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield line
+    finally:
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(BaseException):
+                await aclose()
 
 
 def naming(service: str) -> re.Pattern[str]:

@@ -15,7 +15,7 @@ from fleetserve.api.deps import ERRORS, PREFIX, Ctl
 from fleetserve.api.models import Health
 from fleetserve.core.errors import NotFound
 from fleetserve.infra.cgroups import Cgroups
-from fleetserve.oshelpers.files import lines_naming, read_lines
+from fleetserve.oshelpers.files import lines_naming, read_lines, while_alive
 
 router = APIRouter()
 
@@ -58,4 +58,6 @@ async def component_logs(
         lines = lines_naming(path, service, follow, tail)
     else:
         lines = read_lines(path, follow, tail)
+    if follow and service is not None:  # (a service taken down: its follow ends)
+        lines = while_alive(lines, ctl.service_alive(service))
     return StreamingResponse(lines, media_type="text/plain")
