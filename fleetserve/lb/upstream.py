@@ -4,6 +4,7 @@ per replica) and the rewriting of a response head on its way to the client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,6 +16,49 @@ from fleetserve.lb.http import HIGH_WATER, RESPONSE_HOP_PATTERN, response_head
 from fleetserve.lb.replica_set import Upstream
 
 IDLE_PER_REPLICA = 256
+
+
+class _Ends:
+    """Counts the responses a parser completes (for `_first_response_end`)."""
+
+    def __init__(self) -> None:
+        self.complete = 0
+        self.status = 0
+        self.parser = httptools.HttpResponseParser(self)
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_message_complete(self) -> None:
+        if not 100 <= self.status < 200:  # (an interim answer: the real one follows)
+            self.complete += 1
+
+
+def _first_response_end(data: bytes, head_request: bool) -> int | None:
+    """Where the first whole response in `data` ends (it starts at data's first byte), found
+    by parsing ever longer prefixes (only for a replica that sent more than its response:
+    never on the common path); None when no prefix holds a whole one."""
+
+    def complete(k: int) -> bool:
+        ends = _Ends()
+        if head_request:
+            return _head_end(data[:k]) is not None
+        with contextlib.suppress(httptools.HttpParserError):
+            ends.parser.feed_data(data[:k])
+        return ends.complete > 0
+
+    if not complete(len(data)):
+        return None
+    lo, hi = 0, len(data)  # complete(hi), not complete(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if complete(mid) else (mid, hi)
+    return hi
+
+
+def _head_end(data: bytes) -> int | None:
+    end = data.find(b"\r\n\r\n")
+    return None if end < 0 else end + 4
 
 
 def _body_in(data: bytes) -> bool:
@@ -39,6 +83,10 @@ class UpstreamConn(asyncio.Protocol):
         self.closed = False
         self.tunnel = False
         self.keep_alive = False
+        # The replica sent bytes past the end of its response (a second response, a
+        # Content-Length too short): they never reach the client, the connection is not
+        # used again.
+        self.extra = False
         self.rewriter: ResponseRewriter | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -49,7 +97,7 @@ class UpstreamConn(asyncio.Protocol):
         self.exchange = exchange
         self.parser = httptools.HttpResponseParser(self)
         self.rewriter = None
-        self.got_bytes = self.done = self.keep_alive = False
+        self.got_bytes = self.done = self.keep_alive = self.extra = False
         self.status = 0
 
     def write(self, data: bytes | bytearray) -> None:
@@ -97,9 +145,19 @@ class UpstreamConn(asyncio.Protocol):
             if self.rewriter is not None and e.args and isinstance(e.args[0], int):
                 ex.to_client(data[e.args[0] :])
         except httptools.HttpParserError as e:
-            self.close()
-            ex.upstream_failed(f"invalid response: {e}")
-            return
+            if not self.done:
+                self.close()
+                ex.upstream_failed(f"invalid response: {e}")
+                return
+            self.extra = True  # (what follows a whole response is not one)
+        if self.extra:
+            end = self._response_end(data, head_seen)
+            if end is None:
+                self.close()
+                ex.upstream_failed("invalid response: bytes past its end, in a long answer")
+                return
+            out = out[: end + len(out) - len(data)]  # (a `Connection: close` added to its head)
+            self.keep_alive = False
         if ex.first_byte is None and (
             head_seen or self.done or self.tunnel or (ex.held_head is not None and _body_in(data))
         ):
@@ -117,14 +175,33 @@ class UpstreamConn(asyncio.Protocol):
         elif self.done:
             ex.response_complete(self.keep_alive)
 
+    def _response_end(self, data: bytes, head_seen: bool) -> int | None:
+        """Where the response ends in this read, when the replica sent more (None: the
+        response began in an earlier read, so where it ends here is not known). The slow
+        path wrote only the response already (its callbacks ignore the rest)."""
+        if self.rewriter is not None:
+            return 0
+        if head_seen:
+            return None
+        assert self.exchange is not None
+        return _first_response_end(data, self.exchange.method == b"HEAD")
+
+    def on_message_begin(self) -> None:
+        if self.done:
+            self.extra = True  # a second response, unasked for
+
     def on_headers_complete(self) -> None:
         assert self.parser is not None and self.exchange is not None
+        if self.extra:
+            return
         self.status = self.parser.get_status_code()
         if self.exchange.method == b"HEAD":
             self.keep_alive = self.parser.should_keep_alive()
             self.done = True  # no body follows a response to HEAD, whatever its headers say
 
     def on_message_complete(self) -> None:
+        if self.extra:
+            return
         if 100 <= self.status < 200 and self.status != 101:
             self.status = 0  # an interim response (100 Continue): the real one follows
             return
@@ -164,14 +241,23 @@ class ResponseRewriter:
         self.headers: list[tuple[bytes, bytes]] = []
         self.rechunk = False
 
+    def on_message_begin(self) -> None:
+        self.conn.on_message_begin()
+
     def on_status(self, reason: bytes) -> None:
+        if self.conn.extra:
+            return
         self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.conn.extra:
+            return
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         conn, ex = self.conn, self.ex
+        if conn.extra:
+            return
         conn.on_headers_complete()
         status = conn.status
         headers, reason = self.headers, self.reason
@@ -192,9 +278,13 @@ class ResponseRewriter:
         ex.to_client(head.data)
 
     def on_body(self, data: bytes) -> None:
+        if self.conn.extra:
+            return
         self.ex.to_client(b"%x\r\n%s\r\n" % (len(data), data) if self.rechunk else data)
 
     def on_message_complete(self) -> None:
+        if self.conn.extra:
+            return
         if self.rechunk:
             self.ex.to_client(b"0\r\n\r\n")  # the replica's trailers are not passed on
             self.rechunk = False

@@ -643,3 +643,44 @@ async def test_a_101_to_a_request_that_asked_no_upgrade_is_a_502(start: Start) -
         assert reply.statuses == [502]
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "body"),
+    [
+        # a second response, unasked for, in the same packet as the first
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil",
+            b"ok",
+        ),
+        # a Content-Length one byte short (a UTF-8 miscount)
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok!", b"ok"),
+        # the same on the slow path (a connection-specific header to drop)
+        (
+            b"HTTP/1.1 200 OK\r\nKeep-Alive: 5\r\nContent-Length: 2\r\n\r\nok"
+            b"HTTP/1.1 200 OK\r\n\r\n",
+            b"ok",
+        ),
+    ],
+)
+async def test_bytes_past_a_response_never_reach_the_client(
+    start: Start, answer: bytes, body: bytes
+) -> None:
+    """A replica that sends more than its response: the client gets the response as framed
+    (not a 502, not a second response it would take for its next request's), and the
+    connection to the replica is not used again."""
+    server, _, conns = await raw_replica(answer)
+    port = int(server.sockets[0].getsockname()[1])
+    try:
+        _, _, proxy = await make_lb_proxy(
+            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
+        )
+        two = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+        reply = await converse(proxy.port, two, read_for=1.5)
+        got = parse_responses(reply.data)
+        assert [(r.status, r.body) for r in got] == [(200, body), (200, body)]
+        assert b"evil" not in reply.data
+        assert len(conns) == 2  # one connection per response: none was reused
+    finally:
+        server.close()
