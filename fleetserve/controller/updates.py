@@ -64,7 +64,10 @@ def apply_update(
         raise InvalidSpec(
             "a canary (--traffic-percent) is a rolling update; drop --mode blue_green"
         )
-    if svc.rolling_out:
+    # A rollout whose version stopped launching (it crash-looped) is over: a new version
+    # replaces it (as SkyServe takes an update over a failed one); one still in progress is not.
+    superseding = svc.rolling_out and svc.launch_stop is not None
+    if svc.rolling_out and not superseding:
         raise Conflict(
             f"service {svc.name!r} is still rolling out version {svc.active_version}: wait, "
             f"`fleetserve promote` it, or `fleetserve rollback` first"
@@ -76,8 +79,19 @@ def apply_update(
         spec.service.tls and current.service.tls and spec.service.tls != current.service.tls
     ):
         raise InvalidSpec("service.tls cannot be changed by an update (take the service down)")
-    in_place = traffic_percent is None and (force_in_place or reusable(current, spec))
+    # (over a failed version, from the version that serves: `current` is the failed one)
+    in_place = (
+        not superseding and traffic_percent is None and (force_in_place or reusable(current, spec))
+    )
     version = store.add_version(svc.name, yaml_text, spec.model_dump_json(), now)
+    if superseding:
+        store.add_event(
+            svc.name,
+            now,
+            "rollout",
+            f"version {svc.active_version} failed and is dropped: version {version} replaces "
+            f"it, from version {svc.serving_version}",
+        )
     if in_place:
         for r in store.list_replicas(svc.name):
             if not r.status.is_terminal:

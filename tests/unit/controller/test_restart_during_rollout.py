@@ -111,3 +111,40 @@ async def test_an_update_sent_while_a_restarted_controller_finishes_a_rollout_is
         assert (svc.active_version, svc.serving_version, svc.rolling_out) == (3, 3, False)
         assert [(v, s) for _, v, s in fleet(store)] == [(3, ReplicaStatus.READY)] * 3
         await second.stop()
+
+
+async def test_an_update_over_a_failed_rollout_replaces_it_from_the_serving_version(
+    store: Store, settings: Settings, clock: FakeClock
+) -> None:
+    """A version that stopped launching (every launch failed) ends its rollout: an update
+    with a fixed YAML is taken (it was refused as "still rolling out", with advice that did
+    not help) and rolls out from the version that kept serving."""
+    infra, lb = FakeInfra(), FakeLb()
+    ok = httpx.MockTransport(lambda _request: httpx.Response(200))
+    async with httpx.AsyncClient(transport=ok) as client:
+        rec = ServiceReconciler(
+            "alpha", store, infra, cast(LbManager, lb), Prober(client), settings, clock
+        )
+        create_service(store, "alpha", spec_yaml(2, generation=1), clock.now())
+        await rounds(clock, rec, 8)
+        infra.always = RuntimeError("image not found")  # version 2 cannot launch
+        update(store, clock, spec_yaml(2, generation=2))
+        for _ in range(200):
+            await rounds(clock, rec, 1)
+            if store.service("alpha").launch_stop:
+                break
+        svc = store.service("alpha")
+        assert svc.launch_stop and svc.rolling_out and svc.serving_version == 1
+        infra.always = None
+        update(store, clock, spec_yaml(2, generation=3))  # the fix
+        svc = store.service("alpha")
+        assert (svc.active_version, svc.serving_version, svc.launch_stop) == (3, 1, None)
+        await rounds(clock, rec, 16)
+        svc = store.service("alpha")
+        assert (svc.active_version, svc.serving_version, svc.rolling_out) == (3, 3, False)
+        ready = [(v, s) for _, v, s in fleet(store) if s is ReplicaStatus.READY]
+        assert ready == [(3, ReplicaStatus.READY)] * 2
+        assert any(
+            "version 2 failed and is dropped" in e.message for e in store.list_events("alpha")
+        )
+        await rec.stop()
