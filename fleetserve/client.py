@@ -126,8 +126,18 @@ def server_pid(settings: HomeSettings) -> int | None:
     return c.pid if c is not None else None
 
 
-def start_server(settings: HomeSettings, wait: float = 30.0) -> int:
-    """Start the controller in the background; returns its pid once its API answers.
+def _answering_pid(client: Client) -> int | None:
+    """The pid of the controller that answers (None: it cannot be read)."""
+    try:
+        return client.health().pid
+    except FleetserveError:
+        return None
+
+
+def start_server(settings: HomeSettings, wait: float = 30.0) -> tuple[int, bool]:
+    """Start the controller in the background; returns its pid once its API answers, and
+    True; or the pid of another controller of this home started at the same moment that won
+    the port, and False.
 
     A start that fails says why in one line (the controller's own, from its stderr), and the
     log of a controller that already runs is only ever appended to."""
@@ -174,7 +184,15 @@ def start_server(settings: HomeSettings, wait: float = 30.0) -> int:
                     failed.exit_code = proc.returncode
                 raise failed
             if client.healthy():
-                return proc.pid
+                answering = _answering_pid(client)
+                if answering in (None, proc.pid):
+                    return proc.pid, True
+                # Another controller took the port first (a `server start` at the same
+                # moment): this one stops at its lock; the one that answers is the result.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+                if proc.poll() is not None and answering is not None:
+                    return answering, False
             time.sleep(0.1)
     finally:
         if proc.stderr is not None:

@@ -92,10 +92,14 @@ def server_start(
         if _already_running(settings):
             out.print(f"Controller already running on port {settings.api_port}.")
             return
-        pid = start_server(settings)
+        pid, ours = start_server(settings)
     except FleetserveError as e:
         raise fail(e) from None
     where = f"{settings.api_scheme}://{settings.api_host}:{settings.api_port}"
+    if not ours:
+        # (another `server start` at the same moment won: one controller runs, as asked)
+        out.print(f"Controller already running (pid {pid}) on {where}.", highlight=False)
+        return
     out.print(f"Controller started (pid {pid}) on {where}.", highlight=False)
     if not is_loopback(settings.api_host):
         out.print(

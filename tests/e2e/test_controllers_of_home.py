@@ -78,3 +78,32 @@ def test_an_ha_controller_is_found_without_fleetserve_ha(tmp_path: Path, fleet: 
     finally:
         fleet.env = plain
         fleet.cli("server", "stop", check=False)
+
+
+def test_starts_at_the_same_moment_leave_one_controller_and_say_so(fleet: Fleet) -> None:
+    """Three `server start` at once: one starts the controller, the others say it is already
+    running (all exit 0), and one controller runs (each used to say it had started one)."""
+    import subprocess
+    import sys
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fleetserve", "server", "start"],
+            env=fleet.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    said = [o for o, _ in outs]
+    started = [o for o in said if "Controller started (pid" in o]
+    assert len(started) == 1, said
+    pid = int(started[0].split("(pid ")[1].split(")")[0])
+    for o in said:
+        assert f"(pid {pid})" in o or "already running" in o, said
+    status = fleet.cli("server", "status").stdout
+    assert f"pid {pid}" in status, status
+    fleet.cli("server", "stop")
