@@ -99,6 +99,7 @@ def ensure_token(path: Path) -> str:
 
 
 _SERVER_FILE = re.compile(r"server(-[0-9]{1,5})?\.json")
+CONTROLLER = "fleetserve.api.server"  # the module a controller runs as (python -m ...)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,9 @@ def running_controllers(home: Path) -> list[RunningController]:
         try:
             info = json.loads(path.read_text())
             p = psutil.Process(int(info["pid"]))
-            if not started_as(p, float(info["create_time"])):
+            # (and a controller's: a server file naming another process of this user, edited
+            # or left from a crash whose pid came back, must not have it signalled)
+            if not started_as(p, float(info["create_time"])) or CONTROLLER not in p.cmdline():
                 continue
             found.append(
                 RunningController(

@@ -86,9 +86,12 @@ def test_every_running_controller_of_a_home_is_found_whatever_its_kind(tmp_path:
 
     home = tmp_path / "home"
     home.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in "ab"]
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    # Two that run as a controller does (its module in the command line), one that does not.
+    procs = [subprocess.Popen([*sleep, "fleetserve.api.server"]) for _ in "ab"]
+    procs.append(subprocess.Popen(sleep))
     try:
-        a, b = (psutil.Process(p.pid) for p in procs)
+        a, b, other = (psutil.Process(p.pid) for p in procs)
 
         def record(name: str, p: psutil.Process, **info: object) -> None:
             body = {"pid": p.pid, "create_time": started(p), "port": 1, **info}
@@ -99,6 +102,7 @@ def test_every_running_controller_of_a_home_is_found_whatever_its_kind(tmp_path:
         record("server-7000.json", b, port=7000, create_time=1.0)  # not that process
         (home / "server-8000.json").write_text("{not json")
         record("server-x.json", b, port=9000)  # not a server file's name
+        record("server-9100.json", other, port=9100)  # alive, as it says, but no controller
         found = running_controllers(home)
         assert [(c.pid, c.port, c.ha) for c in found] == [(a.pid, 5000, False), (b.pid, 6000, True)]
         assert found[1].where == "https://0.0.0.0:6000"
