@@ -7,9 +7,11 @@ import errno
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetserve.controller.controller import Controller
 from fleetserve.core.errors import FleetserveError, Standby
@@ -51,6 +53,25 @@ def add_error_handlers(app: FastAPI, ctl: Controller) -> None:
         if isinstance(exc, Standby) and exc.active:
             error["active"] = exc.active  # where writes go
         return JSONResponse({"error": error}, status_code=exc.http_status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(req: Request, exc: StarletteHTTPException) -> Response:
+        # (the routing's own: no such route, a method it does not take) in the API's shape
+        if not req.url.path.startswith("/api/"):
+            return await http_exception_handler(req, exc)
+        kinds = {404: "not_found", 405: "invalid_spec"}
+        detail = {404: "no such route", 405: "this route does not take that method"}
+        message = detail.get(exc.status_code, str(exc.detail))
+        return JSONResponse(
+            {
+                "error": {
+                    "kind": kinds.get(exc.status_code, "invalid_spec"),
+                    "message": f"{message}: {req.method} {req.url.path}"[:300],
+                }
+            },
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _bad_payload(_req: Request, exc: RequestValidationError) -> JSONResponse:

@@ -43,7 +43,7 @@ class CreateService(BaseModel):
     model_config = ConfigDict(extra="forbid")
     yaml: str = Field(max_length=1024 * 1024, description="The service YAML, as text.")
     name: str | None = Field(
-        None, max_length=64, description="Service name; default: the YAML's name."
+        None, min_length=1, max_length=64, description="Service name; default: the YAML's name."
     )
     base_dir: _BaseDir = Field(
         None,

@@ -216,6 +216,8 @@ def up(
     (GET /services/NAME's body)."""
     quiet = output is not OutputFormat.table
     try:
+        if name is not None and not name.strip():
+            raise InvalidSpec("-n/--name is empty: give the service a name, or leave -n out")
         envs, secrets = env_overrides(env, env_file, secret)
         spec, _ = load_spec_file(file, envs, secrets)  # a clear local error before anything
         require_values(spec)

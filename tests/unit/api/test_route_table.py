@@ -111,3 +111,16 @@ def _write() -> None:
 
 if __name__ == "__main__":
     _write()
+
+
+def test_an_unknown_route_or_method_answers_in_the_apis_error_shape(
+    api: tuple[TestClient, Controller],
+) -> None:
+    client, _ = api
+    missing = client.get("/api/v1/nosuch")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["kind"] == "not_found"
+    assert "GET /api/v1/nosuch" in missing.json()["error"]["message"]
+    wrong = client.put("/api/v1/health", json={})
+    assert wrong.status_code == 405 and wrong.json()["error"]["kind"] == "invalid_spec"
+    assert "allow" in {k.lower() for k in wrong.headers}

@@ -529,3 +529,10 @@ def test_jobs_launch_wait_on_a_pool_that_can_have_no_worker_says_so() -> None:
     Fake.jobs = [job(7, "PENDING"), job(8, "PENDING"), job(7, "SUCCEEDED"), job(8, "SUCCEEDED")]
     res = pools_run("jobs", "launch", "-p", "batch", "--wait", "/dev/null")
     assert "has no worker" not in res.stderr
+
+
+def test_an_empty_name_is_refused_not_replaced_by_the_yamls(tmp_path: Path) -> None:
+    spec = tmp_path / "svc.yaml"
+    spec.write_text("name: web\nservice:\n  readiness_probe: /health\nrun: python3 server.py\n")
+    res = run("up", str(spec), "-n", "")
+    assert res.exit_code == 2 and "-n/--name is empty" in res.stderr
