@@ -412,6 +412,13 @@ class ReplicaFollower:
                         continue  # applied already, from the replay buffer
                     replayed = {}  # the subscription is past what the replay applied
                 if seq <= self.last:  # the publisher restarted: its engine's cache is new
+                    log.warning(
+                        "replica %s: KV events batch %s after %s: the engine restarted, its "
+                        "index starts again",
+                        self.replica,
+                        seq,
+                        self.last,
+                    )
                     self.index.clear(self.replica)
                     self.last = -1
                     self._set(Trust.LIVE if seq == 0 else Trust.INCOMPLETE)

@@ -84,6 +84,10 @@ class _Holdings:
     block_size: int | None = None
     engine: dict[EngineHash, int] = field(default_factory=dict)  # engine hash -> our key
     count: dict[int, int] = field(default_factory=dict)  # our key -> engine hashes naming it
+    # Engine hash -> blocks of the engine that hold it, past the first: vLLM keeps a second
+    # block with a hash it holds (a fully cached prompt's last block, computed again) and
+    # reports each block's store and each block's removal.
+    copies: dict[EngineHash, int] = field(default_factory=dict)
     trust: Trust = Trust.CONNECTING
 
 
@@ -149,6 +153,7 @@ class KvIndex:
             self._drop(key, h.bit)
         h.engine.clear()
         h.count.clear()
+        h.copies.clear()
 
     def forget(self, replica: int) -> None:
         """The replica left the set."""
@@ -210,7 +215,9 @@ class KvIndex:
             prev = hash((prev, tokens[i * size : (i + 1) * size]))
             old = h.engine.get(engine_hash)
             if old == prev:
-                continue  # a reuse report, or a replay of what we applied
+                # Another block of the engine with this content: held until both are removed.
+                h.copies[engine_hash] = h.copies.get(engine_hash, 0) + 1
+                continue
             if old is not None:
                 self._unname(h, engine_hash, old)
             # (Engine hashes are bounded too: a broken publisher could name one key by many.)
@@ -225,6 +232,7 @@ class KvIndex:
 
     def _unname(self, h: _Holdings, engine_hash: EngineHash, key: int) -> None:
         del h.engine[engine_hash]
+        h.copies.pop(engine_hash, None)
         left = h.count[key] - 1
         if left:
             h.count[key] = left
@@ -241,8 +249,15 @@ class KvIndex:
             if key is None:
                 done.ignored += 1
                 continue
-            self._unname(h, engine_hash, key)
             done.removed += 1
+            more = h.copies.get(engine_hash, 0)
+            if more:  # another block of the engine still holds it
+                if more > 1:
+                    h.copies[engine_hash] = more - 1
+                else:
+                    del h.copies[engine_hash]
+                continue
+            self._unname(h, engine_hash, key)
 
     # -- lookups ------------------------------------------------------------------------------
 

@@ -52,12 +52,22 @@ def test_removed_and_cleared() -> None:
     assert index.blocks(2) == 0
 
 
-def test_duplicate_engine_blocks_and_reuse_reports() -> None:
+def test_duplicate_engine_blocks_are_held_until_each_is_removed() -> None:
+    """vLLM keeps a second block with a hash it holds (a fully cached prompt's last block is
+    computed again) and reports each block's store and each one's removal (vLLM 0.32's
+    BlockPool): the content is held until every block of it is removed (the index dropped it
+    at the first removal, while the engine still held it)."""
     index = live(KvIndex(), 1)
     index.apply(1, [stored([11, 12], PROMPT[:8])])
-    index.apply(1, [stored([11, 12], PROMPT[:8])])  # a reuse report: nothing changes
+    index.apply(1, [stored([12], PROMPT[4:8], parent=11)])  # a second block of 12's content
     assert index.blocks(1) == 2
-    index.apply(1, [BlockRemoved((12,)), BlockRemoved((12,)), BlockRemoved((99,))])
+    index.apply(1, [BlockRemoved((12,))])  # one of the two
+    assert index.match(PROMPT, [1]) == {1: 8}
+    index.apply(1, [BlockRemoved((12,)), BlockRemoved((99,))])  # the other; an unknown one
+    assert index.match(PROMPT, [1]) == {1: 4}
+    index.apply(1, [stored([12], PROMPT[4:8], parent=11)] * 3)  # three blocks of it again
+    index.apply(1, [AllBlocksCleared()])  # a clear forgets every copy
+    index.apply(1, [stored([11, 12], PROMPT[:8]), BlockRemoved((12,))])
     assert index.match(PROMPT, [1]) == {1: 4}
 
 
