@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -121,6 +122,21 @@ async def test_the_index_tracks_what_vllm_holds(
     base, model = vllm
     tokenizer = PromptTokenizer.load(model)
     index = KvIndex()
+    applied: list[str] = []  # each batch the follower applied, for the failure message
+    apply = index.apply
+
+    def recording(replica: int, events: Any) -> Any:
+        events = list(events)
+        applied.append(
+            " ".join(
+                f"{type(e).__name__}({len(getattr(e, 'block_hashes', ()))}"
+                f"{',root' if getattr(e, 'parent', 1) is None else ''})"
+                for e in events
+            )
+        )
+        return apply(replica, events)
+
+    index.apply = recording  # type: ignore[method-assign]
     follower = KvEventsFollower(index, KvEventsSettings(silence_seconds=2), lambda: [(1, base)])
     follower.start()
     try:
@@ -147,17 +163,26 @@ async def test_the_index_tracks_what_vllm_holds(
             reused = await asyncio.to_thread(hits, base) - before
             assert reused == predicted, (turn, reused, predicted, index.blocks(1))
             checked += 1
-            bs = index.block_size(1) or 16
-            evicted += turn >= 6 and predicted < (len(tokens) - 1) // bs * bs
             # The engine's events arrive within a step; then the prompt is held in full (the
-            # bound leaves room for a machine loaded by other tests).
+            # bound leaves room for a machine loaded by other tests). The block size is the
+            # engine's, known from its first store: read before that (turn 0's events still
+            # on their way, on a loaded machine), a guess of 16 asked for blocks no event
+            # would ever bring, and the check failed (twice in ~20 full runs of the suite).
             deadline = time.monotonic() + 30
-            full = len(tokens) // bs * bs
-            while index.match(tokens, [1])[1] < full and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                bs = index.block_size(1) or 0
+                full = len(tokens) // bs * bs if bs else 0
+                if bs and index.match(tokens, [1])[1] >= full:
+                    break
                 await asyncio.sleep(0.05)
+            assert bs == 128, index.block_size(1)  # vLLM CPU's block
+            evicted += turn >= 6 and predicted < (len(tokens) - 1) // bs * bs
             assert index.blocks(1) <= BLOCKS
-            # (what to look at if it fails: it did twice in ~10 full runs of the suite)
-            said = (turn, index.trust(1), vars(follower.counts), caplog.text[-3000:])
+            # (what to look at, should it fail again)
+            said = (
+                f"turn {turn}, {index.trust(1)}, counts {vars(follower.counts)}, "
+                f"batches {applied[-12:]}, prompt {len(tokens)} tokens, log {caplog.text[-2000:]}"
+            )
             assert set(token_block_keys(tokens, bs)[: full // bs]) <= index.keys_of(1), said
         assert index.trust(1) is Trust.LIVE
         assert index.block_size(1) == 128  # vLLM CPU's block
