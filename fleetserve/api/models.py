@@ -201,7 +201,9 @@ class LaunchJobs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     yaml: str = Field(max_length=1024 * 1024, description="The job YAML (name, run, envs).")
     num_jobs: StrictInt = Field(1, ge=1, le=10_000, description="Ranks 0..num_jobs-1.")
-    name: str | None = Field(None, max_length=128)
+    name: Annotated[str | None, AfterValidator(lambda v: v if v is None else _no_nul(v))] = Field(
+        None, max_length=128
+    )
     envs: Overrides = None
 
 

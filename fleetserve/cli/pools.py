@@ -120,8 +120,8 @@ def jobs_table(jobs: list[JobInfo]) -> Table:
         took = "-" if j.started_at is None else f"{(j.ended_at or now) - j.started_at:.1f}s"
         t.add_row(
             str(j.job_id),
-            j.pool,
-            j.name or "-",
+            safe(j.pool),
+            safe(j.name or "-"),
             f"{j.rank}/{j.num_jobs}",
             _job_status(j.status),
             str(j.worker_id) if j.worker_id else "-",

@@ -23,7 +23,7 @@ import os
 import resource
 from collections.abc import Callable, Mapping
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -122,6 +122,9 @@ class _Stale(Exception):
 def _request_bytes(
     method: str, path: str, host: str, headers: Mapping[str, str], body: bytes | None
 ) -> bytes:
+    # A space or a character past ASCII cannot stand in a request line: percent-encoded, as
+    # SkyServe's HTTP client sends such a path (what is encoded already stays so).
+    path = quote(path, safe="/?#[]@!$&'()*+,;=:%~-._")
     lines = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
     given = {k.lower() for k in headers}
     if "user-agent" not in given:

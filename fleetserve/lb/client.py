@@ -397,9 +397,14 @@ class ClientConn(asyncio.Protocol):
         out = [method, b" ", self._url, b" HTTP/1.1\r\n"]
         for name, value in headers:
             ln = name.lower()
-            if ln in drop or (strip_auth and ln == b"authorization"):
+            if ln in drop or (strip_auth and ln == b"authorization") or ln == b"transfer-encoding":
                 continue
             out += (name, b": ", value, b"\r\n")
+        if te is not None:
+            # One line: a replica that reads only the first of several would frame the body
+            # otherwise than the load balancer does.
+            codings = b", ".join(v for n, v in headers if n.lower() == b"transfer-encoding")
+            out += (b"Transfer-Encoding: ", codings, b"\r\n")
         prior = lower.get(b"x-forwarded-for")
         if prior is not None and len(lower) < len(headers):
             # Several X-Forwarded-For lines are one list, in their order (RFC 9110 5.3).

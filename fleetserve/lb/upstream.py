@@ -158,6 +158,15 @@ class UpstreamConn(asyncio.Protocol):
                 return
             out = out[: end + len(out) - len(data)]  # (a `Connection: close` added to its head)
             self.keep_alive = False
+        if self.done and (ex.method == b"HEAD" or self.status in (204, 304)):
+            # A response without a body: what a replica sends after its head (a HEAD answered
+            # as a GET, a 204 with a body) never reaches the client, and the connection is not
+            # used again (those bytes would come as the answer to the next request on it).
+            if ex.method == b"HEAD" and not head_seen and self.rewriter is None:
+                end = _head_end(data)
+                if end is not None:
+                    out = out[: end + len(out) - len(data)]
+            self.keep_alive = False
         if ex.first_byte is None and (
             head_seen or self.done or self.tunnel or (ex.held_head is not None and _body_in(data))
         ):
@@ -278,7 +287,7 @@ class ResponseRewriter:
         ex.to_client(head.data)
 
     def on_body(self, data: bytes) -> None:
-        if self.conn.extra:
+        if self.conn.extra or self.ex.method == b"HEAD":
             return
         self.ex.to_client(b"%x\r\n%s\r\n" % (len(data), data) if self.rechunk else data)
 

@@ -55,7 +55,7 @@ def started(p: psutil.Process) -> float:
     tick never moves."""
     try:
         stat = Path(f"/proc/{p.pid}/stat").read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (ESRCH: reaped while read)
         raise psutil.NoSuchProcess(p.pid) from None
     # Fields after the command (which may hold spaces and ')'): state is field 3, starttime 22.
     fields = stat[stat.rindex(b")") + 2 :].split()

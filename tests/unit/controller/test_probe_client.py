@@ -217,3 +217,22 @@ async def test_idle_connections_are_bounded_and_forgotten() -> None:
         await client.status("GET", a + "/", {}, None, 5)
         assert client.connects == 4
     await client.aclose()
+
+
+async def test_a_path_with_a_space_or_past_ascii_is_sent_percent_encoded() -> None:
+    """Such a readiness path passes validation (SkyServe's client encodes it): it is sent
+    encoded, not as a request line every replica refuses (400) or the probe cannot write."""
+    got: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(OK)
+        await writer.drain()
+
+    client = ProbeClient(check_listener=NO_CHECK)
+    async with serve(handle) as (url, _heads):
+        assert await client.status("GET", url + "/health x", {}, None, 5) == 200
+        assert await client.status("GET", url + "/h\u20ac?a=%20b", {}, None, 5) == 200
+    assert got[0].startswith(b"GET /health%20x HTTP/1.1\r\n")
+    assert got[1].startswith(b"GET /h%E2%82%AC?a=%20b HTTP/1.1\r\n")
+    await client.aclose()

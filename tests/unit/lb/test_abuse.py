@@ -684,3 +684,73 @@ async def test_bytes_past_a_response_never_reach_the_client(
         assert len(conns) == 2  # one connection per response: none was reused
     finally:
         server.close()
+
+
+class _LateBody(asyncio.Protocol):
+    """A replica that answers /late with a 204 head, then 0.3 s later writes a response
+    nobody asked for on the same connection; anything else with a plain 200 naming it."""
+
+    def __init__(self, conns: list[int]) -> None:
+        self.conns, self.buf = conns, b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.conns.append(1)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+            path = head.split(b" ")[1]
+            write = self.transport.write  # type: ignore[attr-defined]
+            if path == b"/late":
+                write(b"HTTP/1.1 204 No Content\r\n\r\n")
+                evil = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nevil"
+                asyncio.get_running_loop().call_later(0.3, write, evil)
+            else:
+                write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(path), path))
+
+
+async def test_a_bodiless_response_passes_no_byte_after_its_head(start: Start) -> None:
+    """HEAD, 204 and 304 answers have no body: bytes a replica sends after their head (a HEAD
+    answered as a GET; a 204 followed later by more) reach no client, and the connection is
+    not used again (they came as the next request's answer, or made it a 502)."""
+    server, _, conns = await raw_replica(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nEVIL!")
+    port = int(server.sockets[0].getsockname()[1])
+    try:
+        _, _, proxy = await make_lb_proxy(
+            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
+        )
+        two = b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\nGET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+        reply = await converse(proxy.port, two, read_for=1.5)
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
+        assert reply.data == head + head + b"EVIL!"  # the HEAD's head alone, then the GET's
+        assert len(conns) == 2
+    finally:
+        server.close()
+    conns = []
+    loop = asyncio.get_running_loop()
+    late = await loop.create_server(lambda: _LateBody(conns), "127.0.0.1", 0)
+    try:
+        port = int(late.sockets[0].getsockname()[1])
+        _, _, proxy = await make_lb_proxy(
+            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
+        )
+        first = await converse(proxy.port, b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n", read_for=0.5)
+        assert first.data == b"HTTP/1.1 204 No Content\r\n\r\n"
+        await asyncio.sleep(0.5)  # the replica's stray bytes come meanwhile
+        second = await converse(proxy.port, b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n", read_for=1)
+        assert [(r.status, r.body) for r in parse_responses(second.data)] == [(200, b"/next")]
+    finally:
+        late.close()
+
+
+async def test_several_transfer_encoding_lines_reach_the_replica_as_one(serve: Serve) -> None:
+    replica, _, port = await serve()
+    request = (
+        POST + b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    )
+    reply = await converse(port, request, read_for=1)
+    assert reply.statuses == [200]
+    (seen,) = replica.seen
+    assert seen.headers["transfer-encoding"] == "gzip, chunked" and seen.body == b"abc"
