@@ -12,13 +12,14 @@ is signed by a private CA.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -47,6 +48,7 @@ from fleetserve.oshelpers.files import open_private
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 FAILED_SERVICE_STATUSES = ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")
+_T = TypeVar("_T")
 WAIT_POLL = 0.5  # seconds between polls of a wait
 # A wait rides out a controller that does not answer (restarting) for this long in a row.
 OUTAGE_SECONDS = 60.0
@@ -640,20 +642,24 @@ class Client:
         resp = self._call("DELETE", f"/services/{name}", params={"purge": purge})
         return ServiceInfo.model_validate(resp.json())
 
-    def _service_riding_outages(self, name: str, deadline: float) -> ServiceInfo:
-        """The service's view; a controller that does not answer (stopped, restarting) is
-        waited for up to OUTAGE_SECONDS in a row (its work goes on after a restart), never
-        past `deadline`."""
+    def through_restarts(self, read: Callable[[], _T], deadline: float = math.inf) -> _T:
+        """`read()`, for a command that waits: a controller that does not answer (stopped,
+        restarting) is waited for up to OUTAGE_SECONDS in a row (its work goes on after a
+        restart), never past `deadline` (time.monotonic())."""
         down_since: float | None = None
         while True:
             try:
-                return self.service(name)
+                return read()
             except TransientError:
                 now = time.monotonic()
                 down_since = now if down_since is None else down_since
                 if now - down_since >= OUTAGE_SECONDS or now >= deadline:
                     raise
                 time.sleep(1.0)
+
+    def _service_riding_outages(self, name: str, deadline: float) -> ServiceInfo:
+        """The service's view, through a controller's restart (`through_restarts`)."""
+        return self.through_restarts(lambda: self.service(name), deadline)
 
     def wait_gone(
         self, name: str, timeout: float = 120.0, purge: bool = False

@@ -187,7 +187,7 @@ def _wait_workers(client: Client, name: str, prog: Progress) -> ServiceInfo:
     one of a pool that may scale to zero is not waited for), or the pool fails."""
     seen: dict[int, str] = {}
     while True:
-        p = client.pools(name)[0]
+        p = client.through_restarts(lambda: client.pools(name)[0])
         for r in p.replicas:
             if seen.get(r.replica_id) != r.status:
                 seen[r.replica_id] = r.status
@@ -323,7 +323,9 @@ def _wait_jobs(client: Client, pool: str, ids: list[int], prog: Progress) -> lis
     told: dict[int, str] = {}
     hinted = False
     while True:
-        now = [client.job(i) for i in ids] if len(ids) <= 20 else _batch(client, pool, ids)
+        now = client.through_restarts(
+            lambda: [client.job(i) for i in ids] if len(ids) <= 20 else _batch(client, pool, ids)
+        )
         if not hinted and any(j.status == "PENDING" for j in now):
             hinted = True
             with contextlib.suppress(FleetserveError):

@@ -291,7 +291,7 @@ def _watch_version(
     another version (`moved` says how) ends the wait with an error."""
     seen: dict[int, str] = {}
     while True:
-        svc = client.service(name)
+        svc = client.through_restarts(lambda: client.service(name))
         _print_changes(svc, seen, prog, versions=True)
         prog.state(_fleet_state(svc, version))
         if svc.active_version != version:

@@ -4,6 +4,7 @@ refused in the CLI's words, progress on stderr when piped and none with -o json.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +59,7 @@ class Fake:
 
     wait_ready = Client.wait_ready
     _service_riding_outages = Client._service_riding_outages
+    through_restarts = Client.through_restarts
 
     def health(self) -> Health:
         return Health(ok=True, version="0", pid=1, home="/h", processes="cgroups")
@@ -536,3 +538,21 @@ def test_an_empty_name_is_refused_not_replaced_by_the_yamls(tmp_path: Path) -> N
     spec.write_text("name: web\nservice:\n  readiness_probe: /health\nrun: python3 server.py\n")
     res = run("up", str(spec), "-n", "")
     assert res.exit_code == 2 and "-n/--name is empty" in res.stderr
+
+
+def test_update_pool_and_jobs_waits_ride_out_a_restart_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`update`, `pool apply --wait` and `jobs launch --wait` read through `through_restarts`
+    (they exited 5 when the controller restarted under them, though the work went on)."""
+    _Clock(monkeypatch)
+    down = TransientError("no fleetserve controller answers")
+    script: list[Any] = [down, down, "view"]
+
+    def read() -> str:
+        item = script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return str(item)
+
+    assert Client.through_restarts(Fake(), read) == "view"  # type: ignore[arg-type]
+    for source in (services._watch_version, pools._wait_workers, pools._wait_jobs):
+        assert "through_restarts" in inspect.getsource(source), source.__name__
