@@ -46,6 +46,10 @@ log = logging.getLogger("fleetserve.controller")
 STATE_KEY = "pool_autoscaler"
 WORKER_RUN = "exec sleep infinity"  # a worker's `run`: it stays up; jobs bring their own
 ACTIVE = (JobStatus.PENDING, JobStatus.RUNNING)
+# After a (re)start, the newest cancelled jobs are checked once for a process still running
+# (a cancel marks the job, then stops its process: a controller killed in between left it).
+RECHECK_CANCELLED = 256
+RECHECK_CANCELLED_SECONDS = 3600.0
 QUEUE_HEAD = 512  # queued jobs read per round (more than the free slots of any round)
 
 
@@ -111,6 +115,7 @@ class PoolRunner:
         # Workers recorded on another host (a takeover from there): their jobs are never
         # polled here (a pid of theirs means nothing on this host); they are requeued.
         self.away: set[int] = set()
+        self._cancels_checked = False
         # A worker that cannot take jobs: the reconciler replaces it.
         self.on_broken: Callable[[ReplicaRecord, str], None] = lambda _w, _why: None
 
@@ -164,14 +169,16 @@ class PoolRunner:
     ) -> None:
         # The running jobs, and only the head of the queue: a round costs the same with ten
         # thousand jobs queued (the planner never looks past the first that does not fit).
+        mine = host_of(self.jobs)
+        self.away |= {w.replica_id for w in workers if elsewhere(w.host, mine)}
+        if not self._cancels_checked:
+            await self._stop_cancelled()
         jobs = self.store.list_jobs(pool=self.pool, statuses=(JobStatus.RUNNING,))
         jobs += self.store.list_jobs(
             pool=self.pool, statuses=(JobStatus.PENDING,), first=QUEUE_HEAD
         )
         if not jobs:
             return
-        mine = host_of(self.jobs)
-        self.away |= {w.replica_id for w in workers if elsewhere(w.host, mine)}
         by_worker = {w.replica_id: w for w in workers if w.replica_id not in self.away}
         interrupted = [j for j in jobs if j.status is JobStatus.RUNNING and not j.handle]
         for job in interrupted:
@@ -335,6 +342,29 @@ class PoolRunner:
             self.wake()
 
         self.watchers[job.job_id] = asyncio.create_task(watch(), name=f"job-{job.job_id}")
+
+    async def _stop_cancelled(self) -> None:
+        """Once, on the first round: a job cancelled in the last hour whose process still runs
+        is stopped (in the background; its worker is free for the planner meanwhile, as it
+        was for the controller that marked it)."""
+        self._cancels_checked = True
+        horizon = self.clock.now() - RECHECK_CANCELLED_SECONDS
+        cancelled = self.store.list_jobs(
+            pool=self.pool, statuses=(JobStatus.CANCELLED,), limit=RECHECK_CANCELLED
+        )
+        for job in cancelled:
+            if not job.handle or (job.ended_at or 0.0) < horizon or job.worker_id in self.away:
+                continue
+            with contextlib.suppress(Exception):
+                state = await self.jobs.poll_job(job.handle)
+                if state.kind is InstanceKind.RUNNING:
+                    log.warning(
+                        "pool %s: job %s was cancelled but its process still runs (the "
+                        "controller stopped before it): stopping it",
+                        self.pool,
+                        job.job_id,
+                    )
+                    self._sweep_job(job)
 
     def _sweep_job(self, job: JobRecord) -> None:
         """An ended job's leftovers (children it put in the background) are stopped, in the

@@ -123,3 +123,32 @@ async def test_jobs_of_a_worker_recorded_on_another_host_are_requeued_never_poll
     job = store.list_jobs(pool="p")[0]
     assert (job.status, job.worker_id) == (JobStatus.RUNNING, 2) and jobs.started == [1]
     runner.close()
+
+
+async def test_a_cancelled_job_whose_process_outlived_a_controller_is_stopped_once(
+    store: Store, clock: FakeClock
+) -> None:
+    """`jobs cancel` marks the job CANCELLED, then stops its process: a controller killed in
+    between left the process running, its worker taken for free. The first round after a
+    start stops it (a recent one only, and only once)."""
+    runner, jobs = setup(store, clock, found=None)
+    job = store.list_jobs(pool="p")[0]
+    store.update_job(
+        job, clock.now(), status=JobStatus.CANCELLED, handle="h-left", ended_at=clock.now()
+    )
+    old = store.add_jobs("p", None, "true", {}, 1, 1.0, ["otok"], clock.now())[0]
+    store.update_job(
+        old, clock.now(), status=JobStatus.CANCELLED, handle="h-old", ended_at=clock.now() - 7200
+    )
+    stopped: list[str | None] = []
+
+    async def stop_job(handle: str | None, token: str) -> None:
+        stopped.append(handle)
+
+    jobs.stop_job = stop_job  # type: ignore[method-assign]
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    await asyncio.sleep(0)  # (stopped in the background)
+    await runner.dispatch(spec_of, workers(store))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    assert stopped == ["h-left"]  # not the one cancelled two hours ago; not twice
+    runner.close()
