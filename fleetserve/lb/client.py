@@ -388,6 +388,10 @@ class ClientConn(asyncio.Protocol):
         if te is not None:
             chunked = self._check_transfer_encoding(headers)
         has_body = chunked or int(lower.get(b"content-length", b"0") or 0) > 0
+        if upgrade and has_body:
+            # The parser hands what follows the head to the tunnel: such a body would wait
+            # for a 101 that its replica, waiting for the body, never sends (an h2c upgrade).
+            self._stop(self._bad("an Upgrade request with a body is not served"))
         strip_auth = bool(listener.keys)
         drop = HOP_BY_HOP
         if has_connection:

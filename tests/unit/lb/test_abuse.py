@@ -754,3 +754,17 @@ async def test_several_transfer_encoding_lines_reach_the_replica_as_one(serve: S
     assert reply.statuses == [200]
     (seen,) = replica.seen
     assert seen.headers["transfer-encoding"] == "gzip, chunked" and seen.body == b"abc"
+
+
+async def test_an_upgrade_request_with_a_body_is_refused_not_left_hanging(serve: Serve) -> None:
+    replica, proxy, port = await serve()
+    for framing, body in (
+        (b"Content-Length: 3\r\n", b"abc"),
+        (b"Transfer-Encoding: chunked\r\n", b"3\r\nabc\r\n0\r\n\r\n"),
+    ):
+        request = UPGRADE[:-2] + framing + b"\r\n" + body
+        reply = await converse(port, request, read_for=3)
+        assert (reply.statuses, reply.closed) == ([400], True), framing
+        assert reply.seconds < 2
+    assert replica.seen == []
+    assert rejected(proxy, "bad_request") == 2
