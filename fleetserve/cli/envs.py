@@ -27,10 +27,14 @@ def parse_assignments(items: list[str], flag: str, shell: Mapping[str, str]) -> 
                     f"{flag} {key}: no value given and {key} is not set in this shell"
                 )
             value = shell[key]
-        if "\x00" in value:  # (the process environment cannot hold one)
-            raise InvalidSpec(f"{flag} {key}: a NUL character (\\0) is not allowed in a value")
-        out[key] = value
+        out[key] = _no_nul(value, f"{flag} {key}")
     return out
+
+
+def _no_nul(value: str, where: str) -> str:
+    if "\x00" in value:  # (a process environment cannot hold one)
+        raise InvalidSpec(f"{where}: a NUL character (\\0) is not allowed in a value")
+    return value
 
 
 def _unquote(raw: str, where: str) -> str:
@@ -70,10 +74,7 @@ def parse_dotenv(text: str, source: str) -> dict[str, str]:
         key = key.strip()
         if not sep or not _NAME.fullmatch(key):
             raise InvalidSpec(f"{where}: expected KEY=VALUE")
-        value = _unquote(raw.strip(), where)
-        if "\x00" in value:  # (the process environment cannot hold one)
-            raise InvalidSpec(f"{where}: a NUL character (\\0) is not allowed in a value")
-        out[key] = value
+        out[key] = _no_nul(_unquote(raw.strip(), where), where)
     return out
 
 

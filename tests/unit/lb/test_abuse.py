@@ -596,12 +596,26 @@ class _RawReplica(asyncio.Protocol):
             self.transport.write(self.answer)  # type: ignore[attr-defined]
 
 
-async def raw_replica(answer: bytes) -> tuple[asyncio.Server, list[bytes], list[int]]:
+@contextlib.asynccontextmanager
+async def lb_in_front(
+    start: Start, replica: Callable[[], asyncio.Protocol]
+) -> AsyncIterator[Proxy]:
+    """An in-process load balancer (least_load) before one replica of `replica`'s protocol."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(replica, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        _, _, proxy = await make_lb_proxy(start, "least_load", [Upstream(1, url, 1)])
+        yield proxy
+    finally:
+        server.close()
+
+
+def raw_replica(answer: bytes) -> tuple[Callable[[], asyncio.Protocol], list[bytes], list[int]]:
+    """A _RawReplica answering `answer`: its factory, the bytes it got, its connections."""
     got: list[bytes] = []
     conns: list[int] = []
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _RawReplica(answer, got, conns), "127.0.0.1", 0)
-    return server, got, conns
+    return (lambda: _RawReplica(answer, got, conns)), got, conns
 
 
 UPGRADE = b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
@@ -613,12 +627,8 @@ async def test_a_declined_upgrade_sends_nothing_after_its_head_and_reuses_no_con
     # What a client sends after an Upgrade request's head belongs to the tunnel: a replica
     # that declines the upgrade must never read it as a request of its own (its answer would
     # reach the next client of a pooled connection).
-    server, got, conns = await raw_replica(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno")
-    port = int(server.sockets[0].getsockname()[1])
-    try:
-        _, _, proxy = await make_lb_proxy(
-            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
-        )
+    replica, got, conns = raw_replica(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno")
+    async with lb_in_front(start, replica) as proxy:
         reply = await converse(proxy.port, UPGRADE + SMUGGLED, read_for=3)
         assert (reply.statuses, reply.closed) == ([200], True)
         assert b"/smuggled" not in b"".join(got)
@@ -626,23 +636,15 @@ async def test_a_declined_upgrade_sends_nothing_after_its_head_and_reuses_no_con
         reply = await converse(proxy.port, b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n", read_for=1)
         assert reply.statuses == [200]
         assert len(conns) == 2
-    finally:
-        server.close()
 
 
 async def test_a_101_to_a_request_that_asked_no_upgrade_is_a_502(start: Start) -> None:
-    server, _, _ = await raw_replica(
+    replica, _, _ = raw_replica(
         b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n"
     )
-    port = int(server.sockets[0].getsockname()[1])
-    try:
-        _, _, proxy = await make_lb_proxy(
-            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
-        )
+    async with lb_in_front(start, replica) as proxy:
         reply = await converse(proxy.port, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n", read_for=2)
         assert reply.statuses == [502]
-    finally:
-        server.close()
 
 
 @pytest.mark.parametrize(
@@ -670,20 +672,14 @@ async def test_bytes_past_a_response_never_reach_the_client(
     """A replica that sends more than its response: the client gets the response as framed
     (not a 502, not a second response it would take for its next request's), and the
     connection to the replica is not used again."""
-    server, _, conns = await raw_replica(answer)
-    port = int(server.sockets[0].getsockname()[1])
-    try:
-        _, _, proxy = await make_lb_proxy(
-            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
-        )
+    replica, _, conns = raw_replica(answer)
+    async with lb_in_front(start, replica) as proxy:
         two = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n"
         reply = await converse(proxy.port, two, read_for=1.5)
         got = parse_responses(reply.data)
         assert [(r.status, r.body) for r in got] == [(200, body), (200, body)]
         assert b"evil" not in reply.data
         assert len(conns) == 2  # one connection per response: none was reused
-    finally:
-        server.close()
 
 
 class _LateBody(asyncio.Protocol):
@@ -715,34 +711,20 @@ async def test_a_bodiless_response_passes_no_byte_after_its_head(start: Start) -
     """HEAD, 204 and 304 answers have no body: bytes a replica sends after their head (a HEAD
     answered as a GET; a 204 followed later by more) reach no client, and the connection is
     not used again (they came as the next request's answer, or made it a 502)."""
-    server, _, conns = await raw_replica(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nEVIL!")
-    port = int(server.sockets[0].getsockname()[1])
-    try:
-        _, _, proxy = await make_lb_proxy(
-            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
-        )
+    replica, _, conns = raw_replica(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nEVIL!")
+    async with lb_in_front(start, replica) as proxy:
         two = b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\nGET /a HTTP/1.1\r\nHost: x\r\n\r\n"
         reply = await converse(proxy.port, two, read_for=1.5)
         head = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n"
         assert reply.data == head + head + b"EVIL!"  # the HEAD's head alone, then the GET's
         assert len(conns) == 2
-    finally:
-        server.close()
-    conns = []
-    loop = asyncio.get_running_loop()
-    late = await loop.create_server(lambda: _LateBody(conns), "127.0.0.1", 0)
-    try:
-        port = int(late.sockets[0].getsockname()[1])
-        _, _, proxy = await make_lb_proxy(
-            start, "least_load", [Upstream(1, f"http://127.0.0.1:{port}", 1)]
-        )
+    late: list[int] = []
+    async with lb_in_front(start, lambda: _LateBody(late)) as proxy:
         first = await converse(proxy.port, b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n", read_for=0.5)
         assert first.data == b"HTTP/1.1 204 No Content\r\n\r\n"
         await asyncio.sleep(0.5)  # the replica's stray bytes come meanwhile
         second = await converse(proxy.port, b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n", read_for=1)
         assert [(r.status, r.body) for r in parse_responses(second.data)] == [(200, b"/next")]
-    finally:
-        late.close()
 
 
 async def test_several_transfer_encoding_lines_reach_the_replica_as_one(serve: Serve) -> None:
