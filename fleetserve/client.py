@@ -43,7 +43,7 @@ from fleetserve.home.folder import (
     running_controllers,
     secure_home,
 )
-from fleetserve.home.settings import HomeSettings
+from fleetserve.home.settings import HomeSettings, home_hash
 from fleetserve.oshelpers.files import open_private
 
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
@@ -380,14 +380,15 @@ class Client:
         if r.status_code != 200:
             return "missing", f"HTTP {r.status_code} from /api/v1/health"
         try:
-            home = dict(r.json()).get("home")
+            found = dict(r.json()).get("home_hash")
         except (ValueError, TypeError):
             return "missing", "its /api/v1/health is not a fleetserve controller's"
-        if not self.remote and home != str(self.settings.home):
+        if not self.remote and found != home_hash(self.settings.home):
             owner = (
-                f"a fleetserve controller for {home}"
-                if isinstance(home, str)
-                else "another server (not a fleetserve controller: no home in its health answer)"
+                "a fleetserve controller for another FLEETSERVE_HOME"
+                if isinstance(found, str)
+                else "another server (not a fleetserve controller: no home_hash in its health "
+                "answer)"
             )
             raise FleetserveError(
                 f"port {self.settings.api_port} is taken by {owner}; "

@@ -188,6 +188,11 @@ class ApiGuard:
             return
         headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
         problem = self.check(scope["method"], scope["path"], headers)
+        if problem is None and scope["path"] in OPEN_PATHS:
+            # An open route says more to a caller with the token (`request.state.token_ok`).
+            given = bearer(headers)
+            ok = given is not None and _same(given, self.token)
+            scope.setdefault("state", {})["token_ok"] = ok
         if problem is None and scope["method"] in WRITE_METHODS:
             # Bodies are read here, whole and bounded in size and time, before anything
             # parses them: a client that trickles one holds a connection for seconds, not

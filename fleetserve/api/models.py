@@ -143,8 +143,12 @@ class ErrorResponse(BaseModel):
 class Health(BaseModel):
     ok: bool
     version: str
-    pid: int
-    home: str
+    home_hash: str = Field(
+        description="A hash of the controller's home folder: a client tells its own "
+        "controller by it before sending the token (fleetserve.home.settings.home_hash)"
+    )
+    pid: int | None = Field(None, description="The controller's process id (with the token only)")
+    home: str | None = Field(None, description="The controller's home folder (with the token only)")
     role: str = Field(
         "active",
         description='"active", or "standby" when another controller holds the lease '
@@ -154,7 +158,7 @@ class Health(BaseModel):
         None,
         description="How the local infra stops a replica's or job's processes: each in a "
         'cgroup of its own ("cgroup v2: ..."), or "token scan only (why): ..." where cgroups '
-        "cannot be made (docs/security.md)",
+        "cannot be made (docs/security.md; with the token only)",
     )
 
 

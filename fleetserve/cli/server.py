@@ -22,7 +22,7 @@ from fleetserve.client import (
 )
 from fleetserve.core.errors import FleetserveError
 from fleetserve.home.folder import RunningController, running_controllers
-from fleetserve.home.settings import HomeSettings, is_loopback
+from fleetserve.home.settings import HomeSettings, home_hash, is_loopback
 
 server_app = typer.Typer(help="Manage the background controller.", no_args_is_help=True)
 
@@ -178,7 +178,7 @@ def _health_role(settings: HomeSettings, c: RunningController) -> str | None:
     try:
         with httpx.Client(trust_env=False, verify=False, timeout=2) as probe:
             body = probe.get(url).json()
-        if not isinstance(body, dict) or body.get("home") != str(settings.home):
+        if not isinstance(body, dict) or body.get("home_hash") != home_hash(settings.home):
             return None
         return str(body.get("role") or "")
     except (httpx.HTTPError, ValueError):

@@ -6,6 +6,7 @@ add the rest, which the controller checks when it starts."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import re
@@ -81,6 +82,14 @@ WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 def is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def home_hash(home: Path | str) -> str:
+    """What the open `/api/v1/health` says of the controller's home: enough for a client to
+    tell its own controller from another home's without sending its token, without telling
+    anyone who asks where the home is (its path names the user and the layout)."""
+    digest = hashlib.sha256(b"fleetserve-home\0" + str(home).encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fleetserve.home.settings import home_hash
 from tests.e2e.conftest import Fleet, endpoint_of, free_port
 
 pytestmark = pytest.mark.e2e
@@ -459,8 +460,8 @@ def test_a_public_address_needs_tls_and_a_remote_cli_works_over_it(
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a command as `nobody`")
 def test_the_token_never_goes_to_a_port_another_user_holds(fleet: Fleet) -> None:
-    """With the controller down, another user listens on its port and mimics /health: the CLI
-    refuses to send it the token."""
+    """With the controller down, another user listens on its port and mimics /health (the
+    home's hash included): the CLI refuses to send it the token."""
     fleet.cli("server", "start")  # makes the token
     _stop_controller(fleet)
     port = fleet.env["FLEETSERVE_API_PORT"]
@@ -471,8 +472,8 @@ def test_the_token_never_goes_to_a_port_another_user_holds(fleet: Fleet) -> None
         class H(BaseHTTPRequestHandler):
             def do_GET(self):
                 print("AUTH", self.headers.get("Authorization"), flush=True)
-                body = json.dumps({{"ok": True, "version": "x", "pid": 1,
-                                    "home": "{fleet.home}"}}).encode()
+                body = json.dumps({{"ok": True, "version": "x",
+                                    "home_hash": "{home_hash(fleet.home)}"}}).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

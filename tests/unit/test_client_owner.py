@@ -14,8 +14,9 @@ import pytest
 
 from fleetserve.client import Client
 from fleetserve.controller.settings import Settings
-from fleetserve.core.errors import InvalidSpec, TransientError, Unauthorized
+from fleetserve.core.errors import FleetserveError, InvalidSpec, TransientError, Unauthorized
 from fleetserve.core.sockets import listener_uids
+from fleetserve.home.settings import home_hash
 from tests.nobody import NOBODY, nobody_listening
 
 
@@ -82,6 +83,44 @@ def test_this_users_listener_gets_the_request(tmp_path: Path) -> None:
         with pytest.raises(Exception) as e:
             client.status()
         assert not isinstance(e.value, Unauthorized)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _serving_health(folder: Path, body: str) -> tuple[subprocess.Popen[bytes], int]:
+    """This user's throwaway server whose /api/v1/health answers `body`."""
+    (folder / "api" / "v1").mkdir(parents=True)
+    (folder / "api" / "v1" / "health").write_text(body)
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=folder,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while not listener_uids(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server, port
+
+
+@pytest.mark.parametrize("other", [True, False])
+def test_the_health_answer_tells_this_homes_controller_by_its_hash(
+    tmp_path: Path, other: bool
+) -> None:
+    """The open /health names no path: the client compares the home's hash, and a controller
+    of another home (same user, same port) is refused by name, not sent requests."""
+    home = tmp_path / "home"
+    said = home_hash(tmp_path / "elsewhere" if other else home)
+    server, port = _serving_health(tmp_path / "www", f'{{"ok": true, "home_hash": "{said}"}}')
+    try:
+        client = Client(settings=Settings(home=home, api_port=port), auto_start=False)
+        if other:
+            with pytest.raises(FleetserveError, match="another FLEETSERVE_HOME"):
+                client.reachability()
+        else:
+            assert client.reachability() == ("ok", "")
     finally:
         server.kill()
         server.wait()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -14,26 +14,30 @@ from fleetserve._version import __version__
 from fleetserve.api.deps import ERRORS, PREFIX, Ctl
 from fleetserve.api.models import Health
 from fleetserve.core.errors import NotFound
+from fleetserve.home.settings import home_hash
 from fleetserve.infra.cgroups import Cgroups
 from fleetserve.oshelpers.files import lines_naming, read_lines, while_alive
 
 router = APIRouter()
 
 
-@router.get(f"{PREFIX}/health", response_model=Health)
-async def health(ctl: Ctl) -> Health:
-    cgroups = getattr(ctl.infra, "cgroups", None)  # the local infra's (a fake has none)
-    processes = None
-    if isinstance(cgroups, Cgroups):
-        processes = await asyncio.to_thread(cgroups.describe)
-    return Health(
-        ok=True,
-        version=__version__,
-        pid=os.getpid(),
-        home=str(ctl.settings.home),
-        role=ctl.role,
-        processes=processes,
+@router.get(f"{PREFIX}/health", response_model=Health, response_model_exclude_none=True)
+async def health(ctl: Ctl, request: Request) -> Health:
+    """Open to anyone who can reach the API: whether it answers, its version, its role and a
+    hash of its home (a client tells its own controller by it). The pid, the home's path and
+    how local processes are stopped only with the token: they tell other local users and the
+    network where this user keeps the home and what runs there."""
+    answer = Health(
+        ok=True, version=__version__, home_hash=home_hash(ctl.settings.home), role=ctl.role
     )
+    if not getattr(request.state, "token_ok", False):
+        return answer
+    cgroups = getattr(ctl.infra, "cgroups", None)  # the local infra's (a fake has none)
+    if isinstance(cgroups, Cgroups):
+        answer.processes = await asyncio.to_thread(cgroups.describe)
+    answer.pid = os.getpid()
+    answer.home = str(ctl.settings.home)
+    return answer
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -62,7 +62,7 @@ class Fake:
     through_restarts = Client.through_restarts
 
     def health(self) -> Health:
-        return Health(ok=True, version="0", pid=1, home="/h", processes="cgroups")
+        return Health(ok=True, version="0", home_hash="x", pid=1, home="/h", processes="cgroups")
 
     def service(self, name: str) -> ServiceInfo:
         return Fake.views.pop(0) if len(Fake.views) > 1 else Fake.views[0]

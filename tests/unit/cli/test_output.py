@@ -83,7 +83,9 @@ class FakeClient:
         return [self.service(name)] if name else list(self.services)
 
     def health(self) -> Health:
-        return Health(ok=True, version="0", pid=1, home="/h", processes=self.processes)
+        return Health(
+            ok=True, version="0", home_hash="x", pid=1, home="/h", processes=self.processes
+        )
 
     def service(self, name: str) -> ServiceInfo:
         for s in self.services:
