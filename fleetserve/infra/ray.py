@@ -16,6 +16,7 @@ cluster's nodes declare (`ray start --resources '{"zone:us-east-1a": 100, "spot"
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import contextlib
 import json
@@ -44,6 +45,7 @@ from fleetserve.infra.replica import (
     replica_env,
     replica_layout,
 )
+from fleetserve.oshelpers.files import LineSplitter
 from fleetserve.spec.task_env import NODE_IPS, SETUP_NODE_IPS, task_env
 
 NAMESPACE = "fleetserve"
@@ -599,20 +601,18 @@ class RayInfra:
             actor = ray.get_actor(json.loads(handle)["actor"], namespace=NAMESPACE)
         except ValueError:
             return
-        offset, pending = 0, ""
+        offset, lines = 0, LineSplitter()
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (chunks cut characters)
         while True:
             try:
                 data, offset = await self._call(ray, actor.read_log.remote(offset))
             except Exception:
                 return
-            text = pending + data.decode(errors="replace")
-            lines = text.split("\n")
-            pending = lines.pop()
-            for line in lines:
-                yield line + "\n"
+            for line in lines.feed(utf8.decode(data)):
+                yield line
             if not data:
                 if not follow:
-                    if pending:
-                        yield pending
+                    for line in lines.end():
+                        yield line
                     return
                 await asyncio.sleep(0.5)

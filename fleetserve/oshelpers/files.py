@@ -14,6 +14,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 
 def open_private(path: Path) -> int:
@@ -26,6 +27,14 @@ def open_private(path: Path) -> int:
 
 
 TAIL_WINDOW = 256 * 1024  # bytes read from a log's end to find its last lines
+# The most of one line a reader holds: a process that writes a line of 90 MB (a dumped tensor,
+# a base64 blob) must not cost every `logs` reader that much memory. The rest is skipped and
+# counted in a note at the line's end.
+MAX_LINE_CHARS = 64 * 1024
+
+
+def _cut(line: str, more: int) -> str:
+    return f"{line.rstrip(chr(10))} [... line cut: {more} more characters]\n"
 
 
 def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
@@ -39,27 +48,105 @@ def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
     lines = data.decode(errors="replace").splitlines(keepends=True)
     if start > 0 and lines:
         lines = lines[1:]  # the first one is cut
-    return lines[-n:] if n > 0 else [], size
+    lines = lines[-n:] if n > 0 else []
+    return [
+        _cut(line[:MAX_LINE_CHARS], len(line.rstrip("\n")) - MAX_LINE_CHARS)
+        if len(line) > MAX_LINE_CHARS + 1
+        else line
+        for line in lines
+    ], size
+
+
+class LineSplitter:
+    """Lines out of text that comes in pieces (a log read in chunks from elsewhere), each at
+    most MAX_LINE_CHARS long (cut with a note): what it holds of an unfinished line is
+    bounded too."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.head = ""  # what is kept of the line being cut
+        self.skipped: int | None = None  # characters dropped of the line being cut
+
+    def feed(self, text: str) -> list[str]:
+        out = []
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        for line in lines:
+            if self.skipped is not None:  # the end of a line already cut
+                out.append(_cut(self.head, self.skipped + len(line)))
+                self.skipped = None
+            elif len(line) > MAX_LINE_CHARS:
+                out.append(_cut(line[:MAX_LINE_CHARS], len(line) - MAX_LINE_CHARS))
+            else:
+                out.append(line + "\n")
+        if len(self.pending) > MAX_LINE_CHARS:
+            if self.skipped is None:
+                self.head = self.pending[:MAX_LINE_CHARS]
+                self.skipped = len(self.pending) - MAX_LINE_CHARS
+            else:
+                self.skipped += len(self.pending)
+            self.pending = ""
+        return out
+
+    def end(self) -> list[str]:
+        """What is left at the end of the text: an unfinished line."""
+        if self.skipped is not None:
+            return [_cut(self.head, self.skipped + len(self.pending))]
+        return [self.pending] if self.pending else []
+
+
+def rotated_part(path: Path) -> Path:
+    """Where rotate_log keeps the older part of a log: `<name>.1`."""
+    return path.with_name(path.name + ".1")
+
+
+def _bounded_line(f: TextIO) -> str:
+    """The next line of `f`, at most MAX_LINE_CHARS of it (the rest skipped and counted); ""
+    at the end of the file. A line not yet ended (a follow at the file's end) comes as far as
+    it was written."""
+    line = f.readline(MAX_LINE_CHARS)
+    if len(line) < MAX_LINE_CHARS or line.endswith("\n"):
+        return line
+    more = 0
+    while True:  # skip the rest of the line, a piece at a time
+        piece = f.readline(MAX_LINE_CHARS)
+        more += len(piece.rstrip("\n"))
+        if piece.endswith("\n") or len(piece) < MAX_LINE_CHARS:
+            if more:
+                return _cut(line, more)
+            return line + "\n" if piece else line  # (exactly the bound; or not yet ended)
 
 
 async def read_lines(path: Path, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
-    """The lines of a log file (the last `tail` ones, if given); with `follow`, wait for it
-    and keep reading as it grows, from its start again when it was rotated (truncated)."""
+    """The lines of a log file (the last `tail` ones, if given), each at most MAX_LINE_CHARS
+    long (cut with a note); a log that was rotated (rotate_log) starts with its older part,
+    `<name>.1`, so that a process whose log was emptied by a rotation just before it ended
+    still shows its last lines. With `follow`, wait for it and keep reading as it grows,
+    from its start again when it was rotated (truncated)."""
     while follow and not path.exists():
         await asyncio.sleep(0.5)
     if not path.exists():
         return
+    older = rotated_part(path)
     offset = 0
     if tail is not None:
         lines, offset = tail_lines(path, tail)
+        if tail > 0 and len(lines) < tail:
+            with contextlib.suppress(OSError):
+                for line in tail_lines(older, tail - len(lines))[0]:
+                    yield line
         for line in lines:
             yield line
         if not follow:
             return
+    else:
+        with contextlib.suppress(OSError), open(older, errors="replace") as f:
+            while line := _bounded_line(f):
+                yield line
     with open(path, errors="replace") as f:
         f.seek(offset)
         while True:
-            line = f.readline()
+            line = _bounded_line(f)
             if line:
                 yield line
             elif follow:
@@ -194,7 +281,7 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
         return None
     if size <= (min(half, FULL_DISK_MIN) if disk_full else half):
         return None
-    old = path.with_name(path.name + ".1")
+    old = rotated_part(path)
     keep = min(size // 2 if disk_full else size, half)
     try:
         kept = _write_tail(path, old, size - keep)
