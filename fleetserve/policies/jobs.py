@@ -17,6 +17,9 @@ from fleetserve.core.types import JobRecord, JobStatus, ReplicaId
 DEFAULT_MAX_ATTEMPTS = 3  # starts of one job before a lost worker fails it
 DEFAULT_UPSCALE_DELAY = 5.0  # seconds the queue must stay long before workers are added
 DEFAULT_DOWNSCALE_DELAY = 60.0  # seconds with idle workers and no queue before they go
+# Jobs running at once on one worker, whatever their share of it: `cpus: 0.001` on a 4-CPU
+# worker would otherwise pack 4,000 processes (and their wrappers) onto it.
+MAX_JOBS_PER_WORKER = 64
 
 
 @dataclass(frozen=True)
@@ -82,12 +85,14 @@ def plan_dispatch(
       signal while its worker is gone was the worker's loss, not its own: requeued.
     - A running job whose worker is gone: requeued, up to `max_attempts` starts, then FAILED.
     - Queued jobs start in FIFO order (by job id) on the READY worker with the lowest id that
-      has room (`slots`); the queue's head waits for room rather than be overtaken.
+      has room (`slots`, and fewer than MAX_JOBS_PER_WORKER jobs running); the queue's head
+      waits for room rather than be overtaken.
     """
     workers = sorted(workers, key=lambda w: w.replica_id)
     alive = {w.replica_id for w in workers if w.alive}
     actions: list[JobAction] = []
     used: dict[ReplicaId, float] = {}
+    running: dict[ReplicaId, int] = {}
     pending: list[JobRecord] = []
     for job in sorted(jobs, key=lambda j: j.job_id):
         if job.status is JobStatus.PENDING:
@@ -117,12 +122,21 @@ def plan_dispatch(
         else:
             wid = job.worker_id or ReplicaId(0)
             used[wid] = used.get(wid, 0.0) + job.slots
+            running[wid] = running.get(wid, 0) + 1
     free = {w.replica_id: w.capacity - used.get(w.replica_id, 0.0) for w in workers if w.ready}
     for job in pending:
-        worker = next((wid for wid, room in free.items() if room + 1e-9 >= job.slots), None)
+        worker = next(
+            (
+                wid
+                for wid, room in free.items()
+                if room + 1e-9 >= job.slots and running.get(wid, 0) < MAX_JOBS_PER_WORKER
+            ),
+            None,
+        )
         if worker is None:
             break  # FIFO: the head of the queue waits for room
         free[worker] -= job.slots
+        running[worker] = running.get(worker, 0) + 1
         actions.append(StartJob(job.job_id, worker))
     return actions
 
@@ -147,7 +161,8 @@ def job_slots(
     job_accelerators: float | None,
 ) -> float:
     """The share of one worker a job takes (packing): the largest of its CPUs and accelerators
-    over the worker's; 1 (the whole worker) when the job or the pool names neither. Raises
+    over the worker's, at least 1 / MAX_JOBS_PER_WORKER; 1 (the whole worker) when the job or
+    the pool names neither. Raises
     ValueError when the job asks for more than a worker has."""
     shares = []
     for want, have, what in (
@@ -161,7 +176,9 @@ def job_slots(
         if want > have + 1e-9:
             raise ValueError(f"the job asks for {want:g} {what}, a worker has {have:g}")
         shares.append(want / have)
-    return max(shares) if shares else 1.0
+    # (never less than one of MAX_JOBS_PER_WORKER: the autoscaler sizes the pool by these
+    # shares, and a worker runs no more jobs than that at once)
+    return max(*shares, 1 / MAX_JOBS_PER_WORKER) if shares else 1.0
 
 
 def busy_workers(jobs: Iterable[JobRecord]) -> set[ReplicaId]:

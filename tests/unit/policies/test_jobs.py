@@ -7,6 +7,7 @@ import pytest
 
 from fleetserve.core.types import JobRecord, JobStatus
 from fleetserve.policies.jobs import (
+    MAX_JOBS_PER_WORKER,
     FinishJob,
     JobExit,
     PoolScale,
@@ -54,6 +55,18 @@ def test_the_head_of_the_queue_waits_rather_than_be_overtaken() -> None:
 def test_jobs_pack_on_a_worker_when_they_ask_for_less() -> None:
     jobs = [job(i, slots=0.5) for i in (1, 2, 3)]
     assert plan_dispatch([w(1)], jobs, {}) == [StartJob(1, 1), StartJob(2, 1)]
+
+
+def test_tiny_jobs_pack_no_more_than_the_bound_on_one_worker() -> None:
+    """`cpus: 0.001` on a 1-CPU worker: 64 jobs at once (the bound), the rest wait or go to
+    another worker; a running one counts against the bound."""
+    tiny = [job(i, slots=0.001) for i in range(1, MAX_JOBS_PER_WORKER + 11)]
+    started = plan_dispatch([w(1), w(2)], tiny, {})
+    on_first = [a for a in started if isinstance(a, StartJob) and a.worker_id == 1]
+    assert len(on_first) == MAX_JOBS_PER_WORKER
+    assert len(started) == MAX_JOBS_PER_WORKER + 10  # the rest on worker 2
+    running = [job(i, R, 1, slots=0.001) for i in range(1, MAX_JOBS_PER_WORKER + 1)]
+    assert plan_dispatch([w(1)], [*running, job(100, slots=0.001)], {}) == []
 
 
 def test_workers_not_ready_take_no_job() -> None:
@@ -135,6 +148,7 @@ def test_job_slots_pack_by_the_largest_share_and_refuse_what_does_not_fit() -> N
     assert job_slots(4, None, 1, None) == 0.25  # four 1-CPU jobs on a 4-CPU worker
     assert job_slots(8, 2, 2, 1) == 0.5  # the accelerators are the tighter share
     assert job_slots(None, None, 1, None) == 1.0  # the pool does not say: a worker each
+    assert job_slots(4, None, 0.001, None) == 1 / MAX_JOBS_PER_WORKER  # at least 1/64
     assert job_slots(4, 1, None, None) == 1.0  # the job does not say: a worker each
     with pytest.raises(ValueError, match="asks for 8 CPUs, a worker has 4"):
         job_slots(4, None, 8, None)
