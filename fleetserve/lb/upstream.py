@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -61,6 +62,9 @@ def _head_end(data: bytes) -> int | None:
     return None if end < 0 else end + 4
 
 
+_FRAMED = re.compile(rb"\r\n(?:content-length|transfer-encoding)[ \t]*:", re.I)
+
+
 def _body_in(data: bytes) -> bool:
     """Whether this first piece of an answer holds body bytes after its head (read only for a
     request whose head is held: move_waiting_requests)."""
@@ -88,6 +92,7 @@ class UpstreamConn(asyncio.Protocol):
         # used again.
         self.extra = False
         self.rewriter: ResponseRewriter | None = None
+        self.first = b""  # the answer's first read (its head, to tell how its body ends)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -116,6 +121,7 @@ class UpstreamConn(asyncio.Protocol):
         out = data
         if not self.got_bytes:
             self.got_bytes = True
+            self.first = data
             # plain_response_head, inlined: this runs for every response.
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None
@@ -229,8 +235,27 @@ class UpstreamConn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         ex, self.exchange = self.exchange, None
-        if ex is not None and not (self.done and not self.tunnel):
-            ex.upstream_lost(self.got_bytes, self.tunnel)
+        if ex is None or (self.done and not self.tunnel):
+            return
+        if exc is None and not self.tunnel and self._ends_with_close(ex):
+            # A response framed by neither Content-Length nor chunked ends when its
+            # connection does (RFC 9112 6.3; HTTP/1.0 servers): whole, not cut short. Its
+            # client learns the end the same way.
+            ex.keep_alive = False
+            if ex.first_byte is None:
+                ex.first_byte = self.pool.monotonic() - ex.sent_at
+                ex.prefilled()
+            ex.response_complete(False)
+            return
+        ex.upstream_lost(self.got_bytes, self.tunnel)
+
+    def _ends_with_close(self, ex: ExchangeSide) -> bool:
+        """Whether the answer begun here is one whose body runs until the connection closes:
+        a final status with a body, a head (in the first read) with no framing header."""
+        if self.status < 200 or self.status in (204, 304) or self.extra or ex.method == b"HEAD":
+            return False
+        end = _head_end(self.first)
+        return end is not None and _FRAMED.search(self.first, 0, end) is None
 
     def close(self) -> None:
         self.closed = True

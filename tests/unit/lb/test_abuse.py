@@ -750,3 +750,60 @@ async def test_an_upgrade_request_with_a_body_is_refused_not_left_hanging(serve:
         assert reply.seconds < 2
     assert replica.seen == []
     assert rejected(proxy, "bad_request") == 2
+
+
+class _ClosingReplica(asyncio.Protocol):
+    """Answers its first request with `answer`, then closes the connection: a body framed by
+    neither Content-Length nor chunked ends there (an HTTP/1.0 server)."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if b"\r\n\r\n" in data:
+            self.transport.write(self.answer)  # type: ignore[attr-defined]
+            self.transport.close()
+
+
+def upstream_errors(proxy: Proxy) -> float:
+    return sum(
+        s.value
+        for m in proxy.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "fleetserve_lb_upstream_errors_total"
+    )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nhello, all of it",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello, all of it",
+    ],
+    ids=["http10", "connection-close"],
+)
+async def test_a_body_that_ends_with_its_connection_is_whole_not_an_error(
+    start: Start, answer: bytes
+) -> None:
+    """A response with no Content-Length and no chunked framing ends when the replica closes:
+    the client gets all of it and the end (the connection closes), and the load balancer
+    counts no failed attempt (it counted each as a `mid_response` error, which made such a
+    replica look broken)."""
+    async with lb_in_front(start, lambda: _ClosingReplica(answer)) as proxy:
+        for _ in range(3):
+            reply = await converse(proxy.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", read_for=3)
+            assert reply.statuses == [200]
+            assert reply.data.endswith(b"hello, all of it") and reply.closed
+        assert upstream_errors(proxy) == 0
+
+
+async def test_a_close_delimited_body_cut_by_a_reset_is_still_an_error(start: Start) -> None:
+    """A head that says how long its body is, then the connection closes short: cut."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort"
+    async with lb_in_front(start, lambda: _ClosingReplica(answer)) as proxy:
+        reply = await converse(proxy.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", read_for=3)
+        assert reply.closed
+        assert upstream_errors(proxy) == 1
