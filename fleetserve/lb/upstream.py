@@ -104,6 +104,7 @@ class UpstreamConn(asyncio.Protocol):
         self.rewriter = None
         self.got_bytes = self.done = self.keep_alive = self.extra = False
         self.status = 0
+        self.first = b""
 
     def write(self, data: bytes | bytearray) -> None:
         if self.transport is not None and not self.closed:
@@ -357,6 +358,7 @@ class Pool:
 
     def release(self, conn: UpstreamConn) -> None:
         conn.exchange = None
+        conn.first = b""  # (an idle connection holds no answer's bytes)
         idle = self.idle.setdefault(conn.key, deque())
         if conn.closed or len(idle) >= IDLE_PER_REPLICA:
             conn.close()

@@ -131,7 +131,8 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
     offset = 0
     if tail is not None:
         lines, offset = tail_lines(path, tail)
-        if tail > 0 and len(lines) < tail:
+        if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW:
+            # (the whole log was read and holds fewer lines: the rest from its older part)
             with contextlib.suppress(OSError):
                 for line in tail_lines(older, tail - len(lines))[0]:
                     yield line

@@ -73,3 +73,14 @@ def test_lines_from_chunks_are_bounded_too() -> None:
         "q" * MAX_LINE_CHARS + " [... line cut: 3 more characters]\n"
     ]
     assert one.end() == []
+
+
+def test_a_long_log_with_long_lines_is_not_pieced_with_its_older_part(tmp_path: Path) -> None:
+    """The last 256 KiB of a big log hold fewer lines than asked for: those are its last
+    lines, nothing from `.1` (older than the rest of the log) is put before them."""
+    log = tmp_path / "r.log"
+    (tmp_path / "r.log.1").write_text("old line\n")
+    log.write_text("".join(f"{i} {'w' * 40_000}\n" for i in range(20)))
+    got = lines_of(log, tail=15)
+    assert "old line\n" not in got
+    assert got[-1].startswith("19 ")
