@@ -18,9 +18,6 @@ counts: `prefilling`; plus `decode_weight` per request it has in flight). A conv
 thus stays on the replica that holds its history while the queue there costs less than
 prefilling the history elsewhere, and goes elsewhere when it costs more: the trade is made
 per request in the unit that decides the time to first token, not by a fixed load margin.
-With `keep_share`, a prompt of which some replica holds more than that share competes only
-among the replicas holding that much (a later turn stays with its history; a mostly new
-prompt goes by cost).
 With `choice="match"` (the policy before 2026-12-05): the longest match, ties to the less
 loaded. With `choice="owner"`: the longest match, ties to a keeper rather than the less
 loaded, so that the conversations sharing a system prompt stay on one replica as
@@ -300,7 +297,6 @@ class CacheAware:
         choice: str = DEFAULT_CHOICE,
         decode_weight: float = DEFAULT_DECODE_WEIGHT,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
-        keep_share: float | None = None,
     ) -> None:
         if choice not in CHOICES:
             raise ValueError(
@@ -311,9 +307,6 @@ class CacheAware:
         self._costs = choice in ("cost", "cost_owner")  # the cost rule, with or without keeper
         self.decode_weight = decode_weight
         self.load_weight = load_weight
-        # The cost rule: a prompt of which a replica holds more than this share competes only
-        # among the replicas holding that much (None: all within max_extra_load compete).
-        self.keep_share = keep_share
         # The prompt blocks each replica still has to prefill for the requests sent to it that
         # have not answered their first byte: this process's (the load balancer's ReplicaSet
         # keeps it: WeighsPrefill) and the LB's other processes' (fleetserve.lb.index_share).
@@ -415,14 +408,9 @@ class CacheAware:
             depths = self.index.depths(keys, within)
             n = len(keys)
             weight = self.load_weight
-            pool = within
-            if self.keep_share is not None:
-                most = max(depths.values())
-                if most > self.keep_share * n:  # (mostly cached somewhere: kept there)
-                    pool = [rid for rid in within if depths[rid] >= most]
-            cost = {rid: n - depths[rid] + weight * self._queue(rid, inflight) for rid in pool}
+            cost = {rid: n - depths[rid] + weight * self._queue(rid, inflight) for rid in within}
             lowest = min(cost.values())
-            best = [rid for rid in pool if cost[rid] == lowest]
+            best = [rid for rid in within if cost[rid] == lowest]
             if len(best) > 1:  # (the least loaded of them, then the hash)
                 fewest = min(inflight.get(rid, 0) for rid in best)
                 best = [rid for rid in best if inflight.get(rid, 0) == fewest]

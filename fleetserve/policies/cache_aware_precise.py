@@ -123,17 +123,9 @@ class PreciseCacheAware(CacheAware):
         choice: str = CacheAware.DEFAULT_CHOICE,
         decode_weight: float = CacheAware.DEFAULT_DECODE_WEIGHT,
         load_weight: float = CacheAware.DEFAULT_LOAD_WEIGHT,
-        keep_share: float | None = None,
     ) -> None:
         super().__init__(
-            max_extra_load,
-            block_chars,
-            blocks,
-            max_body_bytes,
-            choice,
-            decode_weight,
-            load_weight,
-            keep_share,
+            max_extra_load, block_chars, blocks, max_body_bytes, choice, decode_weight, load_weight
         )
         self.precise = precise
         self.tokenizer = tokenizer

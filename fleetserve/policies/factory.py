@@ -50,7 +50,6 @@ def make_selector(
     cache_choice: str = CacheAware.DEFAULT_CHOICE,
     cache_decode_weight: float = CacheAware.DEFAULT_DECODE_WEIGHT,
     cache_load_weight: float = CacheAware.DEFAULT_LOAD_WEIGHT,
-    cache_keep_share: float | None = None,
 ) -> Selector:
     """The selector for a `load_balancing_policy` name."""
     if precise is not None and policy != "cache_aware":
@@ -76,7 +75,6 @@ def make_selector(
             cache_choice,
             cache_decode_weight,
             cache_load_weight,
-            cache_keep_share,
         )
         if precise is not None:
             return PreciseCacheAware(precise.index, precise.tokenizer, *settings)
@@ -105,5 +103,4 @@ def selector_for(
         cache_choice=options.cache_choice,
         cache_decode_weight=options.cache_decode_weight,
         cache_load_weight=options.cache_load_weight,
-        cache_keep_share=options.cache_keep_share,
     )

@@ -463,12 +463,6 @@ class LoadBalancerOptions(_Strict):
     cache_choice: Literal["cost", "match", "owner", "cost_owner"] = "cost"
     cache_decode_weight: Annotated[float, Field(ge=0, le=1000)] = 1.0
     cache_load_weight: Annotated[float, Field(ge=0, le=1000)] = 0.25
-    # cache_aware, cost rule: a prompt of which some replica holds more than this share goes
-    # to a replica holding that much (the cost chooses among them, max_extra_load still
-    # bounds them): a conversation's later turn stays with its history unless it is mostly
-    # new text, as sglang-router keeps it. Unset: every replica within max_extra_load competes
-    # on cost. docs/load-balancer.md.
-    cache_keep_share: Annotated[float, Field(gt=0, lt=1)] | None = None
     # cache_aware: log each choice with a prompt (one JSON line: each replica's matched blocks,
     # load, queued blocks and cost, and why the chosen one won) in the LB's log. A debug aid:
     # a line a request (docs/load-balancer.md).

@@ -540,45 +540,6 @@ def test_cost_options_are_checked() -> None:
     assert sel.load_weight == 0.5
 
 
-def test_keep_share_keeps_a_mostly_cached_turn_home_and_lets_a_mostly_new_one_go() -> None:
-    """With cache_keep_share, a later turn of which home holds more than that share stays home
-    whatever is queued there (within max_extra_load); one that is mostly new text (a long
-    message after a short history) competes on cost as without it."""
-    sel = CacheAware(block_chars=32, load_weight=1.0, keep_share=0.3)
-    load = {1: 0, 2: 0}
-    home = sel.select([1, 2], load, frozenset(), key_of(sel, history(4)))
-    assert home is not None
-    away = 2 if home == 1 else 1
-    sel.prefilling[home] = 10 * len(key_of(sel, history(5)).blocks)  # a long queue at home
-    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(5))) == home
-    # The same queue without keep_share: the cost rule sends it away.
-    plain = CacheAware(block_chars=32, load_weight=1.0)
-    assert plain.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(plain, history(4))) == home
-    plain.prefilling[home] = 10 * len(key_of(plain, history(5)).blocks)
-    assert plain.select([1, 2], {1: 0, 2: 0}, frozenset(), key_of(plain, history(5))) == away
-    # A turn that is mostly new text: home holds under 30% of it, so cost decides (away).
-    body = json.loads(history(5))
-    body["messages"][-1]["content"] = "a long new question " * 800
-    mostly_new = key_of(sel, json.dumps(body).encode())
-    assert sel.select([1, 2], load, frozenset(), mostly_new) == away
-    # max_extra_load still bounds home: 8 more in flight than the other, it goes away.
-    load[home] = CacheAware.DEFAULT_MAX_EXTRA_LOAD
-    assert sel.select([1, 2], load, frozenset(), key_of(sel, history(6))) == away
-
-
-def test_keep_share_is_checked_and_passed() -> None:
-    from pydantic import ValidationError
-
-    from fleetserve.spec.models import LoadBalancerOptions
-
-    for wrong in (0, 1, 1.5, -0.1):
-        with pytest.raises(ValidationError, match="cache_keep_share"):
-            LoadBalancerOptions(cache_keep_share=wrong)
-    assert LoadBalancerOptions().cache_keep_share is None
-    sel = make_selector("cache_aware", cache_keep_share=0.4)
-    assert isinstance(sel, CacheAware) and sel.keep_share == 0.4
-
-
 def test_the_load_weight_scales_the_queue_against_the_history() -> None:
     """The same queue at home: weighed in full it sends the turn away; at a quarter of its
     weight the cached history wins."""
