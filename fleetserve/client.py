@@ -348,6 +348,18 @@ class Client:
     def healthy(self) -> bool:
         return self.reachability()[0] == "ok"
 
+    def _home_hashes(self) -> set[str]:
+        """What this home's controller may say as `home_hash`: its path keyed with the token
+        this client holds, or with the home's token file (a wrong FLEETSERVE_API_TOKEN then
+        goes to this home's own controller, which refuses it: a 401 that says so); none
+        without a token (no controller of this home has started)."""
+        keys = set()
+        with contextlib.suppress(Unauthorized):
+            keys.add(self.token())
+        with contextlib.suppress(OSError):
+            keys.add(self.settings.token_file.read_text().strip())
+        return {home_hash(self.settings.home, key) for key in keys if key}
+
     def reachability(self) -> tuple[str, str]:
         """("ok", ""), ("missing", why): nothing accepts a connection there, or what answers
         is no fleetserve controller; or ("busy", why): something took the connection but did
@@ -383,9 +395,10 @@ class Client:
             found = dict(r.json()).get("home_hash")
         except (ValueError, TypeError):
             return "missing", "its /api/v1/health is not a fleetserve controller's"
-        if not self.remote and found != home_hash(self.settings.home):
+        if not self.remote and (not isinstance(found, str) or found not in self._home_hashes()):
             owner = (
-                "a fleetserve controller for another FLEETSERVE_HOME"
+                "a fleetserve controller for another FLEETSERVE_HOME (or one whose API token "
+                "is not the one this client holds)"
                 if isinstance(found, str)
                 else "another server (not a fleetserve controller: no home_hash in its health "
                 "answer)"

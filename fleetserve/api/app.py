@@ -21,6 +21,7 @@ from fleetserve.api.etag import ETags
 from fleetserve.api.routes import ROUTERS
 from fleetserve.controller.controller import Controller
 from fleetserve.home.folder import ensure_token
+from fleetserve.home.settings import home_hash
 from fleetserve.lb.wake import wake_token
 
 
@@ -63,6 +64,7 @@ def create_app(
         return wake_token(svc.lb_secret) if svc is not None and svc.lb_secret else None
 
     api_token = token if token is not None else ensure_token(ctl.settings.token_file)
+    app.state.home_hash = home_hash(ctl.settings.home, api_token)  # (the open /health's)
     sessions = Sessions(api_token)  # the dashboard's cookies, checked by the guard too
     app.state.sessions = sessions  # and by the connection guard (fleetserve.api.connections)
     add_dashboard(app, api_token, sessions, secure_cookie=ctl.settings.tls_certfile is not None)

@@ -144,8 +144,9 @@ class Health(BaseModel):
     ok: bool
     version: str
     home_hash: str = Field(
-        description="A hash of the controller's home folder: a client tells its own "
-        "controller by it before sending the token (fleetserve.home.settings.home_hash)"
+        description="The controller's home folder keyed with the API token (HMAC): a client "
+        "holding the token tells its own controller by it before sending the token "
+        "(fleetserve.home.settings.home_hash)"
     )
     pid: int | None = Field(None, description="The controller's process id (with the token only)")
     home: str | None = Field(None, description="The controller's home folder (with the token only)")

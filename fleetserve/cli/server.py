@@ -176,10 +176,11 @@ def _health_role(settings: HomeSettings, c: RunningController) -> str | None:
     not answer (as this home's controller)."""
     url = f"{c.url}/api/v1/health"
     try:
+        mine = home_hash(settings.home, settings.token_file.read_text().strip())
         with httpx.Client(trust_env=False, verify=False, timeout=2) as probe:
             body = probe.get(url).json()
-        if not isinstance(body, dict) or body.get("home_hash") != home_hash(settings.home):
+        if not isinstance(body, dict) or body.get("home_hash") != mine:
             return None
         return str(body.get("role") or "")
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError, OSError):
         return None

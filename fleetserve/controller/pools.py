@@ -28,6 +28,7 @@ from fleetserve.infra.jobs import JobRequest, JobRunner, WorkerBroken
 from fleetserve.policies.jobs import (
     DEFAULT_DOWNSCALE_DELAY,
     DEFAULT_UPSCALE_DELAY,
+    MAX_JOBS_PER_WORKER,
     FinishJob,
     JobExit,
     PoolScale,
@@ -125,7 +126,11 @@ class PoolRunner:
         pool = spec.service.pool
         assert pool is not None
         lo, hi = pool_bounds(pool)
-        queued, queued_slots, running = self.store.job_counts(self.pool)
+        # (a job stored before the share's floor counts for the floor: a worker runs no more
+        # than MAX_JOBS_PER_WORKER at once)
+        queued, queued_slots, running = self.store.job_counts(
+            self.pool, min_slots=1 / MAX_JOBS_PER_WORKER
+        )
         raw = self.store.get_policy_state(self.pool, STATE_KEY)
         state = PoolScale.from_json(raw) if raw else PoolScale(lo)
         now = self.clock.now()

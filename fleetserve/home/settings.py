@@ -7,6 +7,7 @@ add the rest, which the controller checks when it starts."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 import os
 import re
@@ -84,12 +85,14 @@ def is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def home_hash(home: Path | str) -> str:
-    """What the open `/api/v1/health` says of the controller's home: enough for a client to
-    tell its own controller from another home's without sending its token, without telling
-    anyone who asks where the home is (its path names the user and the layout)."""
-    digest = hashlib.sha256(b"fleetserve-home\0" + str(home).encode("utf-8", "surrogateescape"))
-    return digest.hexdigest()[:32]
+def home_hash(home: Path | str, token: str) -> str:
+    """What the open `/api/v1/health` says of the controller's home: its path keyed with the
+    API token (HMAC-SHA256), so that a client holding the token tells its own controller from
+    another home's, or from a stranger's, without sending the token, and nobody without the
+    token learns the path (a plain hash of `/home/<user>/.fleetserve` gives it back to a
+    guess)."""
+    message = b"fleetserve-home\0" + str(home).encode("utf-8", "surrogateescape")
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

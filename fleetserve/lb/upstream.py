@@ -93,6 +93,7 @@ class UpstreamConn(asyncio.Protocol):
         self.extra = False
         self.rewriter: ResponseRewriter | None = None
         self.first = b""  # the answer's first read (its head, to tell how its body ends)
+        self.interim = False  # an interim (1xx) answer came first: `first` holds its head
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -105,6 +106,7 @@ class UpstreamConn(asyncio.Protocol):
         self.got_bytes = self.done = self.keep_alive = self.extra = False
         self.status = 0
         self.first = b""
+        self.interim = False
 
     def write(self, data: bytes | bytearray) -> None:
         if self.transport is not None and not self.closed:
@@ -220,6 +222,7 @@ class UpstreamConn(asyncio.Protocol):
             return
         if 100 <= self.status < 200 and self.status != 101:
             self.status = 0  # an interim response (100 Continue): the real one follows
+            self.interim = True
             return
         assert self.parser is not None
         self.keep_alive = self.parser.should_keep_alive()  # only valid inside this callback
@@ -255,6 +258,8 @@ class UpstreamConn(asyncio.Protocol):
         a final status with a body, a head (in the first read) with no framing header."""
         if self.status < 200 or self.status in (204, 304) or self.extra or ex.method == b"HEAD":
             return False
+        if self.interim:
+            return False  # (the final head came after `first`: not read here, so not trusted)
         end = _head_end(self.first)
         return end is not None and _FRAMED.search(self.first, 0, end) is None
 

@@ -37,8 +37,9 @@ def _cut(line: str, more: int) -> str:
     return f"{line.rstrip(chr(10))} [... line cut: {more} more characters]\n"
 
 
-def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
-    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end."""
+def tail_lines(path: Path, n: int, starts_cut: bool = False) -> tuple[list[str], int]:
+    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end.
+    `starts_cut`: the file starts inside a line (a rotated part, `<name>.1`)."""
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
@@ -46,8 +47,12 @@ def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
         f.seek(start)
         data = f.read(size - start)
     lines = data.decode(errors="replace").splitlines(keepends=True)
-    if start > 0 and lines:
-        lines = lines[1:]  # the first one is cut
+    if (start > 0 or starts_cut) and lines:
+        if len(lines) == 1 and start > 0:
+            # One line longer than the window: its end, said to be cut.
+            lines = [f"[... line cut] {lines[0][-MAX_LINE_CHARS:]}"]
+        else:
+            lines = lines[1:]  # the first one is cut
     lines = lines[-n:] if n > 0 else []
     return [
         _cut(line[:MAX_LINE_CHARS], len(line.rstrip("\n")) - MAX_LINE_CHARS)
@@ -100,21 +105,41 @@ def rotated_part(path: Path) -> Path:
     return path.with_name(path.name + ".1")
 
 
-def _bounded_line(f: TextIO) -> str:
-    """The next line of `f`, at most MAX_LINE_CHARS of it (the rest skipped and counted); ""
-    at the end of the file. A line not yet ended (a follow at the file's end) comes as far as
-    it was written."""
-    line = f.readline(MAX_LINE_CHARS)
-    if len(line) < MAX_LINE_CHARS or line.endswith("\n"):
-        return line
-    more = 0
-    while True:  # skip the rest of the line, a piece at a time
-        piece = f.readline(MAX_LINE_CHARS)
-        more += len(piece.rstrip("\n"))
-        if piece.endswith("\n") or len(piece) < MAX_LINE_CHARS:
+class _BoundedLines:
+    """The lines of an open text file, each at most MAX_LINE_CHARS of it (the rest skipped
+    and counted). Following a file that is still being written, a long line is waited for
+    (across reads) until it ends, and comes once, cut."""
+
+    def __init__(self, f: TextIO) -> None:
+        self.f = f
+        self.head: str | None = None  # the kept part of a long line being skipped
+        self.more = 0  # characters of it skipped so far
+
+    def reset(self) -> None:
+        self.head, self.more = None, 0
+
+    def next(self, final: bool) -> str:
+        """The next line; "" at the end of the file (`final`: there is no more to wait for,
+        so a line not yet ended comes as far as it was written)."""
+        f = self.f
+        if self.head is None:
+            line = f.readline(MAX_LINE_CHARS)
+            if len(line) < MAX_LINE_CHARS or line.endswith("\n"):
+                return line
+            self.head = line
+        while True:  # skip the rest of the line, a piece at a time
+            piece = f.readline(MAX_LINE_CHARS)
+            self.more += len(piece.rstrip("\n"))
+            ended = piece.endswith("\n")
+            if not ended and len(piece) == MAX_LINE_CHARS:
+                continue
+            if not ended and not final:
+                return ""  # (the rest of this line is still to come)
+            head, more = self.head, self.more
+            self.reset()
             if more:
-                return _cut(line, more)
-            return line + "\n" if piece else line  # (exactly the bound; or not yet ended)
+                return _cut(head, more)
+            return head + "\n" if ended else head  # (exactly the bound)
 
 
 async def read_lines(path: Path, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
@@ -134,7 +159,7 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
         if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW:
             # (the whole log was read and holds fewer lines: the rest from its older part)
             with contextlib.suppress(OSError):
-                for line in tail_lines(older, tail - len(lines))[0]:
+                for line in tail_lines(older, tail - len(lines), starts_cut=True)[0]:
                     yield line
         for line in lines:
             yield line
@@ -142,12 +167,15 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
             return
     else:
         with contextlib.suppress(OSError), open(older, errors="replace") as f:
-            while line := _bounded_line(f):
+            part = _BoundedLines(f)
+            part.next(final=True)  # (it starts inside a line: rotate_log cut at a byte)
+            while line := part.next(final=True):
                 yield line
     with open(path, errors="replace") as f:
         f.seek(offset)
+        reader = _BoundedLines(f)
         while True:
-            line = _bounded_line(f)
+            line = reader.next(final=not follow)
             if line:
                 yield line
             elif follow:
@@ -155,6 +183,7 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                 with contextlib.suppress(OSError):
                     if os.fstat(f.fileno()).st_size < f.tell():
                         f.seek(0)  # rotated: the file was copied away and truncated
+                        reader.reset()
             else:
                 return
 

@@ -922,13 +922,15 @@ class Store:
         new_status = JobStatus(changes["status"]) if "status" in changes else job.status
         return dataclasses.replace(job, status=new_status, updated_at=now, **fields)
 
-    def job_counts(self, pool: str) -> tuple[int, float, float]:
-        """(queued jobs, their slots, running jobs' slots) of a pool, counted by the database."""
-        from sqlalchemy import func
+    def job_counts(self, pool: str, min_slots: float = 0.0) -> tuple[int, float, float]:
+        """(queued jobs, their slots, running jobs' slots) of a pool, counted by the database;
+        a job counts for at least `min_slots` (jobs stored with less before that floor)."""
+        from sqlalchemy import case, func
 
+        slots = case((t.jobs.c.slots < min_slots, min_slots), else_=t.jobs.c.slots)
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(t.jobs.c.status, func.count(), func.coalesce(func.sum(t.jobs.c.slots), 0))
+                select(t.jobs.c.status, func.count(), func.coalesce(func.sum(slots), 0))
                 .where(
                     t.jobs.c.pool == pool,
                     t.jobs.c.status.in_([JobStatus.PENDING.value, JobStatus.RUNNING.value]),

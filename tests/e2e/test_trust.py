@@ -465,6 +465,9 @@ def test_the_token_never_goes_to_a_port_another_user_holds(fleet: Fleet) -> None
     fleet.cli("server", "start")  # makes the token
     _stop_controller(fleet)
     port = fleet.env["FLEETSERVE_API_PORT"]
+    # The strongest thief: one whose /health answer is this home's own (it would need the
+    # token to make it; here the test gives it one).
+    perfect = home_hash(fleet.home, (fleet.home / "api-token").read_text().strip())
     fake = textwrap.dedent(
         f"""
         import json, sys
@@ -473,7 +476,7 @@ def test_the_token_never_goes_to_a_port_another_user_holds(fleet: Fleet) -> None
             def do_GET(self):
                 print("AUTH", self.headers.get("Authorization"), flush=True)
                 body = json.dumps({{"ok": True, "version": "x",
-                                    "home_hash": "{home_hash(fleet.home)}"}}).encode()
+                                    "home_hash": "{perfect}"}}).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

@@ -109,18 +109,24 @@ def _serving_health(folder: Path, body: str) -> tuple[subprocess.Popen[bytes], i
 def test_the_health_answer_tells_this_homes_controller_by_its_hash(
     tmp_path: Path, other: bool
 ) -> None:
-    """The open /health names no path: the client compares the home's hash, and a controller
-    of another home (same user, same port) is refused by name, not sent requests."""
+    """The open /health names no path: the client compares the home's hash (keyed with the
+    token it holds), and a controller of another home (same user, same port) is refused by
+    name, not sent requests; so is one whose hash was made with another token."""
     home = tmp_path / "home"
-    said = home_hash(tmp_path / "elsewhere" if other else home)
+    token = "k" * 43
+    said = home_hash(tmp_path / "elsewhere" if other else home, token)
     server, port = _serving_health(tmp_path / "www", f'{{"ok": true, "home_hash": "{said}"}}')
     try:
-        client = Client(settings=Settings(home=home, api_port=port), auto_start=False)
+        settings = Settings(home=home, api_port=port)
+        client = Client(settings=settings, auto_start=False, token=token)
         if other:
             with pytest.raises(FleetserveError, match="another FLEETSERVE_HOME"):
                 client.reachability()
         else:
             assert client.reachability() == ("ok", "")
+            other_token = Client(settings=settings, auto_start=False, token="j" * 43)
+            with pytest.raises(FleetserveError, match="another FLEETSERVE_HOME"):
+                other_token.reachability()
     finally:
         server.kill()
         server.wait()

@@ -14,7 +14,6 @@ from fleetserve._version import __version__
 from fleetserve.api.deps import ERRORS, PREFIX, Ctl
 from fleetserve.api.models import Health
 from fleetserve.core.errors import NotFound
-from fleetserve.home.settings import home_hash
 from fleetserve.infra.cgroups import Cgroups
 from fleetserve.oshelpers.files import lines_naming, read_lines, while_alive
 
@@ -28,7 +27,7 @@ async def health(ctl: Ctl, request: Request) -> Health:
     how local processes are stopped only with the token: they tell other local users and the
     network where this user keeps the home and what runs there."""
     answer = Health(
-        ok=True, version=__version__, home_hash=home_hash(ctl.settings.home), role=ctl.role
+        ok=True, version=__version__, home_hash=request.app.state.home_hash, role=ctl.role
     )
     if not getattr(request.state, "token_ok", False):
         return answer

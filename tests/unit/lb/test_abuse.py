@@ -807,3 +807,47 @@ async def test_a_close_delimited_body_cut_by_a_reset_is_still_an_error(start: St
         reply = await converse(proxy.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", read_for=3)
         assert reply.closed
         assert upstream_errors(proxy) == 1
+
+
+class _ScriptedReplica(asyncio.Protocol):
+    """Answers its first request with `pieces`, 50 ms apart, then closes."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if b"\r\n\r\n" in data:
+            asyncio.get_running_loop().create_task(self._answer())
+
+    async def _answer(self) -> None:
+        for piece in self.pieces:
+            self.transport.write(piece)  # type: ignore[attr-defined]
+            await asyncio.sleep(0.05)
+        self.transport.close()
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort"],
+        [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort"],
+        [
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel",
+        ],
+    ],
+    ids=["100-same-read", "100-two-reads", "103-chunked"],
+)
+async def test_a_body_cut_short_after_an_interim_answer_is_still_an_error(
+    start: Start, pieces: list[bytes]
+) -> None:
+    """After a 1xx, the final answer's head is not the first read's: a body shorter than its
+    Content-Length, or a chunked body without its end, is a failure when the replica closes
+    (found by an outside review: it was taken for a body that ends with its connection)."""
+    async with lb_in_front(start, lambda: _ScriptedReplica(pieces)) as proxy:
+        reply = await converse(proxy.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", read_for=3)
+        assert reply.closed
+        assert upstream_errors(proxy) == 1

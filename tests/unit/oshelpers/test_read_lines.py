@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from fleetserve.oshelpers.files import MAX_LINE_CHARS, LineSplitter, read_lines, rotate_log
@@ -84,3 +85,56 @@ def test_a_long_log_with_long_lines_is_not_pieced_with_its_older_part(tmp_path: 
     got = lines_of(log, tail=15)
     assert "old line\n" not in got
     assert got[-1].startswith("19 ")
+
+
+def test_a_rotated_part_does_not_start_with_a_piece_of_a_line(tmp_path: Path) -> None:
+    """rotate_log cuts at a byte (mid-line, even mid-character): a full read leaves out the
+    piece before the first line break of `.1`, as a tail does (found by an outside review)."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"record {i:03d} " + "é" * 20 + "\n" for i in range(100)))
+    assert rotate_log(log, cap_bytes=2 * 1001) is not None
+    for tail in (None, 1000):
+        got = lines_of(log, tail)
+        assert got and all(line.startswith("record ") for line in got), tail
+        assert got[-1].startswith("record 099 ")
+
+
+def test_a_long_line_followed_as_it_is_written_comes_once_cut(tmp_path: Path) -> None:
+    """A follower at the end of a file whose long line is still being written waits for its
+    end and shows it once, cut (it came as one cut line per read, then an empty one)."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("")
+
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True):
+                out.append(line)
+
+        task = asyncio.create_task(follow())
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+        try:
+            for _ in range(3):
+                os.write(fd, b"z" * (MAX_LINE_CHARS + 1000))
+                await asyncio.sleep(0.4)
+            os.write(fd, b"\nnext\n")
+            await asyncio.sleep(0.6)
+        finally:
+            os.close(fd)
+            task.cancel()
+        return out
+
+    out = asyncio.run(run())
+    assert len(out) == 2, [line[-60:] for line in out]
+    assert out[0].endswith(f" [... line cut: {2 * MAX_LINE_CHARS + 3000} more characters]\n")
+    assert out[1] == "next\n"
+
+
+def test_a_tail_of_one_huge_unended_line_shows_its_end_cut(tmp_path: Path) -> None:
+    log = tmp_path / "replica-1.log"
+    log.write_text("q" * 3_000_000)
+    assert len(lines_of(log)) == 1
+    got = lines_of(log, tail=5)
+    assert len(got) == 1 and got[0].startswith("[... line cut] q")
+    assert len(got[0]) < MAX_LINE_CHARS + 100

@@ -415,3 +415,15 @@ def test_a_home_upgraded_with_services_in_it_remembers_its_legacy_path(
     store.create_service("old", "y", "{}", 1.0)  # rows from before home ids
     store.claim_home(tmp_path / "b")
     assert store.legacy_home() == str(tmp_path / "b")
+
+
+def test_job_counts_count_each_job_for_at_least_the_floor(store: Store) -> None:
+    """Jobs stored with a share under the floor (before it existed) count for the floor, so
+    the pool autoscaler sizes the pool for how many jobs a worker runs at once."""
+    store.create_service("p", "y", "{}", 1.0)
+    store.add_jobs("p", None, "true", {}, 10, 0.001, [f"t{i}" for i in range(10)], 2.0)
+    store.add_jobs("p", None, "true", {}, 2, 0.5, ["u0", "u1"], 2.0)
+    queued, slots, running = store.job_counts("p")
+    assert queued == 12 and slots == pytest.approx(1.01) and running == 0
+    queued, slots, running = store.job_counts("p", min_slots=1 / 64)
+    assert queued == 12 and slots == pytest.approx(10 / 64 + 1.0)
