@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ from fleetserve.home.folder import (
 from fleetserve.home.settings import HomeSettings, home_hash
 from fleetserve.oshelpers.files import open_private
 
+_TOKEN = re.compile(r"[\x21-\x7e]{1,4096}")  # what any API token is made of
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 FAILED_SERVICE_STATUSES = ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")
 _T = TypeVar("_T")
@@ -318,6 +320,11 @@ class Client:
     def token(self) -> str:
         """The API token: given, from FLEETSERVE_API_TOKEN, or this home's token file."""
         if self._token:
+            if not _TOKEN.fullmatch(self._token):
+                raise Unauthorized(
+                    "FLEETSERVE_API_TOKEN is not an API token (it holds spaces, control or "
+                    "non-ASCII characters): unset it, or set the controller's token"
+                )
             return self._token
         path = self.settings.token_file
         try:
@@ -395,7 +402,10 @@ class Client:
             found = dict(r.json()).get("home_hash")
         except (ValueError, TypeError):
             return "missing", "its /api/v1/health is not a fleetserve controller's"
-        if not self.remote and (not isinstance(found, str) or found not in self._home_hashes()):
+        hashes = set() if self.remote else self._home_hashes()
+        if not self.remote and not hashes:
+            self.token()  # no token at all: says so (Unauthorized), not "another home"
+        if not self.remote and (not isinstance(found, str) or found not in hashes):
             owner = (
                 "a fleetserve controller for another FLEETSERVE_HOME (or one whose API token "
                 "is not the one this client holds)"

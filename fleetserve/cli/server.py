@@ -175,12 +175,14 @@ def _health_role(settings: HomeSettings, c: RunningController) -> str | None:
     """The controller's role from its health check ("" if it does not say), None if it does
     not answer (as this home's controller)."""
     url = f"{c.url}/api/v1/health"
-    try:
+    mine = None
+    with contextlib.suppress(OSError):  # (no token file: the answer cannot be checked)
         mine = home_hash(settings.home, settings.token_file.read_text().strip())
+    try:
         with httpx.Client(trust_env=False, verify=False, timeout=2) as probe:
             body = probe.get(url).json()
-        if not isinstance(body, dict) or body.get("home_hash") != mine:
-            return None
-        return str(body.get("role") or "")
-    except (httpx.HTTPError, ValueError, OSError):
+    except (httpx.HTTPError, ValueError):
         return None
+    if not isinstance(body, dict) or (mine is not None and body.get("home_hash") != mine):
+        return None
+    return str(body.get("role") or "")

@@ -92,7 +92,8 @@ def home_hash(home: Path | str, token: str) -> str:
     token learns the path (a plain hash of `/home/<user>/.fleetserve` gives it back to a
     guess)."""
     message = b"fleetserve-home\0" + str(home).encode("utf-8", "surrogateescape")
-    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()[:32]
+    key = token.encode("utf-8", "surrogateescape")
+    return hmac.new(key, message, hashlib.sha256).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,24 @@ def _head_end(data: bytes) -> int | None:
     return None if end < 0 else end + 4
 
 
-_FRAMED = re.compile(rb"\r\n(?:content-length|transfer-encoding)[ \t]*:", re.I)
+_FRAMING = re.compile(rb"\r\n(content-length|transfer-encoding)[ \t]*:([^\r\n]*)", re.I)
+MAX_HEAD_KEPT = 64 * 1024  # of an answer's head kept to tell how its body ends
+
+
+def _framed(head: bytes) -> bool:
+    """Whether a response head says where its body ends (RFC 9112 6.3): a Transfer-Encoding
+    whose last coding is chunked, or, without a Transfer-Encoding, a Content-Length. Else the
+    body runs until the connection closes."""
+    codings = b""
+    length = False
+    for name, value in _FRAMING.findall(head):
+        if name.lower() == b"transfer-encoding":
+            codings += b"," + value
+        else:
+            length = True
+    if codings:
+        return codings.rsplit(b",", 1)[-1].strip().lower() == b"chunked"
+    return length
 
 
 def _body_in(data: bytes) -> bool:
@@ -94,6 +111,7 @@ class UpstreamConn(asyncio.Protocol):
         self.rewriter: ResponseRewriter | None = None
         self.first = b""  # the answer's first read (its head, to tell how its body ends)
         self.interim = False  # an interim (1xx) answer came first: `first` holds its head
+        self.head_open = False  # `first` does not hold the whole head yet
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -106,7 +124,7 @@ class UpstreamConn(asyncio.Protocol):
         self.got_bytes = self.done = self.keep_alive = self.extra = False
         self.status = 0
         self.first = b""
-        self.interim = False
+        self.interim = self.head_open = False
 
     def write(self, data: bytes | bytearray) -> None:
         if self.transport is not None and not self.closed:
@@ -121,10 +139,16 @@ class UpstreamConn(asyncio.Protocol):
             ex.to_client(data)
             return
         head_seen = self.status != 0  # the head came in an earlier piece: this one is body
+        if self.head_open:  # (a head in several reads: kept whole, up to MAX_HEAD_KEPT)
+            self.first += data
+            self.head_open = (
+                b"\r\n\r\n" not in self.first.lstrip(b"\r\n") and len(self.first) < MAX_HEAD_KEPT
+            )
         out = data
         if not self.got_bytes:
             self.got_bytes = True
             self.first = data
+            self.head_open = b"\r\n\r\n" not in data.lstrip(b"\r\n")
             # plain_response_head, inlined: this runs for every response.
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None
@@ -260,8 +284,9 @@ class UpstreamConn(asyncio.Protocol):
             return False
         if self.interim:
             return False  # (the final head came after `first`: not read here, so not trusted)
-        end = _head_end(self.first)
-        return end is not None and _FRAMED.search(self.first, 0, end) is None
+        first = self.first.lstrip(b"\r\n")  # (blank lines before a status line are skipped)
+        end = _head_end(first)
+        return end is not None and not _framed(first[:end])
 
     def close(self) -> None:
         self.closed = True

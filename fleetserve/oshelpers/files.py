@@ -14,7 +14,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 
 def open_private(path: Path) -> int:
@@ -31,15 +31,15 @@ TAIL_WINDOW = 256 * 1024  # bytes read from a log's end to find its last lines
 # a base64 blob) must not cost every `logs` reader that much memory. The rest is skipped and
 # counted in a note at the line's end.
 MAX_LINE_CHARS = 64 * 1024
+HELD_LINE_POLLS = 5  # a follower shows a long unended line after this many idle 0.2 s polls
 
 
 def _cut(line: str, more: int) -> str:
     return f"{line.rstrip(chr(10))} [... line cut: {more} more characters]\n"
 
 
-def tail_lines(path: Path, n: int, starts_cut: bool = False) -> tuple[list[str], int]:
-    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end.
-    `starts_cut`: the file starts inside a line (a rotated part, `<name>.1`)."""
+def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
+    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end."""
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
@@ -47,10 +47,11 @@ def tail_lines(path: Path, n: int, starts_cut: bool = False) -> tuple[list[str],
         f.seek(start)
         data = f.read(size - start)
     lines = data.decode(errors="replace").splitlines(keepends=True)
-    if (start > 0 or starts_cut) and lines:
+    if start > 0 and lines:
         if len(lines) == 1 and start > 0:
             # One line longer than the window: its end, said to be cut.
-            lines = [f"[... line cut] {lines[0][-MAX_LINE_CHARS:]}"]
+            mark = "[... line cut] "
+            lines = [mark + lines[0][-(MAX_LINE_CHARS - len(mark)) :]]
         else:
             lines = lines[1:]  # the first one is cut
     lines = lines[-n:] if n > 0 else []
@@ -118,6 +119,15 @@ class _BoundedLines:
     def reset(self) -> None:
         self.head, self.more = None, 0
 
+    def held(self) -> str:
+        """The long line being waited for, as far as it came (cut), and forget it; "" if
+        none: shown when its file is rotated under it, or its writer stopped mid-line."""
+        if self.head is None:
+            return ""
+        head, more = self.head, self.more
+        self.reset()
+        return _cut(head, more) if more else head
+
     def next(self, final: bool) -> str:
         """The next line; "" at the end of the file (`final`: there is no more to wait for,
         so a line not yet ended comes as far as it was written)."""
@@ -159,7 +169,7 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
         if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW:
             # (the whole log was read and holds fewer lines: the rest from its older part)
             with contextlib.suppress(OSError):
-                for line in tail_lines(older, tail - len(lines), starts_cut=True)[0]:
+                for line in tail_lines(older, tail - len(lines))[0]:
                     yield line
         for line in lines:
             yield line
@@ -168,22 +178,34 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
     else:
         with contextlib.suppress(OSError), open(older, errors="replace") as f:
             part = _BoundedLines(f)
-            part.next(final=True)  # (it starts inside a line: rotate_log cut at a byte)
             while line := part.next(final=True):
                 yield line
     with open(path, errors="replace") as f:
         f.seek(offset)
         reader = _BoundedLines(f)
+        idle = 0  # polls at the end of the file in which it did not grow
+        seen = -1  # its size at the last poll
         while True:
             line = reader.next(final=not follow)
             if line:
+                idle = 0
                 yield line
             elif follow:
                 await asyncio.sleep(0.2)
+                rotated = False
                 with contextlib.suppress(OSError):
-                    if os.fstat(f.fileno()).st_size < f.tell():
-                        f.seek(0)  # rotated: the file was copied away and truncated
-                        reader.reset()
+                    size = os.fstat(f.fileno()).st_size
+                    rotated = size < f.tell()
+                    idle = idle + 1 if size == seen else 0
+                    seen = size
+                if rotated or idle >= HELD_LINE_POLLS:
+                    # A long line held (its writer stopped mid-line, or the file was rotated
+                    # under it) is shown as far as it came rather than lost.
+                    if held := reader.held():
+                        yield held
+                    idle = 0
+                if rotated:
+                    f.seek(0)  # the file was copied away and truncated
             else:
                 return
 
@@ -274,17 +296,34 @@ class Rotated:
     full_disk: bool
 
 
+LINE_SEARCH_BYTES = 64 * 1024  # how far past a cut rotate_log looks for the next line
+
+
+def _line_start(f: BinaryIO, start: int, end: int) -> int:
+    """`start`, or where the first line after it begins if it falls inside one (within
+    LINE_SEARCH_BYTES and before `end`): `<name>.1` starts with a whole line."""
+    if start <= 0:
+        return 0
+    f.seek(start - 1)
+    ahead = f.read(min(LINE_SEARCH_BYTES, end - start) + 1)
+    if ahead[:1] == b"\n":
+        return start
+    at = ahead.find(b"\n", 1)
+    return start if at < 0 or start + at >= end else start + at
+
+
 def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> int:
     """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (what it
-    had then: a writer that goes on does not make this longer), or `data`; returns how many
-    bytes it holds."""
+    had then: a writer that goes on does not make this longer; from the first line that
+    begins there), or `data`; returns how many bytes it holds."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with open(fd, "wb") as out:
         if data is not None:
             out.write(data)
         else:
             with open(src, "rb") as f:
-                left = os.fstat(f.fileno()).st_size - f.seek(start)
+                size = os.fstat(f.fileno()).st_size
+                left = size - f.seek(_line_start(f, start, size))
                 while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
                     out.write(chunk)
                     left -= len(chunk)
@@ -329,7 +368,7 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         end = f.tell()
-        f.seek(max(0, end - min(keep, FULL_DISK_TAIL)))
+        f.seek(_line_start(f, max(0, end - min(keep, FULL_DISK_TAIL)), end))
         tail = f.read()
     os.truncate(path, 0)
     try:

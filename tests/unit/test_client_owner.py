@@ -130,3 +130,30 @@ def test_the_health_answer_tells_this_homes_controller_by_its_hash(
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.mark.parametrize("token", ["t\udcffoken", "tökén-wrong", " ", "two words"])
+def test_a_token_that_is_no_token_is_refused_as_such(tmp_path: Path, token: str) -> None:
+    """A FLEETSERVE_API_TOKEN with spaces, control or non-ASCII characters (an API token has
+    none) is refused with a clear error (exit 7), not a traceback from hashing or sending it."""
+    client = Client(settings=Settings(home=tmp_path), auto_start=False, token=token)
+    with pytest.raises(Unauthorized, match="not an API token"):
+        client.token()
+
+
+def test_a_home_without_its_token_file_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This home's token file gone while a controller answers: the client says the token is
+    missing, not that another home holds the port (second review)."""
+    monkeypatch.delenv("FLEETSERVE_API_TOKEN", raising=False)
+    home = tmp_path / "home"
+    said = home_hash(home, "k" * 43)
+    server, port = _serving_health(tmp_path / "www", f'{{"ok": true, "home_hash": "{said}"}}')
+    try:
+        client = Client(settings=Settings(home=home, api_port=port), auto_start=False)
+        with pytest.raises(Unauthorized, match="no API token"):
+            client.reachability()
+    finally:
+        server.kill()
+        server.wait()

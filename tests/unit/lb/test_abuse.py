@@ -851,3 +851,32 @@ async def test_a_body_cut_short_after_an_interim_answer_is_still_an_error(
         reply = await converse(proxy.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", read_for=3)
         assert reply.closed
         assert upstream_errors(proxy) == 1
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b"HTTP/1.0 200 OK\r\n", b"Content-Type: text/plain\r\n\r\nhello, all of it"],
+        [b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n", b"\r\nhello, all of it"],
+        [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhello, all of it"],
+    ],
+    ids=["status-line-alone", "head-end-alone", "transfer-encoding-not-chunked"],
+)
+async def test_a_whole_close_delimited_answer_is_no_error_however_its_head_comes(
+    start: Start, pieces: list[bytes]
+) -> None:
+    """A head in several reads, or a Transfer-Encoding whose last coding is not chunked (its
+    body ends with the connection: RFC 9112 6.3), is still a whole answer (second review)."""
+    async with lb_in_front(start, lambda: _ScriptedReplica(pieces)) as proxy:
+        reply = await converse(proxy.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", read_for=3)
+        assert reply.statuses == [200] and reply.closed
+        assert reply.data.endswith(b"hello, all of it")
+        assert upstream_errors(proxy) == 0
+
+
+async def test_blank_lines_before_the_status_line_do_not_hide_its_length(start: Start) -> None:
+    pieces = [b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort"]
+    async with lb_in_front(start, lambda: _ScriptedReplica(pieces)) as proxy:
+        reply = await converse(proxy.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", read_for=3)
+        assert reply.closed
+        assert upstream_errors(proxy) == 1

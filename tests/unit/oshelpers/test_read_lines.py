@@ -138,3 +138,76 @@ def test_a_tail_of_one_huge_unended_line_shows_its_end_cut(tmp_path: Path) -> No
     got = lines_of(log, tail=5)
     assert len(got) == 1 and got[0].startswith("[... line cut] q")
     assert len(got[0]) < MAX_LINE_CHARS + 100
+
+
+def test_a_rotation_cut_on_a_line_boundary_keeps_every_line(tmp_path: Path) -> None:
+    """`.1` starts with a whole line, whether the cut fell between two lines or inside one:
+    no reader has to drop a piece, and no whole line is dropped (second review)."""
+    for size in (10, 13):  # 200 / 2 falls on a boundary of 10-byte lines, not of 13-byte ones
+        log = tmp_path / f"r{size}.log"
+        log.write_text("".join(f"line {i:0{size - 6}d}\n" for i in range(100)))
+        assert rotate_log(log, cap_bytes=200) is not None
+        with open(log, "a") as f:
+            f.write("after\n")
+        got = lines_of(log)
+        assert got[-1] == "after\n" and all(line.startswith("line ") for line in got[:-1])
+        numbers = [int(line.split()[1]) for line in got[:-1]]
+        assert numbers == list(range(numbers[0], 100)), size
+        assert 100 - numbers[0] == 100 // size, size  # all the whole lines of the kept half
+        assert lines_of(log, tail=50) == got
+
+
+def follow_while(log: Path, act: object, settle: float = 0.6) -> list[str]:
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True):
+                out.append(line)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.4)
+        await act()  # type: ignore[operator]
+        await asyncio.sleep(settle)
+        task.cancel()
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_long_line_held_at_a_rotation_is_shown_not_lost(tmp_path: Path) -> None:
+    log = tmp_path / "replica-1.log"
+    log.write_text("first\n")
+
+    async def act() -> None:
+        with open(log, "a") as f:
+            f.write("A" * (MAX_LINE_CHARS + 5000))
+        await asyncio.sleep(0.5)
+        rotate_log(log, cap_bytes=100)
+        with open(log, "a") as f:
+            f.write("tail-of-A\nnext\n")
+
+    out = follow_while(log, act)
+    assert out[0] == "first\n"
+    assert out[1].startswith("AAAA") and "line cut" in out[1]
+    assert out[-1] == "next\n"
+
+
+def test_a_long_unended_last_line_is_shown_to_a_follower(tmp_path: Path) -> None:
+    """A process that stopped in the middle of a long line (a crash mid-dump): a follower
+    shows the line, cut, after a second without more of it."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("first\n" + "B" * (MAX_LINE_CHARS + 10))
+
+    async def act() -> None:
+        return None
+
+    out = follow_while(log, act, settle=1.6)
+    assert out == ["first\n", "B" * MAX_LINE_CHARS + " [... line cut: 10 more characters]\n"]
+
+
+def test_the_tail_of_one_huge_line_shows_its_real_end(tmp_path: Path) -> None:
+    log = tmp_path / "replica-1.log"
+    log.write_text("q" * 3_000_000 + "THE-END")
+    got = lines_of(log, tail=5)
+    assert len(got) == 1 and got[0].endswith("THE-END") and "more characters" not in got[0]
