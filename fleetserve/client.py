@@ -355,7 +355,7 @@ class Client:
     def healthy(self) -> bool:
         return self.reachability()[0] == "ok"
 
-    def _home_hashes(self) -> set[str]:
+    def home_hashes(self) -> set[str]:
         """What this home's controller may say as `home_hash`: its path keyed with the token
         this client holds, or with the home's token file (a wrong FLEETSERVE_API_TOKEN then
         goes to this home's own controller, which refuses it: a 401 that says so); none
@@ -402,10 +402,12 @@ class Client:
             found = dict(r.json()).get("home_hash")
         except (ValueError, TypeError):
             return "missing", "its /api/v1/health is not a fleetserve controller's"
-        hashes = set() if self.remote else self._home_hashes()
-        if not self.remote and not hashes:
+        if self.remote:
+            return "ok", ""
+        hashes = self.home_hashes()
+        if not hashes:
             self.token()  # no token at all: says so (Unauthorized), not "another home"
-        if not self.remote and (not isinstance(found, str) or found not in hashes):
+        if not isinstance(found, str) or found not in hashes:
             owner = (
                 "a fleetserve controller for another FLEETSERVE_HOME (or one whose API token "
                 "is not the one this client holds)"

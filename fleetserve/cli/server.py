@@ -22,7 +22,7 @@ from fleetserve.client import (
 )
 from fleetserve.core.errors import FleetserveError
 from fleetserve.home.folder import RunningController, running_controllers
-from fleetserve.home.settings import HomeSettings, home_hash, is_loopback
+from fleetserve.home.settings import HomeSettings, is_loopback
 
 server_app = typer.Typer(help="Manage the background controller.", no_args_is_help=True)
 
@@ -175,14 +175,15 @@ def _health_role(settings: HomeSettings, c: RunningController) -> str | None:
     """The controller's role from its health check ("" if it does not say), None if it does
     not answer (as this home's controller)."""
     url = f"{c.url}/api/v1/health"
-    mine = None
-    with contextlib.suppress(OSError):  # (no token file: the answer cannot be checked)
-        mine = home_hash(settings.home, settings.token_file.read_text().strip())
+    # (no token at all: the answer cannot be checked, the process is known from its file)
+    with Client(settings=settings, auto_start=False) as client:
+        mine = client.home_hashes()
     try:
         with httpx.Client(trust_env=False, verify=False, timeout=2) as probe:
             body = probe.get(url).json()
     except (httpx.HTTPError, ValueError):
         return None
-    if not isinstance(body, dict) or (mine is not None and body.get("home_hash") != mine):
+    said = body.get("home_hash") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or (mine and not (isinstance(said, str) and said in mine)):
         return None
     return str(body.get("role") or "")

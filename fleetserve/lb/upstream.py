@@ -111,7 +111,6 @@ class UpstreamConn(asyncio.Protocol):
         self.rewriter: ResponseRewriter | None = None
         self.first = b""  # the answer's first read (its head, to tell how its body ends)
         self.interim = False  # an interim (1xx) answer came first: `first` holds its head
-        self.head_open = False  # `first` does not hold the whole head yet
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -124,7 +123,7 @@ class UpstreamConn(asyncio.Protocol):
         self.got_bytes = self.done = self.keep_alive = self.extra = False
         self.status = 0
         self.first = b""
-        self.interim = self.head_open = False
+        self.interim = False
 
     def write(self, data: bytes | bytearray) -> None:
         if self.transport is not None and not self.closed:
@@ -139,16 +138,12 @@ class UpstreamConn(asyncio.Protocol):
             ex.to_client(data)
             return
         head_seen = self.status != 0  # the head came in an earlier piece: this one is body
-        if self.head_open:  # (a head in several reads: kept whole, up to MAX_HEAD_KEPT)
-            self.first += data
-            self.head_open = (
-                b"\r\n\r\n" not in self.first.lstrip(b"\r\n") and len(self.first) < MAX_HEAD_KEPT
-            )
+        if self.got_bytes and not head_seen and len(self.first) < MAX_HEAD_KEPT:
+            self.first += data  # (a head in several reads: the parser has not ended it yet)
         out = data
         if not self.got_bytes:
             self.got_bytes = True
             self.first = data
-            self.head_open = b"\r\n\r\n" not in data.lstrip(b"\r\n")
             # plain_response_head, inlined: this runs for every response.
             m = None if data[9:10] == b"1" else RESPONSE_HOP_PATTERN.search(data)
             plain = m is not None and m.group(1) is None

@@ -38,6 +38,12 @@ def _cut(line: str, more: int) -> str:
     return f"{line.rstrip(chr(10))} [... line cut: {more} more characters]\n"
 
 
+def _bounded(line: str) -> str:
+    """A whole line (its newline, if any, not counted), cut past MAX_LINE_CHARS."""
+    more = len(line.rstrip("\n")) - MAX_LINE_CHARS
+    return _cut(line[:MAX_LINE_CHARS], more) if more > 0 else line
+
+
 def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
     """The last `n` lines of a file (from its last 256 KiB) and the offset of its end."""
     with open(path, "rb") as f:
@@ -48,19 +54,13 @@ def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
         data = f.read(size - start)
     lines = data.decode(errors="replace").splitlines(keepends=True)
     if start > 0 and lines:
-        if len(lines) == 1 and start > 0:
+        if len(lines) == 1:
             # One line longer than the window: its end, said to be cut.
             mark = "[... line cut] "
             lines = [mark + lines[0][-(MAX_LINE_CHARS - len(mark)) :]]
         else:
             lines = lines[1:]  # the first one is cut
-    lines = lines[-n:] if n > 0 else []
-    return [
-        _cut(line[:MAX_LINE_CHARS], len(line.rstrip("\n")) - MAX_LINE_CHARS)
-        if len(line) > MAX_LINE_CHARS + 1
-        else line
-        for line in lines
-    ], size
+    return [_bounded(line) for line in (lines[-n:] if n > 0 else [])], size
 
 
 class LineSplitter:
@@ -81,10 +81,8 @@ class LineSplitter:
             if self.skipped is not None:  # the end of a line already cut
                 out.append(_cut(self.head, self.skipped + len(line)))
                 self.skipped = None
-            elif len(line) > MAX_LINE_CHARS:
-                out.append(_cut(line[:MAX_LINE_CHARS], len(line) - MAX_LINE_CHARS))
             else:
-                out.append(line + "\n")
+                out.append(_bounded(line + "\n"))
         if len(self.pending) > MAX_LINE_CHARS:
             if self.skipped is None:
                 self.head = self.pending[:MAX_LINE_CHARS]

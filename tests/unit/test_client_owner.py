@@ -62,19 +62,25 @@ def test_a_remote_url_must_be_https(tmp_path: Path) -> None:
     Client(url="https://fleet.example:46580", settings=settings, token="t" * 43).close()
 
 
-def test_this_users_listener_gets_the_request(tmp_path: Path) -> None:
-    """The positive case, with a throwaway HTTP server of this user."""
+def _serving(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """This user's throwaway HTTP server of `folder`'s files, listening, and its port."""
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=tmp_path,
+        cwd=folder,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    deadline = time.monotonic() + 10
+    while not listener_uids(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server, port
+
+
+def test_this_users_listener_gets_the_request(tmp_path: Path) -> None:
+    """The positive case, with a throwaway HTTP server of this user."""
+    server, port = _serving(tmp_path)
     try:
-        deadline = time.monotonic() + 10
-        while not listener_uids(port) and time.monotonic() < deadline:
-            time.sleep(0.05)
         client = Client(
             settings=Settings(home=tmp_path, api_port=port), auto_start=False, token="t" * 43
         )
@@ -92,17 +98,7 @@ def _serving_health(folder: Path, body: str) -> tuple[subprocess.Popen[bytes], i
     """This user's throwaway server whose /api/v1/health answers `body`."""
     (folder / "api" / "v1").mkdir(parents=True)
     (folder / "api" / "v1" / "health").write_text(body)
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=folder,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while not listener_uids(port) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return server, port
+    return _serving(folder)
 
 
 @pytest.mark.parametrize("other", [True, False])

@@ -99,11 +99,8 @@ def test_a_rotated_part_does_not_start_with_a_piece_of_a_line(tmp_path: Path) ->
         assert got[-1].startswith("record 099 ")
 
 
-def test_a_long_line_followed_as_it_is_written_comes_once_cut(tmp_path: Path) -> None:
-    """A follower at the end of a file whose long line is still being written waits for its
-    end and shows it once, cut (it came as one cut line per read, then an empty one)."""
-    log = tmp_path / "replica-1.log"
-    log.write_text("")
+def follow_while(log: Path, act: object, settle: float = 0.6) -> list[str]:
+    """What a follower of `log` read while `act()` ran, and `settle` seconds after."""
 
     async def run() -> list[str]:
         out: list[str] = []
@@ -113,19 +110,32 @@ def test_a_long_line_followed_as_it_is_written_comes_once_cut(tmp_path: Path) ->
                 out.append(line)
 
         task = asyncio.create_task(follow())
+        await asyncio.sleep(0.4)
+        await act()  # type: ignore[operator]
+        await asyncio.sleep(settle)
+        task.cancel()
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_long_line_followed_as_it_is_written_comes_once_cut(tmp_path: Path) -> None:
+    """A follower at the end of a file whose long line is still being written waits for its
+    end and shows it once, cut (it came as one cut line per read, then an empty one)."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("")
+
+    async def act() -> None:
         fd = os.open(log, os.O_WRONLY | os.O_APPEND)
         try:
             for _ in range(3):
                 os.write(fd, b"z" * (MAX_LINE_CHARS + 1000))
                 await asyncio.sleep(0.4)
             os.write(fd, b"\nnext\n")
-            await asyncio.sleep(0.6)
         finally:
             os.close(fd)
-            task.cancel()
-        return out
 
-    out = asyncio.run(run())
+    out = follow_while(log, act)
     assert len(out) == 2, [line[-60:] for line in out]
     assert out[0].endswith(f" [... line cut: {2 * MAX_LINE_CHARS + 3000} more characters]\n")
     assert out[1] == "next\n"
@@ -155,24 +165,6 @@ def test_a_rotation_cut_on_a_line_boundary_keeps_every_line(tmp_path: Path) -> N
         assert numbers == list(range(numbers[0], 100)), size
         assert 100 - numbers[0] == 100 // size, size  # all the whole lines of the kept half
         assert lines_of(log, tail=50) == got
-
-
-def follow_while(log: Path, act: object, settle: float = 0.6) -> list[str]:
-    async def run() -> list[str]:
-        out: list[str] = []
-
-        async def follow() -> None:
-            async for line in read_lines(log, follow=True):
-                out.append(line)
-
-        task = asyncio.create_task(follow())
-        await asyncio.sleep(0.4)
-        await act()  # type: ignore[operator]
-        await asyncio.sleep(settle)
-        task.cancel()
-        return out
-
-    return asyncio.run(run())
 
 
 def test_a_long_line_held_at_a_rotation_is_shown_not_lost(tmp_path: Path) -> None:
