@@ -9,6 +9,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import io
 import os
 import re
 from collections.abc import AsyncIterator, Callable
@@ -113,6 +114,7 @@ class _BoundedLines:
         self.f = f
         self.head: str | None = None  # the kept part of a long line being skipped
         self.more = 0  # characters of it skipped so far
+        self.cut = False  # whether the last line returned was cut
 
     def reset(self) -> None:
         self.head, self.more = None, 0
@@ -130,6 +132,7 @@ class _BoundedLines:
         """The next line; "" at the end of the file (`final`: there is no more to wait for,
         so a line not yet ended comes as far as it was written)."""
         f = self.f
+        self.cut = False
         if self.head is None:
             line = f.readline(MAX_LINE_CHARS)
             if len(line) < MAX_LINE_CHARS or line.endswith("\n"):
@@ -146,8 +149,83 @@ class _BoundedLines:
             head, more = self.head, self.more
             self.reset()
             if more:
+                self.cut = True
                 return _cut(head, more)
             return head + "\n" if ended else head  # (exactly the bound)
+
+
+RESUME_CHARS = 4096  # how much of what a follower read last it looks for after a rotation
+RESUME_WINDOW = 1024 * 1024  # how far from the end of `<name>.1` it looks
+
+
+def _before(path: Path, offset: int) -> str:
+    """The last whole lines of `path` before byte `offset` (at most RESUME_CHARS of them)."""
+    if offset <= 0:
+        return ""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        start = max(0, offset - RESUME_CHARS)
+        f.seek(start)
+        text = f.read(offset - start).decode(errors="replace")
+        if start > 0:  # (from the first whole line: a cut character does not match)
+            text = text[text.find("\n") + 1 :] if "\n" in text else ""
+        return text
+    return ""
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _overlap(recent: str, text: str) -> int:
+    """How much of `text`'s start is the end of `recent`, in whole lines of `recent` (the most
+    of them that match); 0 if none."""
+    start = 0
+    while start < len(recent):
+        if text.startswith(recent[start:]):
+            return len(recent) - start
+        start = recent.find("\n", start) + 1
+        if start == 0:
+            break
+    return 0
+
+
+def _missed(older: Path, recent: str | None, skip_line: bool) -> list[str]:
+    """What a follower missed when its log was rotated under it: the lines `<name>.1` holds
+    after `recent` (the end of what it read; "": it read nothing, so all of them), the rest of
+    a long line it already showed skipped (`skip_line`). Nothing if `recent` is unknown (None:
+    it ended with a cut line) or not found near the part's end (the follower was further
+    behind than RESUME_WINDOW): those lines are lost to it."""
+    if recent is None:
+        return []
+    try:
+        with open(older, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - RESUME_WINDOW))
+            text = f.read(RESUME_WINDOW).decode(errors="replace")
+    except OSError:
+        return []
+    whole = size <= RESUME_WINDOW  # (`text` starts where the part starts)
+    if recent:
+        at = text.rfind(recent)
+        if at >= 0:
+            text = text[at + len(recent) :]
+        elif whole and (shared := _overlap(recent, text)):
+            text = text[shared:]  # the part starts inside what the follower read
+        else:
+            return []
+    elif not whole:
+        return []
+    if skip_line:
+        text = text[text.find("\n") + 1 :] if "\n" in text else ""
+    part = _BoundedLines(io.StringIO(text))
+    lines = []
+    while line := part.next(final=True):
+        lines.append(line)
+    return lines
 
 
 async def read_lines(path: Path, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
@@ -178,6 +256,10 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
             part = _BoundedLines(f)
             while line := part.next(final=True):
                 yield line
+    # The end of what the follower read (whole lines as written, not cut ones), to find its
+    # place in `<name>.1` when the log is rotated under it.
+    recent: str | None = _before(path, offset) if follow else ""
+    stamp = _stamp(older)  # a new `<name>.1` tells of a rotation the log's size may not
     with open(path, errors="replace") as f:
         f.seek(offset)
         reader = _BoundedLines(f)
@@ -187,6 +269,10 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
             line = reader.next(final=not follow)
             if line:
                 idle = 0
+                if follow and recent is not None and not reader.cut:
+                    recent = (recent + line)[-RESUME_CHARS:]
+                elif follow:
+                    recent = None  # (a cut line: where it ended cannot be found again)
                 yield line
             elif follow:
                 await asyncio.sleep(0.2)
@@ -196,14 +282,25 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                     rotated = size < f.tell()
                     idle = idle + 1 if size == seen else 0
                     seen = size
+                if (now := _stamp(older)) != stamp:
+                    stamp, rotated = now, True
+                held = ""
                 if rotated or idle >= HELD_LINE_POLLS:
                     # A long line held (its writer stopped mid-line, or the file was rotated
                     # under it) is shown as far as it came rather than lost.
                     if held := reader.held():
+                        # (at a rotation `recent` stays what came before it, so the lines
+                        # after it can be found; otherwise the rest of it comes as read)
+                        recent = recent if rotated else None
                         yield held
                     idle = 0
                 if rotated:
-                    f.seek(0)  # the file was copied away and truncated
+                    # The file was copied away and truncated: what was written between the
+                    # last read and the rotation is at the end of `<name>.1`.
+                    for line in _missed(older, recent, skip_line=bool(held)):
+                        yield line
+                    recent = ""
+                    f.seek(0)
             else:
                 return
 
@@ -311,9 +408,11 @@ def _line_start(f: BinaryIO, start: int, end: int) -> int:
 
 
 def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> int:
-    """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (what it
-    had then: a writer that goes on does not make this longer; from the first line that
-    begins there), or `data`; returns how many bytes it holds."""
+    """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (from the
+    first line that begins there, to its end: what a writer that goes on adds while it is
+    copied comes too, so that the caller's truncation right after loses as little as can be;
+    at most twice what it had at first, so a writer that never stops does not hold it), or
+    `data`; returns how many bytes it holds."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with open(fd, "wb") as out:
         if data is not None:
@@ -321,7 +420,7 @@ def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> 
         else:
             with open(src, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                left = size - f.seek(_line_start(f, start, size))
+                left = 2 * (size - f.seek(_line_start(f, start, size)))
                 while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
                     out.write(chunk)
                     left -= len(chunk)

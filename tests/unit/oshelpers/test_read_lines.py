@@ -7,7 +7,13 @@ import asyncio
 import os
 from pathlib import Path
 
-from fleetserve.oshelpers.files import MAX_LINE_CHARS, LineSplitter, read_lines, rotate_log
+from fleetserve.oshelpers.files import (
+    MAX_LINE_CHARS,
+    LineSplitter,
+    read_lines,
+    rotate_log,
+    rotated_part,
+)
 
 
 def lines_of(path: Path, tail: int | None = None) -> list[str]:
@@ -203,3 +209,88 @@ def test_the_tail_of_one_huge_line_shows_its_real_end(tmp_path: Path) -> None:
     log.write_text("q" * 3_000_000 + "THE-END")
     got = lines_of(log, tail=5)
     assert len(got) == 1 and got[0].endswith("THE-END") and "more characters" not in got[0]
+
+
+def test_lines_written_just_before_a_rotation_reach_a_follower(tmp_path: Path) -> None:
+    """Lines written after a follower's last read and moved away by a rotation before its next
+    one are read from `<name>.1` (they used to be lost to it), once each, in order; and
+    lines equal to ones it already showed are not taken for them."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+
+    async def act() -> None:
+        with open(log, "a") as f:  # the same text as shown lines, then new ones, no poll between
+            f.write("old 49\n" + "".join(f"new {i}\n" for i in range(30)))
+        rotate_log(log, cap_bytes=800)
+        with open(log, "a") as f:
+            f.write("after 1\nafter 2\n")
+
+    out = follow_while(log, act)
+    assert out[:50] == [f"old {i}\n" for i in range(50)]
+    assert out[50:] == ["old 49\n", *(f"new {i}\n" for i in range(30)), "after 1\n", "after 2\n"]
+
+
+def test_a_follower_from_a_tail_finds_its_place_after_a_rotation(tmp_path: Path) -> None:
+    """`logs --tail N` then follow: what came after the tail and before a rotation is shown;
+    a follower that read nothing of a log rotated at once gets its whole older part."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True, tail=2):
+                out.append(line)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.4)
+        with open(log, "a") as f:
+            f.write("".join(f"new {i}\n" for i in range(5)))
+        rotate_log(log, cap_bytes=100)
+        with open(log, "a") as f:
+            f.write("after\n")
+        await asyncio.sleep(0.6)
+        task.cancel()
+        return out
+
+    assert asyncio.run(run()) == [
+        "old 48\n",
+        "old 49\n",
+        *(f"new {i}\n" for i in range(5)),
+        "after\n",
+    ]
+
+    empty = tmp_path / "job.log"
+    empty.write_text("")
+
+    async def act() -> None:
+        with open(empty, "a") as f:
+            f.write("".join(f"line {i}\n" for i in range(20)))
+        rotate_log(empty, cap_bytes=100)
+
+    out = follow_while(empty, act)
+    kept = rotated_part(empty).read_text().splitlines(keepends=True)
+    assert kept and out == kept
+
+
+def test_a_long_line_at_a_rotation_is_not_shown_twice_and_the_lines_after_it_come(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "replica-1.log"
+    log.write_text("first\n")
+
+    async def act() -> None:
+        with open(log, "a") as f:
+            f.write("C" * (MAX_LINE_CHARS + 10))
+        await asyncio.sleep(0.3)
+        with open(log, "a") as f:
+            f.write("C" * 10 + "\nafter C\n")
+        rotate_log(log, cap_bytes=4 * MAX_LINE_CHARS)
+        with open(log, "a") as f:
+            f.write("next\n")
+
+    out = follow_while(log, act)
+    assert out[0] == "first\n"
+    assert out[1].startswith("CCCC") and "line cut" in out[1]
+    assert out[2:] == ["after C\n", "next\n"]
