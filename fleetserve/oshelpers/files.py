@@ -12,6 +12,8 @@ import errno
 import io
 import os
 import re
+import stat
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ TAIL_WINDOW = 256 * 1024  # bytes read from a log's end to find its last lines
 # counted in a note at the line's end.
 MAX_LINE_CHARS = 64 * 1024
 HELD_LINE_POLLS = 5  # a follower shows a long unended line after this many idle 0.2 s polls
+MISSED_BYTES = 4 * 1024 * 1024  # the most a follower overtaken by a rotation reads back
 
 
 def _cut(line: str, more: int) -> str:
@@ -154,75 +157,77 @@ class _BoundedLines:
             return head + "\n" if ended else head  # (exactly the bound)
 
 
-RESUME_CHARS = 4096  # how much of what a follower read last it looks for after a rotation
-RESUME_WINDOW = 1024 * 1024  # how far from the end of `<name>.1` it looks
+@dataclass(frozen=True)
+class _Rotation:
+    """A rotation of a log by rotate_log in this process: its `<name>.1` holds the log's
+    bytes `start` to `end` (the log's size when it was emptied, as far as copied)."""
+
+    count: int  # the log's rotations so far
+    start: int
+    end: int
 
 
-def _before(path: Path, offset: int) -> str:
-    """The last whole lines of `path` before byte `offset` (at most RESUME_CHARS of them)."""
-    if offset <= 0:
-        return ""
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        start = max(0, offset - RESUME_CHARS)
-        f.seek(start)
-        text = f.read(offset - start).decode(errors="replace")
-        if start > 0:  # (from the first whole line: a cut character does not match)
-            text = text[text.find("\n") + 1 :] if "\n" in text else ""
-        return text
-    return ""
+# The last rotation of each log rotated in this process, by (device, inode): a follower reads
+# what it had not read from `<name>.1` by these byte positions (its place in the log is a
+# byte count too), not by matching text, which repeats in logs.
+_ROTATIONS: collections.OrderedDict[tuple[int, int], _Rotation] = collections.OrderedDict()
+_ROTATIONS_KEPT = 4096
+_rotations_lock = threading.Lock()
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _record_rotation(log_id: tuple[int, int], start: int, end: int) -> None:
+    with _rotations_lock:
+        last = _ROTATIONS.pop(log_id, None)
+        _ROTATIONS[log_id] = _Rotation((last.count if last else 0) + 1, start, end)
+        while len(_ROTATIONS) > _ROTATIONS_KEPT:
+            _ROTATIONS.popitem(last=False)
+
+
+def _open_part(path: Path) -> BinaryIO:
+    """`<name>.1` for reading: a regular file, never followed if a link, never waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def _overlap(recent: str, text: str) -> int:
-    """How much of `text`'s start is the end of `recent`, in whole lines of `recent` (the most
-    of them that match); 0 if none."""
-    start = 0
-    while start < len(recent):
-        if text.startswith(recent[start:]):
-            return len(recent) - start
-        start = recent.find("\n", start) + 1
-        if start == 0:
-            break
-    return 0
-
-
-def _missed(older: Path, recent: str | None, skip_line: bool) -> list[str]:
-    """What a follower missed when its log was rotated under it: the lines `<name>.1` holds
-    after `recent` (the end of what it read; "": it read nothing, so all of them), the rest of
-    a long line it already showed skipped (`skip_line`). Nothing if `recent` is unknown (None:
-    it ended with a cut line) or not found near the part's end (the follower was further
-    behind than RESUME_WINDOW): those lines are lost to it."""
-    if recent is None:
-        return []
-    try:
-        with open(older, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(0, size - RESUME_WINDOW))
-            text = f.read(RESUME_WINDOW).decode(errors="replace")
-    except OSError:
-        return []
-    whole = size <= RESUME_WINDOW  # (`text` starts where the part starts)
-    if recent:
-        at = text.rfind(recent)
-        if at >= 0:
-            text = text[at + len(recent) :]
-        elif whole and (shared := _overlap(recent, text)):
-            text = text[shared:]  # the part starts inside what the follower read
-        else:
-            return []
-    elif not whole:
-        return []
-    if skip_line:
-        text = text[text.find("\n") + 1 :] if "\n" in text else ""
-    part = _BoundedLines(io.StringIO(text))
+def _missed(older: Path, rotation: _Rotation, at: int, skip_line: bool) -> list[str]:
+    """What a follower at byte `at` of a log had not read when `rotation` moved it to
+    `older` (`<name>.1`): its lines from `at` on (the rest of a long line already shown
+    skipped: `skip_line`), after a note of the bytes it could not read (before `start`, or
+    a part no longer there). Bounded: at most MISSED_BYTES of the part are read."""
     lines = []
+    lost = max(0, rotation.start - at)
+    begin = max(at, rotation.start) - rotation.start
+    want = rotation.end - rotation.start
+    data = b""
+    if begin < want:
+        try:
+            with _open_part(older) as f:
+                if os.fstat(f.fileno()).st_size != want:
+                    raise OSError(errno.ESTALE, "rotated again")
+                if want - begin > MISSED_BYTES:
+                    lost += want - begin - MISSED_BYTES
+                    begin = want - MISSED_BYTES
+                    skip_line = True  # (the part read now starts inside a line)
+                f.seek(begin)
+                data = f.read(want - begin)
+        except OSError:
+            lost += want - begin
+    if lost:
+        lines.append(f"[... {lost} bytes of this log were rotated away before they were read]\n")
+    text = io.TextIOWrapper(io.BytesIO(data), errors="replace")  # (as the follower decodes)
+    if skip_line:
+        text.readline()  # (bounded: the part read is)
+    part = _BoundedLines(text)
     while line := part.next(final=True):
         lines.append(line)
     return lines
@@ -252,27 +257,24 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
         if not follow:
             return
     else:
-        with contextlib.suppress(OSError), open(older, errors="replace") as f:
+        with (
+            contextlib.suppress(OSError),
+            io.TextIOWrapper(_open_part(older), errors="replace") as f,
+        ):
             part = _BoundedLines(f)
             while line := part.next(final=True):
                 yield line
-    # The end of what the follower read (whole lines as written, not cut ones), to find its
-    # place in `<name>.1` when the log is rotated under it.
-    recent: str | None = _before(path, offset) if follow else ""
-    stamp = _stamp(older)  # a new `<name>.1` tells of a rotation the log's size may not
     with open(path, errors="replace") as f:
         f.seek(offset)
         reader = _BoundedLines(f)
+        log_id = _file_id(os.fstat(f.fileno()))
+        known = _ROTATIONS.get(log_id)  # its last rotation in this process, when it opened
         idle = 0  # polls at the end of the file in which it did not grow
         seen = -1  # its size at the last poll
         while True:
             line = reader.next(final=not follow)
             if line:
                 idle = 0
-                if follow and recent is not None and not reader.cut:
-                    recent = (recent + line)[-RESUME_CHARS:]
-                elif follow:
-                    recent = None  # (a cut line: where it ended cannot be found again)
                 yield line
             elif follow:
                 await asyncio.sleep(0.2)
@@ -282,24 +284,33 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                     rotated = size < f.tell()
                     idle = idle + 1 if size == seen else 0
                     seen = size
-                if (now := _stamp(older)) != stamp:
-                    stamp, rotated = now, True
+                now = _ROTATIONS.get(log_id)
+                if rotated and now is known:
+                    await asyncio.sleep(0.05)  # (emptied a moment before it is recorded)
+                    now = _ROTATIONS.get(log_id)
+                # (a new record: rotated here, also when it grew back past this point since)
+                rotated = rotated or (now is not None and now is not known)
                 held = ""
                 if rotated or idle >= HELD_LINE_POLLS:
                     # A long line held (its writer stopped mid-line, or the file was rotated
                     # under it) is shown as far as it came rather than lost.
                     if held := reader.held():
-                        # (at a rotation `recent` stays what came before it, so the lines
-                        # after it can be found; otherwise the rest of it comes as read)
-                        recent = recent if rotated else None
                         yield held
                     idle = 0
                 if rotated:
-                    # The file was copied away and truncated: what was written between the
-                    # last read and the rotation is at the end of `<name>.1`.
-                    for line in _missed(older, recent, skip_line=bool(held)):
-                        yield line
-                    recent = ""
+                    # The file was copied away and truncated. Rotated here (not by another
+                    # process, not truncated by hand): what was written between the last
+                    # read and the rotation is in `<name>.1`, at known byte positions.
+                    if now is not None and now is not known:
+                        once = now.count == (known.count if known else 0) + 1
+                        # (the bytes read: all of the file there was, at its end)
+                        at = os.lseek(f.fileno(), 0, os.SEEK_CUR)
+                        if once:
+                            for line in _missed(older, now, at, skip_line=bool(held)):
+                                yield line
+                        else:
+                            yield "[... this log was rotated more than once between two reads]\n"
+                    known = now
                     f.seek(0)
             else:
                 return
@@ -407,12 +418,13 @@ def _line_start(f: BinaryIO, start: int, end: int) -> int:
     return start if at < 0 or start + at >= end else start + at
 
 
-def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> int:
+def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> tuple[int, int]:
     """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (from the
     first line that begins there, to its end: what a writer that goes on adds while it is
     copied comes too, so that the caller's truncation right after loses as little as can be;
     at most twice what it had at first, so a writer that never stops does not hold it), or
-    `data`; returns how many bytes it holds."""
+    `data`; returns where in `src` what it holds begins (`start` with `data`) and how many
+    bytes it holds."""
     fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with open(fd, "wb") as out:
         if data is not None:
@@ -420,12 +432,13 @@ def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> 
         else:
             with open(src, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                left = 2 * (size - f.seek(_line_start(f, start, size)))
+                start = f.seek(_line_start(f, start, size))
+                left = 2 * (size - start)
                 while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
                     out.write(chunk)
                     left -= len(chunk)
         out.flush()
-        return out.tell()
+        return start, out.tell()
 
 
 def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated | None:
@@ -450,8 +463,10 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
     old = rotated_part(path)
     keep = min(size // 2 if disk_full else size, half)
     try:
-        kept = _write_tail(path, old, size - keep)
+        log_id = _file_id(os.stat(path))
+        start, kept = _write_tail(path, old, size - keep)
         os.truncate(path, 0)
+        _record_rotation(log_id, start, start + kept)
         return Rotated(size, kept, full_disk=False)
     except FileNotFoundError:
         return None
@@ -465,13 +480,15 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         end = f.tell()
-        f.seek(_line_start(f, max(0, end - min(keep, FULL_DISK_TAIL)), end))
+        start = f.seek(_line_start(f, max(0, end - min(keep, FULL_DISK_TAIL)), end))
         tail = f.read()
+        log_id = _file_id(os.fstat(f.fileno()))
     os.truncate(path, 0)
     try:
-        kept = _write_tail(path, old, 0, tail)
+        _, kept = _write_tail(path, old, start, tail)
     except OSError:
         kept = 0
         with contextlib.suppress(OSError):
             old.unlink()
+    _record_rotation(log_id, start, start + kept)
     return Rotated(max(size, end), kept, full_disk=True)

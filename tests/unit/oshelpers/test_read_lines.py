@@ -7,6 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from fleetserve.oshelpers import files
 from fleetserve.oshelpers.files import (
     MAX_LINE_CHARS,
     LineSplitter,
@@ -230,6 +231,79 @@ def test_lines_written_just_before_a_rotation_reach_a_follower(tmp_path: Path) -
     assert out[50:] == ["old 49\n", *(f"new {i}\n" for i in range(30)), "after 1\n", "after 2\n"]
 
 
+def test_a_changed_or_deleted_older_part_is_not_taken_for_a_rotation(tmp_path: Path) -> None:
+    """Only a rotation makes a follower read again (review: a deleted, touched or half-written
+    `.1` made it print the whole log a second time)."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+    rotated_part(log).write_text("older\n")
+
+    async def act() -> None:
+        rotated_part(log).unlink()
+        await asyncio.sleep(0.3)
+        rotated_part(log).write_text("something else\n")
+        await asyncio.sleep(0.3)
+        with open(log, "a") as f:
+            f.write("next\n")
+
+    out = follow_while(log, act)
+    assert out == ["older\n", *(f"old {i}\n" for i in range(50)), "next\n"]
+
+
+def test_a_slow_rotation_is_followed_once_its_log_is_emptied(tmp_path: Path) -> None:
+    """rotate_log's steps with polls between them: `.1` written (nothing happens yet), the
+    log emptied and the rotation recorded a moment later; then repetitive lines around an
+    error: the follower goes by byte positions, so the error between equal lines comes."""
+    log = tmp_path / "replica-1.log"
+    health = 'INFO:     127.0.0.1:40000 - "GET /health HTTP/1.1" 200 OK\n'
+    log.write_text(health * 100)
+
+    async def act() -> None:
+        with open(log, "a") as f:
+            f.write("ERROR: out of memory\n" + health * 3)
+        log_id = files._file_id(os.stat(log))
+        start, kept = files._write_tail(log, rotated_part(log), log.stat().st_size - 600)
+        await asyncio.sleep(0.5)
+        os.truncate(log, 0)
+        await asyncio.sleep(0.02)
+        files._record_rotation(log_id, start, start + kept)
+        with open(log, "a") as f:
+            f.write("after\n")
+
+    out = follow_while(log, act)
+    assert out == [health] * 100 + ["ERROR: out of memory\n", *[health] * 3, "after\n"]
+
+
+def test_missed_lines_are_decoded_as_the_follower_decodes_and_two_rotations_are_said(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "replica-1.log"
+    log.write_bytes(b"".join(b"win %d\r\n" % i for i in range(50)))
+
+    async def act() -> None:
+        with open(log, "ab") as f:
+            f.write(b"missed\r\nbad \xff byte\r\n")
+        rotate_log(log, cap_bytes=400)
+        with open(log, "ab") as f:
+            f.write(b"after\r\n" * 40)
+        rotate_log(log, cap_bytes=200)  # a second one before the follower reads again
+        with open(log, "ab") as f:
+            f.write(b"last\r\n")
+
+    out = follow_while(log, act)
+    assert out[:50] == [f"win {i}\n" for i in range(50)]
+    assert out[50] == "[... this log was rotated more than once between two reads]\n"
+    assert out[51:] == ["last\n"]
+
+    async def once() -> None:
+        with open(log, "ab") as f:
+            f.write(b"missed\r\nbad \xff byte\r\n")
+        rotate_log(log, cap_bytes=50)
+
+    out = follow_while(log, once)
+    assert out[-2:] == ["missed\n", "bad \ufffd byte\n"]
+
+
 def test_a_follower_from_a_tail_finds_its_place_after_a_rotation(tmp_path: Path) -> None:
     """`logs --tail N` then follow: what came after the tail and before a rotation is shown;
     a follower that read nothing of a log rotated at once gets its whole older part."""
@@ -271,7 +345,14 @@ def test_a_follower_from_a_tail_finds_its_place_after_a_rotation(tmp_path: Path)
 
     out = follow_while(empty, act)
     kept = rotated_part(empty).read_text().splitlines(keepends=True)
-    assert kept and out == kept
+    lost = empty.stat().st_size  # (0: emptied)
+    assert lost == 0 and kept
+    # What no longer is anywhere is said, with its size, not passed over in silence.
+    gone = sum(len(f"line {i}\n") for i in range(20)) - len(rotated_part(empty).read_bytes())
+    assert out == [
+        f"[... {gone} bytes of this log were rotated away before they were read]\n",
+        *kept,
+    ]
 
 
 def test_a_long_line_at_a_rotation_is_not_shown_twice_and_the_lines_after_it_come(
