@@ -35,7 +35,7 @@ TAIL_WINDOW = 256 * 1024  # bytes read from a log's end to find its last lines
 # counted in a note at the line's end.
 MAX_LINE_CHARS = 64 * 1024
 HELD_LINE_POLLS = 5  # a follower shows a long unended line after this many idle 0.2 s polls
-MISSED_BYTES = 4 * 1024 * 1024  # the most a follower overtaken by a rotation reads back
+MISSED_BYTES = 1024 * 1024  # the most a follower overtaken by a rotation reads back
 
 
 def _cut(line: str, more: int) -> str:
@@ -48,9 +48,10 @@ def _bounded(line: str) -> str:
     return _cut(line[:MAX_LINE_CHARS], more) if more > 0 else line
 
 
-def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
-    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end."""
-    with open(path, "rb") as f:
+def tail_lines(path: Path, n: int, part: bool = False) -> tuple[list[str], int]:
+    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end
+    (`part`: a log's `<name>.1`, read only as a regular file, never through a link)."""
+    with _open_part(path) if part else open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         start = max(0, size - TAIL_WINDOW)
@@ -160,11 +161,14 @@ class _BoundedLines:
 @dataclass(frozen=True)
 class _Rotation:
     """A rotation of a log by rotate_log in this process: its `<name>.1` holds the log's
-    bytes `start` to `end` (the log's size when it was emptied, as far as copied)."""
+    bytes `start` to `end`; the log had `size` bytes when it was emptied (what lay past
+    `end` is lost to everyone)."""
 
-    count: int  # the log's rotations so far
+    seq: int  # this record's number, unique in the process
+    after: int  # the seq of the log's record before it (0: none)
     start: int
     end: int
+    size: int
 
 
 # The last rotation of each log rotated in this process, by (device, inode): a follower reads
@@ -173,16 +177,22 @@ class _Rotation:
 _ROTATIONS: collections.OrderedDict[tuple[int, int], _Rotation] = collections.OrderedDict()
 _ROTATIONS_KEPT = 4096
 _rotations_lock = threading.Lock()
+_rotation_seq = 0
+ROTATION_WAIT = 2.0  # how long a follower that saw its log emptied waits for the record
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _record_rotation(log_id: tuple[int, int], start: int, end: int) -> None:
+def _record_rotation(log_id: tuple[int, int], start: int, end: int, size: int) -> None:
+    global _rotation_seq
     with _rotations_lock:
-        last = _ROTATIONS.pop(log_id, None)
-        _ROTATIONS[log_id] = _Rotation((last.count if last else 0) + 1, start, end)
+        _rotation_seq += 1
+        last = _ROTATIONS.get(log_id)
+        # (replaced in place, then moved: a reader without the lock never sees it missing)
+        _ROTATIONS[log_id] = _Rotation(_rotation_seq, last.seq if last else 0, start, end, size)
+        _ROTATIONS.move_to_end(log_id)
         while len(_ROTATIONS) > _ROTATIONS_KEPT:
             _ROTATIONS.popitem(last=False)
 
@@ -199,13 +209,19 @@ def _open_part(path: Path) -> BinaryIO:
         raise
 
 
+def _gone(n: int) -> str:
+    return f"[... {n} bytes of this log were rotated away before they were read]\n"
+
+
 def _missed(older: Path, rotation: _Rotation, at: int, skip_line: bool) -> list[str]:
     """What a follower at byte `at` of a log had not read when `rotation` moved it to
     `older` (`<name>.1`): its lines from `at` on (the rest of a long line already shown
-    skipped: `skip_line`), after a note of the bytes it could not read (before `start`, or
-    a part no longer there). Bounded: at most MISSED_BYTES of the part are read."""
-    lines = []
-    lost = max(0, rotation.start - at)
+    skipped: `skip_line`), with a note, where they were, of the bytes it could not read
+    (before the part's start or past its end, or a part no longer there). Bounded: at most
+    MISSED_BYTES of the part are read."""
+    before = max(0, rotation.start - at)
+    after = max(0, rotation.size - max(at, rotation.end))  # (written after the copy)
+    skip_line = skip_line and at >= rotation.start  # (`.1` starts at a whole line)
     begin = max(at, rotation.start) - rotation.start
     want = rotation.end - rotation.start
     data = b""
@@ -215,21 +231,22 @@ def _missed(older: Path, rotation: _Rotation, at: int, skip_line: bool) -> list[
                 if os.fstat(f.fileno()).st_size != want:
                     raise OSError(errno.ESTALE, "rotated again")
                 if want - begin > MISSED_BYTES:
-                    lost += want - begin - MISSED_BYTES
+                    before += want - begin - MISSED_BYTES
                     begin = want - MISSED_BYTES
                     skip_line = True  # (the part read now starts inside a line)
                 f.seek(begin)
                 data = f.read(want - begin)
         except OSError:
-            lost += want - begin
-    if lost:
-        lines.append(f"[... {lost} bytes of this log were rotated away before they were read]\n")
+            before += want - begin
+    lines = [_gone(before)] if before else []
     text = io.TextIOWrapper(io.BytesIO(data), errors="replace")  # (as the follower decodes)
     if skip_line:
         text.readline()  # (bounded: the part read is)
     part = _BoundedLines(text)
     while line := part.next(final=True):
         lines.append(line)
+    if after:
+        lines.append(_gone(after))
     return lines
 
 
@@ -250,7 +267,7 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
         if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW:
             # (the whole log was read and holds fewer lines: the rest from its older part)
             with contextlib.suppress(OSError):
-                for line in tail_lines(older, tail - len(lines))[0]:
+                for line in tail_lines(older, tail - len(lines), part=True)[0]:
                     yield line
         for line in lines:
             yield line
@@ -285,8 +302,12 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                     idle = idle + 1 if size == seen else 0
                     seen = size
                 now = _ROTATIONS.get(log_id)
-                if rotated and now is known:
-                    await asyncio.sleep(0.05)  # (emptied a moment before it is recorded)
+                waited = 0.0
+                while rotated and now is known and waited < ROTATION_WAIT:
+                    # Emptied a moment before it is recorded (on a full disk, after its end
+                    # is written back): nothing is read meanwhile.
+                    await asyncio.sleep(0.05)
+                    waited += 0.05
                     now = _ROTATIONS.get(log_id)
                 # (a new record: rotated here, also when it grew back past this point since)
                 rotated = rotated or (now is not None and now is not known)
@@ -302,7 +323,7 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                     # process, not truncated by hand): what was written between the last
                     # read and the rotation is in `<name>.1`, at known byte positions.
                     if now is not None and now is not known:
-                        once = now.count == (known.count if known else 0) + 1
+                        once = now.after == (known.seq if known else 0)
                         # (the bytes read: all of the file there was, at its end)
                         at = os.lseek(f.fileno(), 0, os.SEEK_CUR)
                         if once:
@@ -465,8 +486,9 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
     try:
         log_id = _file_id(os.stat(path))
         start, kept = _write_tail(path, old, size - keep)
+        emptied = os.stat(path).st_size
         os.truncate(path, 0)
-        _record_rotation(log_id, start, start + kept)
+        _record_rotation(log_id, start, start + kept, max(emptied, start + kept))
         return Rotated(size, kept, full_disk=False)
     except FileNotFoundError:
         return None
@@ -490,5 +512,5 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
         kept = 0
         with contextlib.suppress(OSError):
             old.unlink()
-    _record_rotation(log_id, start, start + kept)
+    _record_rotation(log_id, start, start + kept, end)
     return Rotated(max(size, end), kept, full_disk=True)

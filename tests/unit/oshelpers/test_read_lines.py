@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import time
 from pathlib import Path
+
+import pytest
 
 from fleetserve.oshelpers import files
 from fleetserve.oshelpers.files import (
@@ -266,7 +270,7 @@ def test_a_slow_rotation_is_followed_once_its_log_is_emptied(tmp_path: Path) -> 
         await asyncio.sleep(0.5)
         os.truncate(log, 0)
         await asyncio.sleep(0.02)
-        files._record_rotation(log_id, start, start + kept)
+        files._record_rotation(log_id, start, start + kept, start + kept)
         with open(log, "a") as f:
             f.write("after\n")
 
@@ -375,3 +379,89 @@ def test_a_long_line_at_a_rotation_is_not_shown_twice_and_the_lines_after_it_com
     assert out[0] == "first\n"
     assert out[1].startswith("CCCC") and "line cut" in out[1]
     assert out[2:] == ["after C\n", "next\n"]
+
+
+def follow_around(log: Path, act: object, settle: float = 0.8) -> list[str]:
+    """As follow_while, with `act` run in a thread, as the controller runs rotate_log."""
+
+    async def in_thread() -> None:
+        await asyncio.to_thread(act)  # type: ignore[arg-type]
+
+    return follow_while(log, in_thread, settle)
+
+
+def test_on_a_full_disk_a_late_record_of_the_rotation_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No room to copy first: the log is emptied, then its end written back (slowly, to a
+    disk that was full) and only then is the rotation recorded. The follower waits for the
+    record instead of reading the emptied log as truncated by hand (which showed a false
+    note and the end of the log twice)."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+    real = files._write_tail
+
+    def write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> tuple[int, int]:
+        if data is None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        time.sleep(0.4)
+        return real(src, dst, start, data)
+
+    monkeypatch.setattr(files, "_write_tail", write_tail)
+
+    def act() -> None:
+        with open(log, "a") as f:
+            f.write("new 1\nnew 2\n")
+        rotate_log(log, 400)
+        with open(log, "a") as f:
+            f.write("after\n")
+
+    out = follow_around(log, act, settle=1.0)
+    assert out == [*(f"old {i}\n" for i in range(50)), "new 1\n", "new 2\n", "after\n"]
+
+
+def test_what_no_part_holds_is_said_where_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes written between the copy and the truncation, or a full disk with no room even
+    for the end: lost to everyone, and the follower says so, in their place."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+    real = files._write_tail
+
+    def copy_then_more(
+        src: Path, dst: Path, start: int, data: bytes | None = None
+    ) -> tuple[int, int]:
+        done = real(src, dst, start, data)
+        with open(src, "a") as f:  # the writer, between the copy and the truncation
+            f.write("ERROR: between the copy and the truncation\n")
+        return done
+
+    monkeypatch.setattr(files, "_write_tail", copy_then_more)
+
+    def act() -> None:
+        with open(log, "a") as f:
+            f.write("new\n")
+        rotate_log(log, 400)
+        with open(log, "a") as f:
+            f.write("after\n")
+
+    out = follow_around(log, act)
+    gone = len("ERROR: between the copy and the truncation\n")
+    assert out[50:] == [
+        "new\n",
+        f"[... {gone} bytes of this log were rotated away before they were read]\n",
+        "after\n",
+    ]
+
+    def no_room(src: Path, dst: Path, start: int, data: bytes | None = None) -> tuple[int, int]:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "_write_tail", no_room)
+    log = tmp_path / "replica-2.log"
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+    out = follow_around(log, act)
+    assert out[50:] == [
+        f"[... {len('new') + 1} bytes of this log were rotated away before they were read]\n",
+        "after\n",
+    ]
