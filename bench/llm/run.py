@@ -49,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import psutil
@@ -141,6 +141,17 @@ def parse_value(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+T = TypeVar("T")
+
+
+def round_order(targets: list[T], round_no: int, order: str) -> list[T]:
+    """The targets in the order round `round_no` runs them (see --order)."""
+    if order == "rotate":
+        k = round_no % len(targets) if targets else 0
+        return targets[k:] + targets[:k]
+    return targets if round_no % 2 == 0 else targets[::-1]
 
 
 def split_target(target: str) -> tuple[str, dict[str, Any]]:
@@ -1235,9 +1246,7 @@ async def bench_vllm(args: argparse.Namespace, procs: Procs) -> dict[str, Any]:
     }
     targets = [("fleetserve", p) for p in args.policies]
     targets += [(r, "cache_aware") for r in args.routers]
-    # Several rounds: in order, then reversed, and so on (A B C C B A ...), so that a trend in
-    # the machine's background load weighs on every target alike.
-    plan = [(r, t) for r in range(args.rounds) for t in (targets if r % 2 == 0 else targets[::-1])]
+    plan = [(r, t) for r in range(args.rounds) for t in round_order(targets, r, args.order)]
     bases = {split_target(p)[0] for p in args.policies}
     if args.between_targets == "reset" and PRECISE in bases:
         vllm.kv_events = True  # never restarted: every target's replicas publish
@@ -1538,8 +1547,16 @@ def main() -> None:
         "--rounds",
         type=int,
         default=1,
-        help="vllm: run the targets this many times, in order then reversed (A B C C B A), "
-        "so that a change in the machine's load weighs on every target alike",
+        help="vllm: run the targets this many times (in the order --order says)",
+    )
+    ap.add_argument(
+        "--order",
+        choices=("mirror", "rotate"),
+        default="mirror",
+        help="vllm: the targets' order in each round: `mirror`, in order then reversed (A B C, "
+        "C B A: a trend in the machine's load weighs on every target alike, but the middle "
+        "ones are never first or last), or `rotate` (A B C, B C A, C A B: over as many rounds "
+        "as targets, each runs once in each place; bench/llm/positions.py shows why)",
     )
     ap.add_argument(
         "--traffic",
