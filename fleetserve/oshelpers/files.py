@@ -14,10 +14,10 @@ import os
 import re
 import stat
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO
 
 
 def open_private(path: Path) -> int:
@@ -209,6 +209,93 @@ def _open_part(path: Path) -> BinaryIO:
         raise
 
 
+class _UntilRotated(io.RawIOBase):
+    """A followed log's file, read as one stream of the old log's bytes across a rotation.
+
+    A follower can be anywhere in the log when it is rotated (at its end, or inside it while
+    its client reads slowly). Once the log has a rotation record newer than `known`, a read
+    goes on, from where the follower was, in `<name>.1` (which holds the rotated log's bytes
+    `start` to `end`) when that is where they are, and then ends as at the end of a file; it
+    never reads the emptied and refilled log at the old log's offset (which would take the
+    new log's bytes for the rest of the old one). `tell()` is the place in the old log: the
+    follower then says what no part holds and reads the new log from its start (`renew`)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.log_id = _file_id(os.fstat(fd))
+        self.known = _ROTATIONS.get(self.log_id)
+        self.older: Path | None = None  # where its `<name>.1` is (set by the follower)
+        self.seen: _Rotation | None = None  # the newer record, once a read met it
+        self.part: int | None = None  # `<name>.1`, read on from `at`
+        self.at = 0  # the place in the old log, once a read met a newer record
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def _meet(self, record: _Rotation) -> None:
+        """A read met a newer record: go on in `<name>.1` if it holds where this was."""
+        self.seen = record
+        self.at = os.lseek(self.fd, 0, os.SEEK_CUR)
+        once = record.after == (self.known.seq if self.known else 0)
+        if not once or self.older is None or not record.start <= self.at < record.end:
+            return
+        try:
+            part = _open_part(self.older)
+        except OSError:
+            return
+        with part:
+            if os.fstat(part.fileno()).st_size != record.end - record.start:
+                return  # (rotated again since)
+            self.part = os.dup(part.fileno())
+        os.lseek(self.part, self.at - record.start, os.SEEK_SET)
+
+    def readinto(self, buffer: Any) -> int:
+        if self.seen is None:
+            record = _ROTATIONS.get(self.log_id)
+            if record is self.known or record is None:
+                data = os.read(self.fd, len(buffer))
+                buffer[: len(data)] = data
+                return len(data)
+            self._meet(record)
+        if self.part is None:
+            return 0
+        data = os.read(self.part, len(buffer))
+        buffer[: len(data)] = data
+        self.at += len(data)
+        return len(data)
+
+    def renew(self, record: _Rotation | None) -> None:
+        """The follower has dealt with the rotation `record`: read the log from its start."""
+        self._close_part()
+        self.known, self.seen, self.at = record, None, 0
+        os.lseek(self.fd, 0, os.SEEK_SET)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if offset == 0 and whence == os.SEEK_CUR:
+            return self.at if self.seen is not None else os.lseek(self.fd, 0, os.SEEK_CUR)
+        if self.seen is not None:
+            raise io.UnsupportedOperation("seek across a rotation: renew first")
+        return os.lseek(self.fd, offset, whence)
+
+    def _close_part(self) -> None:
+        if self.part is not None:
+            os.close(self.part)
+            self.part = None
+
+    def close(self) -> None:
+        if not self.closed:
+            self._close_part()
+            os.close(self.fd)
+        super().close()
+
+
 def _gone(n: int) -> str:
     return f"[... {n} bytes of this log were rotated away before they were read]\n"
 
@@ -258,12 +345,31 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
     from its start again when it was rotated (truncated)."""
     while follow and not path.exists():
         await asyncio.sleep(0.5)
-    if not path.exists():
+    try:
+        # Opened first: a rotation while the tail or the older part is read or sent is one
+        # the follower then sees (its record is newer than the one it opened with).
+        guard = _UntilRotated(os.open(path, os.O_RDONLY))
+    except FileNotFoundError:
         return
+    try:
+        async with contextlib.aclosing(_follow(path, guard, follow, tail)) as lines:
+            async for line in lines:
+                yield line
+    finally:
+        guard.close()
+
+
+async def _follow(
+    path: Path, guard: _UntilRotated, follow: bool, tail: int | None
+) -> AsyncGenerator[str, None]:
     older = rotated_part(path)
     offset = 0
     if tail is not None:
         lines, offset = tail_lines(path, tail)
+        if (now := _ROTATIONS.get(guard.log_id)) is not guard.known:
+            # Rotated while its tail was read: which log the tail is of is not known; taken
+            # as the new one's (the lines of the rotation's moment may be missed, none twice).
+            guard.known = now
         if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW:
             # (the whole log was read and holds fewer lines: the rest from its older part)
             with contextlib.suppress(OSError):
@@ -281,11 +387,12 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
             part = _BoundedLines(f)
             while line := part.next(final=True):
                 yield line
-    with open(path, errors="replace") as f:
+    guard.older = older
+    with io.TextIOWrapper(io.BufferedReader(guard), errors="replace") as f:
         f.seek(offset)
         reader = _BoundedLines(f)
-        log_id = _file_id(os.fstat(f.fileno()))
-        known = _ROTATIONS.get(log_id)  # its last rotation in this process, when it opened
+        log_id = guard.log_id
+        known = guard.known  # its last rotation in this process, when it opened
         idle = 0  # polls at the end of the file in which it did not grow
         seen = -1  # its size at the last poll
         while True:
@@ -301,7 +408,7 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                     rotated = size < f.tell()
                     idle = idle + 1 if size == seen else 0
                     seen = size
-                now = _ROTATIONS.get(log_id)
+                now = guard.seen or _ROTATIONS.get(log_id)
                 waited = 0.0
                 while rotated and now is known and waited < ROTATION_WAIT:
                     # Emptied a moment before it is recorded (on a full disk, after its end
@@ -324,14 +431,15 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
                     # read and the rotation is in `<name>.1`, at known byte positions.
                     if now is not None and now is not known:
                         once = now.after == (known.seq if known else 0)
-                        # (the bytes read: all of the file there was, at its end)
-                        at = os.lseek(f.fileno(), 0, os.SEEK_CUR)
+                        # (its place in the old log: the reads went on in `.1` if they could)
+                        at = guard.seek(0, os.SEEK_CUR)
                         if once:
                             for line in _missed(older, now, at, skip_line=bool(held)):
                                 yield line
                         else:
                             yield "[... this log was rotated more than once between two reads]\n"
                     known = now
+                    guard.renew(now)
                     f.seek(0)
             else:
                 return
@@ -446,20 +554,30 @@ def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> 
     at most twice what it had at first, so a writer that never stops does not hold it), or
     `data`; returns where in `src` what it holds begins (`start` with `data`) and how many
     bytes it holds."""
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with open(fd, "wb") as out:
-        if data is not None:
-            out.write(data)
-        else:
-            with open(src, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                start = f.seek(_line_start(f, start, size))
-                left = 2 * (size - start)
-                while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
-                    out.write(chunk)
-                    left -= len(chunk)
-        out.flush()
-        return start, out.tell()
+    # Written beside it, then renamed over it: a reader of the older part keeps the one it
+    # opened, whole, instead of seeing it rewritten under it.
+    tmp = dst.with_name(dst.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with open(fd, "wb") as out:
+            if data is not None:
+                out.write(data)
+            else:
+                with open(src, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    start = f.seek(_line_start(f, start, size))
+                    left = 2 * (size - start)
+                    while left > 0 and (chunk := f.read(min(left, 1024 * 1024))):
+                        out.write(chunk)
+                        left -= len(chunk)
+            out.flush()
+            held = out.tell()
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return start, held
 
 
 def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated | None:

@@ -465,3 +465,98 @@ def test_what_no_part_holds_is_said_where_it_was(
         f"[... {len('new') + 1} bytes of this log were rotated away before they were read]\n",
         "after\n",
     ]
+
+
+def test_a_follower_with_a_slow_client_inside_the_log_reads_none_of_the_new_one_as_old(
+    tmp_path: Path,
+) -> None:
+    """Its client stalls after a few lines (the follower waits at a yield, a few KiB into
+    the log) while the log is rotated and refilled past where it was: it goes on with the
+    old log's lines, from `.1` once its own buffer is spent, then the new log from its start
+    (it read the refilled log at its old offset, a line half old and half new, and later
+    lines twice)."""
+    log = tmp_path / "replica-1.log"
+    old = [f"old {i:05d}\n" for i in range(3000)]  # 30,000 bytes
+    log.write_text("".join(old))
+    new = [f"new {i:05d}\n" for i in range(1000)]  # 10,000 bytes: past the follower's place
+
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True):
+                out.append(line)
+                if len(out) == 10:
+                    await asyncio.sleep(0.6)  # the client is slow for a moment
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(rotate_log, log, 50_000)  # `.1`: the last 25,000 bytes
+        with open(log, "a") as f:
+            f.write("".join(new))
+        await asyncio.sleep(1.5)
+        task.cancel()
+        return out
+
+    assert asyncio.run(run()) == old + new
+
+
+def follow_stalled(log: Path, tail: int | None, act: object) -> list[str]:
+    """A follower whose client stalls after its first line, while `act()` runs in a thread
+    (as the controller rotates logs)."""
+
+    async def go() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True, tail=tail):
+                out.append(line)
+                if len(out) == 1:
+                    await asyncio.sleep(0.5)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(act)  # type: ignore[arg-type]
+        await asyncio.sleep(1.0)
+        task.cancel()
+        return out
+
+    return asyncio.run(go())
+
+
+def test_a_rotation_while_the_tail_or_the_older_part_is_sent_is_followed(tmp_path: Path) -> None:
+    """The log is opened (and its last rotation known) before its tail or `.1` is read: a
+    rotation while they are sent to a slow client is seen, and what it moved is read from the
+    new `.1`, which replaced the one being sent instead of being rewritten under it."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+
+    def act() -> None:
+        with open(log, "a") as f:
+            f.write("".join(f"new {i}\n" for i in range(20)))
+        rotate_log(log, 400)
+        with open(log, "a") as f:
+            f.write("after\n")
+
+    out = follow_stalled(log, 3, act)
+    assert out == [
+        "old 47\n",
+        "old 48\n",
+        "old 49\n",
+        *(f"new {i}\n" for i in range(20)),
+        "after\n",
+    ]
+
+    log = tmp_path / "replica-2.log"
+    rotated_part(log).write_text("".join(f"older {i}\n" for i in range(10)))
+    log.write_text("".join(f"old {i}\n" for i in range(50)))
+    out = follow_stalled(log, None, act)
+    assert out[:10] == [f"older {i}\n" for i in range(10)]  # the part it had opened, whole
+    kept = rotated_part(log).read_text().splitlines(keepends=True)
+    size = sum(len(f"old {i}\n") for i in range(50)) + sum(len(f"new {i}\n") for i in range(20))
+    gone = size - len(rotated_part(log).read_bytes())  # (the log from its start, never read)
+    assert out[10:] == [
+        f"[... {gone} bytes of this log were rotated away before they were read]\n",
+        *kept,
+        "after\n",
+    ]
