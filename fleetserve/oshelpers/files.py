@@ -15,7 +15,7 @@ import re
 import stat
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
@@ -160,15 +160,18 @@ class _BoundedLines:
 
 @dataclass(frozen=True)
 class _Rotation:
-    """A rotation of a log by rotate_log in this process: its `<name>.1` holds the log's
-    bytes `start` to `end`; the log had `size` bytes when it was emptied (what lay past
-    `end` is lost to everyone)."""
+    """A rotation of a log by rotate_log in this process: its `<name>.1` (the file `part`)
+    holds the log's bytes `start` to `end`; the log had `size` bytes when it was emptied
+    (what lay past `end` is lost to everyone). Published twice with one `seq`: before the
+    log is emptied (`done` false: nothing of the log is to be read meanwhile), then done."""
 
-    seq: int  # this record's number, unique in the process
-    after: int  # the seq of the log's record before it (0: none)
+    seq: int  # this rotation's number, unique in the process
+    after: int  # the seq of the log's rotation before it (0: none)
     start: int
     end: int
     size: int
+    part: tuple[int, int] | None  # `<name>.1`'s (device, inode); None: no part was kept
+    done: bool
 
 
 # The last rotation of each log rotated in this process, by (device, inode): a follower reads
@@ -178,27 +181,58 @@ _ROTATIONS: collections.OrderedDict[tuple[int, int], _Rotation] = collections.Or
 _ROTATIONS_KEPT = 4096
 _rotations_lock = threading.Lock()
 _rotation_seq = 0
-ROTATION_WAIT = 2.0  # how long a follower that saw its log emptied waits for the record
+ROTATION_WAIT = 2.0  # how long a follower waits for a rotation it saw begin to be done
+YIELD_EVERY = 256  # lines read between two turns given to the event loop
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _record_rotation(log_id: tuple[int, int], start: int, end: int, size: int) -> None:
-    global _rotation_seq
+def _publish(log_id: tuple[int, int], record: _Rotation) -> None:
     with _rotations_lock:
-        _rotation_seq += 1
-        last = _ROTATIONS.get(log_id)
         # (replaced in place, then moved: a reader without the lock never sees it missing)
-        _ROTATIONS[log_id] = _Rotation(_rotation_seq, last.seq if last else 0, start, end, size)
+        _ROTATIONS[log_id] = record
         _ROTATIONS.move_to_end(log_id)
         while len(_ROTATIONS) > _ROTATIONS_KEPT:
             _ROTATIONS.popitem(last=False)
 
 
-def _open_part(path: Path) -> BinaryIO:
-    """`<name>.1` for reading: a regular file, never followed if a link, never waited on."""
+def _begin_rotation(log_id: tuple[int, int]) -> tuple[_Rotation | None, _Rotation]:
+    """The log's last rotation, and a new one published as begun (not done)."""
+    global _rotation_seq
+    with _rotations_lock:
+        _rotation_seq += 1
+        last = _ROTATIONS.get(log_id)
+        record = _Rotation(_rotation_seq, last.seq if last else 0, 0, 0, 0, None, False)
+    _publish(log_id, record)
+    return last, record
+
+
+def _end_rotation(
+    log_id: tuple[int, int],
+    record: _Rotation,
+    start: int,
+    end: int,
+    size: int,
+    part: tuple[int, int] | None,
+) -> None:
+    _publish(log_id, replace(record, start=start, end=end, size=size, part=part, done=True))
+
+
+def _undo_rotation(log_id: tuple[int, int], last: _Rotation | None, record: _Rotation) -> None:
+    """The log could not be emptied: it is as it was, and so is its record."""
+    with _rotations_lock:
+        if _ROTATIONS.get(log_id) is record:
+            if last is None:
+                del _ROTATIONS[log_id]
+            else:
+                _ROTATIONS[log_id] = last
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """A log or its `<name>.1` for reading: a regular file, never followed if a link, never
+    waited on (a FIFO put in its place by a process that writes the log)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -209,26 +243,40 @@ def _open_part(path: Path) -> BinaryIO:
         raise
 
 
+_open_part = _open_regular
+
+
 class _UntilRotated(io.RawIOBase):
     """A followed log's file, read as one stream of the old log's bytes across a rotation.
 
     A follower can be anywhere in the log when it is rotated (at its end, or inside it while
-    its client reads slowly). Once the log has a rotation record newer than `known`, a read
-    goes on, from where the follower was, in `<name>.1` (which holds the rotated log's bytes
-    `start` to `end`) when that is where they are, and then ends as at the end of a file; it
-    never reads the emptied and refilled log at the old log's offset (which would take the
-    new log's bytes for the rest of the old one). `tell()` is the place in the old log: the
+    its client reads slowly). Once the log has a rotation newer than `known`, no read takes
+    the log's bytes any more (those at the old log's offsets would be the refilled log's);
+    once that rotation is done, reads go on, from where the follower was, in `<name>.1`
+    (which holds the rotated log's bytes `start` to `end`) when that is where they are, then
+    end as at the end of a file (`drained`). `tell()` is the place in the old log: the
     follower then says what no part holds and reads the new log from its start (`renew`)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, older: Path) -> None:
         super().__init__()
         self.fd = fd
+        self.older = older
         self.log_id = _file_id(os.fstat(fd))
         self.known = _ROTATIONS.get(self.log_id)
-        self.older: Path | None = None  # where its `<name>.1` is (set by the follower)
-        self.seen: _Rotation | None = None  # the newer record, once a read met it
+        if self.known is not None and not self.known.done:
+            self.known = None  # (begun, not done: a rotation this reader will see)
+        self.seen: _Rotation | None = None  # the newer rotation a read met
         self.part: int | None = None  # `<name>.1`, read on from `at`
-        self.at = 0  # the place in the old log, once a read met a newer record
+        self.tried = False  # whether `part` was looked for
+        self.at = 0  # the place in the old log, once a read met a newer rotation
+
+    def newer(self, record: _Rotation | None) -> bool:
+        return record is not None and (self.known is None or record.seq != self.known.seq)
+
+    @property
+    def drained(self) -> bool:
+        """A rotation was met, and all of the old log `<name>.1` could give was read."""
+        return self.seen is not None and self.tried and self.part is None
 
     def readable(self) -> bool:
         return True
@@ -239,42 +287,54 @@ class _UntilRotated(io.RawIOBase):
     def fileno(self) -> int:
         return self.fd
 
-    def _meet(self, record: _Rotation) -> None:
-        """A read met a newer record: go on in `<name>.1` if it holds where this was."""
-        self.seen = record
-        self.at = os.lseek(self.fd, 0, os.SEEK_CUR)
+    def readinto(self, buffer: Any) -> int:
+        if self.seen is None:
+            record = _ROTATIONS.get(self.log_id)
+            if not self.newer(record):
+                data = os.read(self.fd, len(buffer))
+                buffer[: len(data)] = data
+                return len(data)
+            self.seen = record
+            self.at = os.lseek(self.fd, 0, os.SEEK_CUR)
+        if not self.tried:
+            record = _ROTATIONS.get(self.log_id)
+            if record is None or not record.done:
+                return 0  # (being rotated: nothing to read until it is done)
+            if self.seen is None or record.seq == self.seen.seq:
+                self.seen = record
+            self.tried = True
+            self._open_part()
+        if self.part is None:
+            return 0
+        data = os.read(self.part, len(buffer))
+        if not data:
+            self._close_part()
+            return 0
+        buffer[: len(data)] = data
+        self.at += len(data)
+        return len(data)
+
+    def _open_part(self) -> None:
+        """Go on in `<name>.1` if it holds where this was."""
+        record = self.seen
+        assert record is not None
         once = record.after == (self.known.seq if self.known else 0)
-        if not once or self.older is None or not record.start <= self.at < record.end:
+        if not once or not record.start <= self.at < record.end:
             return
         try:
             part = _open_part(self.older)
         except OSError:
             return
         with part:
-            if os.fstat(part.fileno()).st_size != record.end - record.start:
+            if _file_id(os.fstat(part.fileno())) != record.part:
                 return  # (rotated again since)
             self.part = os.dup(part.fileno())
         os.lseek(self.part, self.at - record.start, os.SEEK_SET)
 
-    def readinto(self, buffer: Any) -> int:
-        if self.seen is None:
-            record = _ROTATIONS.get(self.log_id)
-            if record is self.known or record is None:
-                data = os.read(self.fd, len(buffer))
-                buffer[: len(data)] = data
-                return len(data)
-            self._meet(record)
-        if self.part is None:
-            return 0
-        data = os.read(self.part, len(buffer))
-        buffer[: len(data)] = data
-        self.at += len(data)
-        return len(data)
-
     def renew(self, record: _Rotation | None) -> None:
         """The follower has dealt with the rotation `record`: read the log from its start."""
         self._close_part()
-        self.known, self.seen, self.at = record, None, 0
+        self.known, self.seen, self.tried, self.at = record, None, False, 0
         os.lseek(self.fd, 0, os.SEEK_SET)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
@@ -300,11 +360,14 @@ def _gone(n: int) -> str:
     return f"[... {n} bytes of this log were rotated away before they were read]\n"
 
 
-def _missed(older: Path, rotation: _Rotation, at: int, skip_line: bool) -> list[str]:
-    """What a follower at byte `at` of a log had not read when `rotation` moved it to
+def _missed(
+    older: Path, rotation: _Rotation, at: int, skip_line: bool, mid_line: bool = False
+) -> list[str]:
+    """What a reader at byte `at` of a log had not read when `rotation` moved it to
     `older` (`<name>.1`): its lines from `at` on (the rest of a long line already shown
     skipped: `skip_line`), with a note, where they were, of the bytes it could not read
-    (before the part's start or past its end, or a part no longer there). Bounded: at most
+    (before the part's start or past its end, or a part no longer there; on a line of its
+    own when the reader's last line was not ended: `mid_line`). Bounded: at most
     MISSED_BYTES of the part are read."""
     before = max(0, rotation.start - at)
     after = max(0, rotation.size - max(at, rotation.end))  # (written after the copy)
@@ -315,7 +378,7 @@ def _missed(older: Path, rotation: _Rotation, at: int, skip_line: bool) -> list[
     if begin < want:
         try:
             with _open_part(older) as f:
-                if os.fstat(f.fileno()).st_size != want:
+                if _file_id(os.fstat(f.fileno())) != rotation.part:
                     raise OSError(errno.ESTALE, "rotated again")
                 if want - begin > MISSED_BYTES:
                     before += want - begin - MISSED_BYTES
@@ -325,32 +388,42 @@ def _missed(older: Path, rotation: _Rotation, at: int, skip_line: bool) -> list[
                 data = f.read(want - begin)
         except OSError:
             before += want - begin
-    lines = [_gone(before)] if before else []
-    text = io.TextIOWrapper(io.BytesIO(data), errors="replace")  # (as the follower decodes)
+    lines = [("\n" if mid_line else "") + _gone(before)] if before else []
+    text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="replace")
     if skip_line:
         text.readline()  # (bounded: the part read is)
     part = _BoundedLines(text)
     while line := part.next(final=True):
         lines.append(line)
     if after:
-        lines.append(_gone(after))
+        unended = lines[-1][-1:] != "\n" if lines else mid_line and not before
+        lines.append(("\n" if unended else "") + _gone(after))
     return lines
 
 
-async def read_lines(path: Path, follow: bool, tail: int | None = None) -> AsyncIterator[str]:
+async def read_lines(
+    path: Path, follow: bool, tail: int | None = None
+) -> AsyncGenerator[str, None]:
     """The lines of a log file (the last `tail` ones, if given), each at most MAX_LINE_CHARS
     long (cut with a note); a log that was rotated (rotate_log) starts with its older part,
     `<name>.1`, so that a process whose log was emptied by a rotation just before it ended
     still shows its last lines. With `follow`, wait for it and keep reading as it grows,
-    from its start again when it was rotated (truncated)."""
+    across its rotations (what a rotation took is read from `<name>.1`). Reads only regular
+    files (a log that is a link or a FIFO gives one line that says so), and gives the event
+    loop a turn every YIELD_EVERY lines."""
     while follow and not path.exists():
         await asyncio.sleep(0.5)
     try:
         # Opened first: a rotation while the tail or the older part is read or sent is one
-        # the follower then sees (its record is newer than the one it opened with).
-        guard = _UntilRotated(os.open(path, os.O_RDONLY))
+        # the follower then sees (it is newer than the one it opened with).
+        log = _open_regular(path)
     except FileNotFoundError:
         return
+    except OSError as e:
+        yield f"[... {path.name} cannot be read as a log: {e.strerror or e}]\n"
+        return
+    guard = _UntilRotated(os.dup(log.fileno()), rotated_part(path))
+    log.close()
     try:
         async with contextlib.aclosing(_follow(path, guard, follow, tail)) as lines:
             async for line in lines:
@@ -359,14 +432,25 @@ async def read_lines(path: Path, follow: bool, tail: int | None = None) -> Async
         guard.close()
 
 
+async def _settled(guard: _UntilRotated) -> _Rotation | None:
+    """The log's last rotation, once done (waiting up to ROTATION_WAIT for one that began)."""
+    now = _ROTATIONS.get(guard.log_id)
+    waited = 0.0
+    while now is not None and not now.done and waited < ROTATION_WAIT:
+        await asyncio.sleep(0.05)
+        waited += 0.05
+        now = _ROTATIONS.get(guard.log_id)
+    return now
+
+
 async def _follow(
     path: Path, guard: _UntilRotated, follow: bool, tail: int | None
 ) -> AsyncGenerator[str, None]:
-    older = rotated_part(path)
+    older = guard.older
     offset = 0
     if tail is not None:
         lines, offset = tail_lines(path, tail)
-        if (now := _ROTATIONS.get(guard.log_id)) is not guard.known:
+        if guard.newer(now := await _settled(guard)):
             # Rotated while its tail was read: which log the tail is of is not known; taken
             # as the new one's (the lines of the rotation's moment may be missed, none twice).
             guard.known = now
@@ -380,69 +464,93 @@ async def _follow(
         if not follow:
             return
     else:
-        with (
-            contextlib.suppress(OSError),
-            io.TextIOWrapper(_open_part(older), errors="replace") as f,
-        ):
-            part = _BoundedLines(f)
+        with contextlib.suppress(OSError), _open_part(older) as raw:
+            now = await _settled(guard)
+            if (
+                guard.newer(now)
+                and now is not None
+                and now.part == _file_id(os.fstat(raw.fileno()))
+            ):
+                guard.renew(now)  # (it opened the part this rotation wrote: the log is new)
+            part = _BoundedLines(io.TextIOWrapper(raw, encoding="utf-8", errors="replace"))
+            count = 0
             while line := part.next(final=True):
                 yield line
-    guard.older = older
-    with io.TextIOWrapper(io.BufferedReader(guard), errors="replace") as f:
+                count += 1
+                if count % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+    with io.TextIOWrapper(io.BufferedReader(guard), encoding="utf-8", errors="replace") as f:
         f.seek(offset)
         reader = _BoundedLines(f)
-        log_id = guard.log_id
-        known = guard.known  # its last rotation in this process, when it opened
         idle = 0  # polls at the end of the file in which it did not grow
         seen = -1  # its size at the last poll
+        count = 0
+        ended = True  # whether the last line given ended
+        carry = ""  # a line's start read before a rotation: its rest is in `<name>.1`
         while True:
             line = reader.next(final=not follow)
             if line:
                 idle = 0
+                line, carry = carry + line, ""
+                if guard.seen is not None and line[-1] != "\n" and len(line) < MAX_LINE_CHARS:
+                    carry = line  # (joined to its rest, not shown in two pieces)
+                    continue
+                ended = line.endswith("\n")
                 yield line
-            elif follow:
+                count += 1
+                if count % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+                continue
+            now = _ROTATIONS.get(guard.log_id)
+            if guard.newer(now) and now is not None and now.done and not guard.drained:
+                continue  # (reads go on in `.1` first)
+            if follow:
                 await asyncio.sleep(0.2)
-                rotated = False
-                with contextlib.suppress(OSError):
-                    size = os.fstat(f.fileno()).st_size
-                    rotated = size < f.tell()
-                    idle = idle + 1 if size == seen else 0
-                    seen = size
-                now = guard.seen or _ROTATIONS.get(log_id)
-                waited = 0.0
-                while rotated and now is known and waited < ROTATION_WAIT:
-                    # Emptied a moment before it is recorded (on a full disk, after its end
-                    # is written back): nothing is read meanwhile.
-                    await asyncio.sleep(0.05)
-                    waited += 0.05
-                    now = _ROTATIONS.get(log_id)
-                # (a new record: rotated here, also when it grew back past this point since)
-                rotated = rotated or (now is not None and now is not known)
-                held = ""
-                if rotated or idle >= HELD_LINE_POLLS:
-                    # A long line held (its writer stopped mid-line, or the file was rotated
-                    # under it) is shown as far as it came rather than lost.
-                    if held := reader.held():
-                        yield held
-                    idle = 0
-                if rotated:
-                    # The file was copied away and truncated. Rotated here (not by another
-                    # process, not truncated by hand): what was written between the last
-                    # read and the rotation is in `<name>.1`, at known byte positions.
-                    if now is not None and now is not known:
-                        once = now.after == (known.seq if known else 0)
-                        # (its place in the old log: the reads went on in `.1` if they could)
-                        at = guard.seek(0, os.SEEK_CUR)
-                        if once:
-                            for line in _missed(older, now, at, skip_line=bool(held)):
-                                yield line
-                        else:
-                            yield "[... this log was rotated more than once between two reads]\n"
-                    known = now
-                    guard.renew(now)
-                    f.seek(0)
-            else:
+            truncated = False
+            with contextlib.suppress(OSError):
+                size = os.fstat(f.fileno()).st_size
+                truncated = size < f.tell()
+                idle = idle + 1 if size == seen else 0
+                seen = size
+            waited = 0.0
+            while truncated and not guard.newer(now) and waited < ROTATION_WAIT:
+                # Emptied a moment before its rotation is published (nothing of it is read
+                # meanwhile): waited for, not taken for a truncation by hand at once.
+                await asyncio.sleep(0.05)
+                waited += 0.05
+                now = _ROTATIONS.get(guard.log_id)
+            now = await _settled(guard)
+            if guard.newer(now) and now is not None and now.done and not guard.drained:
+                continue
+            rotated = truncated or guard.newer(now)
+            held = ""
+            if follow and (rotated or idle >= HELD_LINE_POLLS):
+                # A long line held (its writer stopped mid-line, or the file was rotated
+                # under it) is shown as far as it came rather than lost.
+                if held := reader.held():
+                    ended = held.endswith("\n")
+                    yield held
+                idle = 0
+            if carry:  # (its rest was not in `<name>.1`: shown as far as it came)
+                ended = False
+                yield carry
+                carry = ""
+            if rotated and now is not None and guard.newer(now):
+                # Rotated here (not by another process, not truncated by hand): what the
+                # reads could not take from `<name>.1` is said, or read now.
+                once = now.after == (guard.known.seq if guard.known else 0)
+                at = guard.seek(0, os.SEEK_CUR)  # (its place in the old log)
+                if once:
+                    for line in _missed(older, now, at, bool(held), mid_line=not ended):
+                        ended = line.endswith("\n")
+                        yield line
+                else:
+                    yield "[... this log was rotated more than once between two reads]\n"
+            if not follow:
                 return
+            if rotated:
+                guard.renew(now)
+                f.seek(0)
 
 
 async def while_alive(
@@ -453,6 +561,7 @@ async def while_alive(
     replica or service that ended ends too, instead of holding its client forever."""
     source = lines.__aiter__()
     gone = 0
+    nxt: asyncio.Future[str] | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(source.__anext__())
@@ -472,6 +581,13 @@ async def while_alive(
                 return
             yield line
     finally:
+        # Its client went away (the response cancelled) while a read waited: that read is
+        # cancelled first; closing the source under it failed ("already running") and left
+        # it polling, its file open, until its next line.
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(BaseException):
+                await nxt
         aclose = getattr(source, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(BaseException):
@@ -483,26 +599,45 @@ def naming(service: str) -> re.Pattern[str]:
     return re.compile(rf"(?<![\w.-]){re.escape(service)}(?![\w-])")
 
 
+async def _whole_lines(
+    path: Path, service: str, follow: bool, tail: int | None = None
+) -> AsyncGenerator[str, None]:
+    """read_lines' lines that name `service`, the pieces of a line not yet ended (a follower
+    gives them as they come) joined to their line first: the filter sees lines whole (at
+    most MAX_LINE_CHARS of each)."""
+    pattern = naming(service)
+    piece = ""
+    async with contextlib.aclosing(read_lines(path, follow, tail)) as lines:
+        async for line in lines:
+            if line.endswith("\n") or len(piece) + len(line) >= MAX_LINE_CHARS:
+                line, piece = piece + line, ""
+                if pattern.search(line):
+                    yield line
+            else:
+                piece += line
+    if piece and pattern.search(piece):
+        yield piece
+
+
 async def lines_naming(
     path: Path, service: str, follow: bool, tail: int | None = None
 ) -> AsyncIterator[str]:
     """The lines of a log that name `service` (`logs --controller NAME`): the last `tail` of
     them if given, then, with `follow`, the new ones as they come."""
-    pattern = naming(service)
     if tail is None:
-        async for line in read_lines(path, follow):
-            if pattern.search(line):
+        async with contextlib.aclosing(_whole_lines(path, service, follow)) as lines:
+            async for line in lines:
                 yield line
         return
     last: collections.deque[str] = collections.deque(maxlen=tail)
-    async for line in read_lines(path, False):
-        if pattern.search(line):
+    async with contextlib.aclosing(_whole_lines(path, service, False)) as lines:
+        async for line in lines:
             last.append(line)
     for line in last:
         yield line
     if follow:
-        async for line in read_lines(path, True, tail=0):
-            if pattern.search(line):
+        async with contextlib.aclosing(_whole_lines(path, service, True, 0)) as lines:
+            async for line in lines:
                 yield line
 
 
@@ -547,13 +682,15 @@ def _line_start(f: BinaryIO, start: int, end: int) -> int:
     return start if at < 0 or start + at >= end else start + at
 
 
-def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> tuple[int, int]:
+def _write_tail(
+    src: Path, dst: Path, start: int, data: bytes | None = None
+) -> tuple[int, int, tuple[int, int]]:
     """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (from the
     first line that begins there, to its end: what a writer that goes on adds while it is
     copied comes too, so that the caller's truncation right after loses as little as can be;
     at most twice what it had at first, so a writer that never stops does not hold it), or
-    `data`; returns where in `src` what it holds begins (`start` with `data`) and how many
-    bytes it holds."""
+    `data`; returns where in `src` what it holds begins (`start` with `data`), how many
+    bytes it holds and its (device, inode)."""
     # Written beside it, then renamed over it: a reader of the older part keeps the one it
     # opened, whole, instead of seeing it rewritten under it.
     tmp = dst.with_name(dst.name + ".tmp")
@@ -572,12 +709,13 @@ def _write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> 
                         left -= len(chunk)
             out.flush()
             held = out.tell()
+            part = _file_id(os.fstat(out.fileno()))
         os.replace(tmp, dst)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    return start, held
+    return start, held, part
 
 
 def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated | None:
@@ -603,10 +741,15 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
     keep = min(size // 2 if disk_full else size, half)
     try:
         log_id = _file_id(os.stat(path))
-        start, kept = _write_tail(path, old, size - keep)
+        start, kept, part = _write_tail(path, old, size - keep)
         emptied = os.stat(path).st_size
-        os.truncate(path, 0)
-        _record_rotation(log_id, start, start + kept, max(emptied, start + kept))
+        last, record = _begin_rotation(log_id)
+        try:
+            os.truncate(path, 0)
+        except BaseException:
+            _undo_rotation(log_id, last, record)
+            raise
+        _end_rotation(log_id, record, start, start + kept, max(emptied, start + kept), part)
         return Rotated(size, kept, full_disk=False)
     except FileNotFoundError:
         return None
@@ -623,12 +766,18 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
         start = f.seek(_line_start(f, max(0, end - min(keep, FULL_DISK_TAIL)), end))
         tail = f.read()
         log_id = _file_id(os.fstat(f.fileno()))
-    os.truncate(path, 0)
+    last, record = _begin_rotation(log_id)
     try:
-        _, kept = _write_tail(path, old, start, tail)
+        os.truncate(path, 0)
+    except BaseException:
+        _undo_rotation(log_id, last, record)
+        raise
+    written: tuple[int, int] | None = None
+    try:
+        _, kept, written = _write_tail(path, old, start, tail)
     except OSError:
         kept = 0
         with contextlib.suppress(OSError):
             old.unlink()
-    _record_rotation(log_id, start, start + kept, end)
+    _end_rotation(log_id, record, start, start + kept, end, written)
     return Rotated(max(size, end), kept, full_disk=True)

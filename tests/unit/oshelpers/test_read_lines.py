@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import time
@@ -15,9 +16,11 @@ from fleetserve.oshelpers import files
 from fleetserve.oshelpers.files import (
     MAX_LINE_CHARS,
     LineSplitter,
+    lines_naming,
     read_lines,
     rotate_log,
     rotated_part,
+    while_alive,
 )
 
 
@@ -266,11 +269,13 @@ def test_a_slow_rotation_is_followed_once_its_log_is_emptied(tmp_path: Path) -> 
         with open(log, "a") as f:
             f.write("ERROR: out of memory\n" + health * 3)
         log_id = files._file_id(os.stat(log))
-        start, kept = files._write_tail(log, rotated_part(log), log.stat().st_size - 600)
+        start, kept, part = files._write_tail(log, rotated_part(log), log.stat().st_size - 600)
         await asyncio.sleep(0.5)
+        _, record = files._begin_rotation(log_id)
+        await asyncio.sleep(0.3)  # (a poll in between: nothing is read meanwhile)
         os.truncate(log, 0)
         await asyncio.sleep(0.02)
-        files._record_rotation(log_id, start, start + kept, start + kept)
+        files._end_rotation(log_id, record, start, start + kept, start + kept, part)
         with open(log, "a") as f:
             f.write("after\n")
 
@@ -401,7 +406,9 @@ def test_on_a_full_disk_a_late_record_of_the_rotation_is_waited_for(
     log.write_text("".join(f"old {i}\n" for i in range(50)))
     real = files._write_tail
 
-    def write_tail(src: Path, dst: Path, start: int, data: bytes | None = None) -> tuple[int, int]:
+    def write_tail(
+        src: Path, dst: Path, start: int, data: bytes | None = None
+    ) -> tuple[int, int, tuple[int, int]]:
         if data is None:
             raise OSError(errno.ENOSPC, "No space left on device")
         time.sleep(0.4)
@@ -431,7 +438,7 @@ def test_what_no_part_holds_is_said_where_it_was(
 
     def copy_then_more(
         src: Path, dst: Path, start: int, data: bytes | None = None
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, tuple[int, int]]:
         done = real(src, dst, start, data)
         with open(src, "a") as f:  # the writer, between the copy and the truncation
             f.write("ERROR: between the copy and the truncation\n")
@@ -454,7 +461,9 @@ def test_what_no_part_holds_is_said_where_it_was(
         "after\n",
     ]
 
-    def no_room(src: Path, dst: Path, start: int, data: bytes | None = None) -> tuple[int, int]:
+    def no_room(
+        src: Path, dst: Path, start: int, data: bytes | None = None
+    ) -> tuple[int, int, tuple[int, int]]:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(files, "_write_tail", no_room)
@@ -560,3 +569,185 @@ def test_a_rotation_while_the_tail_or_the_older_part_is_sent_is_followed(tmp_pat
         *kept,
         "after\n",
     ]
+
+
+def open_fds_on(path: Path) -> int:
+    """How many of this process's descriptors are open on `path`."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                count += 1
+    return count
+
+
+def test_a_follow_whose_client_goes_away_while_the_log_is_quiet_closes_its_file(
+    tmp_path: Path,
+) -> None:
+    """The API cancels a response whose client disconnected: a follow waiting for its next
+    line (through while_alive, as `logs` runs it) closes its file and stops polling, instead
+    of living on until the log's next line (forever, for a service taken down)."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("first\n")
+
+    async def run() -> tuple[int, int, int]:
+        got: list[str] = []
+
+        async def client() -> None:
+            async for line in while_alive(read_lines(log, follow=True), lambda: True):
+                got.append(line)
+
+        before = open_fds_on(log)
+        tasks = [asyncio.create_task(client()) for _ in range(5)]
+        await asyncio.sleep(0.5)
+        during = open_fds_on(log)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.3)
+        assert got == ["first\n"] * 5
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return before, during, open_fds_on(log) + len(others)
+
+    before, during, after = asyncio.run(run())
+    assert during >= before + 5  # (the test sees the followers' files)
+    assert after == before
+
+
+def test_a_long_read_gives_the_event_loop_turns(tmp_path: Path) -> None:
+    """A client reading a big log as fast as it comes never suspended the loop: the whole
+    controller (health, the API, reconciling) waited for the read to end."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"line {i}\n" for i in range(5000)))
+
+    async def run() -> tuple[int, int]:
+        turns = 0
+        stop = False
+
+        async def ticker() -> None:
+            nonlocal turns
+            while not stop:
+                turns += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        seen = 0
+        async for _ in read_lines(log, follow=False):
+            seen += 1
+        during = turns
+        stop = True
+        await tick
+        return seen, during
+
+    seen, turns = asyncio.run(run())
+    assert seen == 5000
+    assert turns >= 5000 // files.YIELD_EVERY - 1
+
+
+def test_a_read_without_follow_overtaken_by_a_rotation_goes_on_in_the_older_part(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "replica-1.log"
+    old = [f"old {i:05d}\n" for i in range(2000)]  # 20,000 bytes
+    log.write_text("".join(old))
+
+    async def run() -> list[str]:
+        out: list[str] = []
+        async for line in read_lines(log, follow=False):
+            out.append(line)
+            if len(out) == 100:  # a slow client, a few KiB in
+                await asyncio.to_thread(rotate_log, log, 30_000)  # `.1`: the last 15,000
+                with open(log, "a") as f:
+                    f.write("new\n" * 500)
+        return out
+
+    assert asyncio.run(run()) == old
+
+
+def test_a_rotation_that_began_is_waited_for_before_anything_more_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower inside the log (its client slow) while the log is rotated, with a long
+    gap between the rotation's start and the log's truncation: nothing of the log is read
+    in that gap (it used to read the refilled log at its old offset when the record came
+    after the truncation)."""
+    log = tmp_path / "replica-1.log"
+    old = [f"old {i:05d}\n" for i in range(3000)]
+    log.write_text("".join(old))
+    new = [f"new {i:05d}\n" for i in range(1000)]
+    truncate = os.truncate
+
+    def slow_truncate(path: object, length: int) -> None:
+        time.sleep(0.3)
+        truncate(path, length)  # type: ignore[arg-type]
+        with open(log, "a") as f:  # the writer goes on at once
+            f.write("".join(new))
+
+    monkeypatch.setattr(os, "truncate", slow_truncate)
+
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True):
+                out.append(line)
+                if len(out) == 10:
+                    await asyncio.sleep(0.1)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(rotate_log, log, 50_000)
+        await asyncio.sleep(1.0)
+        task.cancel()
+        return out
+
+    assert asyncio.run(run()) == old + new
+
+
+def test_controller_lines_naming_a_service_come_whole(tmp_path: Path) -> None:
+    """A line written in two pieces (a follower gives each as it comes) is matched whole:
+    `logs --controller web` showed a cut line and lost the next one's head."""
+    log = tmp_path / "controller.log"
+    log.write_text("")
+
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in lines_naming(log, "web", follow=True):
+                out.append(line)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.3)
+        with open(log, "a") as f:
+            f.write("10:00:01 ERROR launch of replica web/3 fai")
+        await asyncio.sleep(0.5)
+        with open(log, "a") as f:
+            f.write("led\n10:00:02 service api: up\n10:00:03 service web: scaled up\n")
+        await asyncio.sleep(0.5)
+        task.cancel()
+        return out
+
+    assert asyncio.run(run()) == [
+        "10:00:01 ERROR launch of replica web/3 failed\n",
+        "10:00:03 service web: scaled up\n",
+    ]
+
+
+def test_a_log_that_is_a_fifo_or_a_link_is_not_read(tmp_path: Path) -> None:
+    """A process that writes the log can put a FIFO (which blocked the event loop for good)
+    or a link in its place: one line says the log cannot be read."""
+    fifo = tmp_path / "replica-1.log"
+    os.mkfifo(fifo)
+    link = tmp_path / "replica-2.log"
+    (tmp_path / "secret").write_text("secret\n")
+    link.symlink_to(tmp_path / "secret")
+
+    async def run(path: Path, follow: bool) -> list[str]:
+        return [line async for line in read_lines(path, follow=follow)]
+
+    for path in (fifo, link):
+        for follow in (False, True):
+            out = asyncio.run(asyncio.wait_for(run(path, follow), 5))
+            assert len(out) == 1 and "cannot be read as a log" in out[0], (path, out)
