@@ -48,10 +48,10 @@ def _bounded(line: str) -> str:
     return _cut(line[:MAX_LINE_CHARS], more) if more > 0 else line
 
 
-def tail_lines(path: Path, n: int, part: bool = False) -> tuple[list[str], int]:
-    """The last `n` lines of a file (from its last 256 KiB) and the offset of its end
-    (`part`: a log's `<name>.1`, read only as a regular file, never through a link)."""
-    with _open_part(path) if part else open(path, "rb") as f:
+def tail_lines(path: Path, n: int) -> tuple[list[str], int]:
+    """The last `n` lines of a log (from its last 256 KiB) and the offset of its end; read
+    only as a regular file, never through a link (_open_regular)."""
+    with _open_regular(path) as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         start = max(0, size - TAIL_WINDOW)
@@ -298,6 +298,9 @@ class _UntilRotated(io.RawIOBase):
             self.at = os.lseek(self.fd, 0, os.SEEK_CUR)
         if not self.tried:
             record = _ROTATIONS.get(self.log_id)
+            if not self.newer(record):  # (the rotation was undone: the log was not emptied)
+                self.seen = None
+                return self.readinto(buffer)
             if record is None or not record.done:
                 return 0  # (being rotated: nothing to read until it is done)
             if self.seen is None or record.seq == self.seen.seq:
@@ -457,7 +460,7 @@ async def _follow(
         if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW:
             # (the whole log was read and holds fewer lines: the rest from its older part)
             with contextlib.suppress(OSError):
-                for line in tail_lines(older, tail - len(lines), part=True)[0]:
+                for line in tail_lines(older, tail - len(lines))[0]:
                     yield line
         for line in lines:
             yield line
@@ -531,7 +534,7 @@ async def _follow(
                     ended = held.endswith("\n")
                     yield held
                 idle = 0
-            if carry:  # (its rest was not in `<name>.1`: shown as far as it came)
+            if carry and (rotated or not follow):  # (its rest is not in `<name>.1`)
                 ended = False
                 yield carry
                 carry = ""
@@ -748,6 +751,8 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
             os.truncate(path, 0)
         except BaseException:
             _undo_rotation(log_id, last, record)
+            with contextlib.suppress(OSError):
+                old.unlink()  # (a copy of what the log still holds: read twice after)
             raise
         _end_rotation(log_id, record, start, start + kept, max(emptied, start + kept), part)
         return Rotated(size, kept, full_disk=False)

@@ -751,3 +751,44 @@ def test_a_log_that_is_a_fifo_or_a_link_is_not_read(tmp_path: Path) -> None:
         for follow in (False, True):
             out = asyncio.run(asyncio.wait_for(run(path, follow), 5))
             assert len(out) == 1 and "cannot be read as a log" in out[0], (path, out)
+
+
+def test_a_rotation_that_could_not_empty_the_log_leaves_its_readers_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The truncation fails after the rotation was published as begun: the rotation is
+    undone, and a follower inside the log (its client slow) that stopped reading when it met
+    the begun rotation goes on with the log (it stopped for good); no `.1` is left that
+    copies what the log still holds."""
+    log = tmp_path / "replica-1.log"
+    old = [f"old {i:05d}\n" for i in range(3000)]
+    log.write_text("".join(old))
+    truncate = os.truncate
+
+    def refused(path: object, length: int) -> None:
+        time.sleep(0.4)  # (the follower reads meanwhile and meets the begun rotation)
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True):
+                out.append(line)
+                if len(out) == 10:
+                    await asyncio.sleep(0.15)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.05)
+        monkeypatch.setattr(os, "truncate", refused)
+        with pytest.raises(PermissionError):
+            await asyncio.to_thread(rotate_log, log, 50_000)
+        monkeypatch.setattr(os, "truncate", truncate)
+        with open(log, "a") as f:
+            f.write("next\n")
+        await asyncio.sleep(0.6)
+        task.cancel()
+        return out
+
+    assert asyncio.run(run()) == [*old, "next\n"]
+    assert not rotated_part(log).exists()
