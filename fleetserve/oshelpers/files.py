@@ -264,7 +264,9 @@ class _UntilRotated(io.RawIOBase):
         self.log_id = _file_id(os.fstat(fd))
         self.known = _ROTATIONS.get(self.log_id)
         if self.known is not None and not self.known.done:
-            self.known = None  # (begun, not done: a rotation this reader will see)
+            # Begun, not done: a rotation this reader will see; it knows the one before (so
+            # that one, back in place if this one is undone, is not taken for a new one).
+            self.known = replace(self.known, seq=self.known.after, done=True)
         self.seen: _Rotation | None = None  # the newer rotation a read met
         self.part: int | None = None  # `<name>.1`, read on from `at`
         self.tried = False  # whether `part` was looked for
@@ -452,12 +454,17 @@ async def _follow(
     older = guard.older
     offset = 0
     if tail is not None:
-        lines, offset = tail_lines(path, tail)
-        if guard.newer(now := await _settled(guard)):
+        try:
+            lines, offset = tail_lines(path, tail)
+        except OSError:
+            return  # (removed or replaced since it was opened)
+        moved = guard.newer(now := await _settled(guard))
+        if moved:
             # Rotated while its tail was read: which log the tail is of is not known; taken
-            # as the new one's (the lines of the rotation's moment may be missed, none twice).
+            # as the new one's (the lines of the rotation's moment may be missed, none twice:
+            # the new older part, a copy of what the tail read, is not read).
             guard.known = now
-        if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW:
+        if tail > 0 and len(lines) < tail and offset <= TAIL_WINDOW and not moved:
             # (the whole log was read and holds fewer lines: the rest from its older part)
             with contextlib.suppress(OSError):
                 for line in tail_lines(older, tail - len(lines))[0]:
@@ -469,11 +476,10 @@ async def _follow(
     else:
         with contextlib.suppress(OSError), _open_part(older) as raw:
             now = await _settled(guard)
-            if (
-                guard.newer(now)
-                and now is not None
-                and now.part == _file_id(os.fstat(raw.fileno()))
-            ):
+            st = os.fstat(raw.fileno())
+            if st.st_nlink == 0:
+                raise FileNotFoundError  # (a rotation that was undone removed it: skipped)
+            if guard.newer(now) and now is not None and now.done and now.part == _file_id(st):
                 guard.renew(now)  # (it opened the part this rotation wrote: the log is new)
             part = _BoundedLines(io.TextIOWrapper(raw, encoding="utf-8", errors="replace"))
             count = 0
@@ -515,14 +521,14 @@ async def _follow(
                 truncated = size < f.tell()
                 idle = idle + 1 if size == seen else 0
                 seen = size
-            waited = 0.0
-            while truncated and not guard.newer(now) and waited < ROTATION_WAIT:
-                # Emptied a moment before its rotation is published (nothing of it is read
-                # meanwhile): waited for, not taken for a truncation by hand at once.
-                await asyncio.sleep(0.05)
-                waited += 0.05
-                now = _ROTATIONS.get(guard.log_id)
             now = await _settled(guard)
+            if guard.newer(now) and now is not None and not now.done:
+                # Still being rotated after ROTATION_WAIT: nothing of the log is read until
+                # it is done (polled again), and a read without follow ends here.
+                if not follow:
+                    yield "[... this log is being rotated: the rest of it was not read]\n"
+                    return
+                continue
             if guard.newer(now) and now is not None and now.done and not guard.drained:
                 continue
             rotated = truncated or guard.newer(now)
@@ -534,7 +540,8 @@ async def _follow(
                     ended = held.endswith("\n")
                     yield held
                 idle = 0
-            if carry and (rotated or not follow):  # (its rest is not in `<name>.1`)
+            if carry and (rotated or not follow or guard.seen is None):
+                # (its rest is not in `<name>.1`, or the rotation was undone)
                 ended = False
                 yield carry
                 carry = ""
@@ -614,8 +621,8 @@ async def _whole_lines(
         async for line in lines:
             if line.endswith("\n") or len(piece) + len(line) >= MAX_LINE_CHARS:
                 line, piece = piece + line, ""
-                if pattern.search(line):
-                    yield line
+                if pattern.search(line) or line.startswith(("[... ", "\n[... ")):
+                    yield line  # (and the reader's own notes: what is lost, unreadable)
             else:
                 piece += line
     if piece and pattern.search(piece):
@@ -686,7 +693,11 @@ def _line_start(f: BinaryIO, start: int, end: int) -> int:
 
 
 def _write_tail(
-    src: Path, dst: Path, start: int, data: bytes | None = None
+    src: Path,
+    dst: Path,
+    start: int,
+    data: bytes | None = None,
+    before_replace: Callable[[], object] | None = None,
 ) -> tuple[int, int, tuple[int, int]]:
     """`dst` (replaced, never followed if a link) gets `src` from byte `start` on (from the
     first line that begins there, to its end: what a writer that goes on adds while it is
@@ -713,6 +724,8 @@ def _write_tail(
             out.flush()
             held = out.tell()
             part = _file_id(os.fstat(out.fileno()))
+        if before_replace is not None:
+            before_replace()  # (the rotation is published as begun before `dst` changes)
         os.replace(tmp, dst)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -744,9 +757,17 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
     keep = min(size // 2 if disk_full else size, half)
     try:
         log_id = _file_id(os.stat(path))
-        start, kept, part = _write_tail(path, old, size - keep)
+        began: list[tuple[_Rotation | None, _Rotation]] = []
+        try:
+            start, kept, part = _write_tail(
+                path, old, size - keep, before_replace=lambda: began.append(_begin_rotation(log_id))
+            )
+        except BaseException:
+            if began:
+                _undo_rotation(log_id, *began[0])
+            raise
+        last, record = began[0]
         emptied = os.stat(path).st_size
-        last, record = _begin_rotation(log_id)
         try:
             os.truncate(path, 0)
         except BaseException:
@@ -778,11 +799,12 @@ def rotate_log(path: Path, cap_bytes: int, disk_full: bool = False) -> Rotated |
         _undo_rotation(log_id, last, record)
         raise
     written: tuple[int, int] | None = None
+    kept = 0
     try:
         _, kept, written = _write_tail(path, old, start, tail)
     except OSError:
-        kept = 0
         with contextlib.suppress(OSError):
             old.unlink()
-    _end_rotation(log_id, record, start, start + kept, end, written)
+    finally:  # (always done: its readers wait for it)
+        _end_rotation(log_id, record, start, start + kept, end, written)
     return Rotated(max(size, end), kept, full_disk=True)

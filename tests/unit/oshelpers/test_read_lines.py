@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -407,12 +408,16 @@ def test_on_a_full_disk_a_late_record_of_the_rotation_is_waited_for(
     real = files._write_tail
 
     def write_tail(
-        src: Path, dst: Path, start: int, data: bytes | None = None
+        src: Path,
+        dst: Path,
+        start: int,
+        data: bytes | None = None,
+        before_replace: Callable[[], object] | None = None,
     ) -> tuple[int, int, tuple[int, int]]:
         if data is None:
             raise OSError(errno.ENOSPC, "No space left on device")
         time.sleep(0.4)
-        return real(src, dst, start, data)
+        return real(src, dst, start, data, before_replace)
 
     monkeypatch.setattr(files, "_write_tail", write_tail)
 
@@ -437,9 +442,13 @@ def test_what_no_part_holds_is_said_where_it_was(
     real = files._write_tail
 
     def copy_then_more(
-        src: Path, dst: Path, start: int, data: bytes | None = None
+        src: Path,
+        dst: Path,
+        start: int,
+        data: bytes | None = None,
+        before_replace: Callable[[], object] | None = None,
     ) -> tuple[int, int, tuple[int, int]]:
-        done = real(src, dst, start, data)
+        done = real(src, dst, start, data, before_replace)
         with open(src, "a") as f:  # the writer, between the copy and the truncation
             f.write("ERROR: between the copy and the truncation\n")
         return done
@@ -462,7 +471,11 @@ def test_what_no_part_holds_is_said_where_it_was(
     ]
 
     def no_room(
-        src: Path, dst: Path, start: int, data: bytes | None = None
+        src: Path,
+        dst: Path,
+        start: int,
+        data: bytes | None = None,
+        before_replace: Callable[[], object] | None = None,
     ) -> tuple[int, int, tuple[int, int]]:
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -792,3 +805,38 @@ def test_a_rotation_that_could_not_empty_the_log_leaves_its_readers_reading(
 
     assert asyncio.run(run()) == [*old, "next\n"]
     assert not rotated_part(log).exists()
+
+
+def test_a_rotation_slower_than_the_wait_is_not_taken_for_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A truncation that takes longer than ROTATION_WAIT: the follower keeps waiting (it read
+    the whole, not yet emptied, log again when it gave up), and then gets only what comes."""
+    log = tmp_path / "replica-1.log"
+    log.write_text("".join(f"line {i}\n" for i in range(200)))
+    truncate = os.truncate
+    monkeypatch.setattr(files, "ROTATION_WAIT", 0.5)
+
+    def slow(path: object, length: int) -> None:
+        time.sleep(1.2)
+        truncate(path, length)  # type: ignore[arg-type]
+
+    async def run() -> list[str]:
+        out: list[str] = []
+
+        async def follow() -> None:
+            async for line in read_lines(log, follow=True, tail=0):
+                out.append(line)
+
+        task = asyncio.create_task(follow())
+        await asyncio.sleep(0.3)
+        monkeypatch.setattr(os, "truncate", slow)
+        await asyncio.to_thread(rotate_log, log, 2000)
+        monkeypatch.setattr(os, "truncate", truncate)
+        with open(log, "a") as f:
+            f.write("after\n")
+        await asyncio.sleep(0.6)
+        task.cancel()
+        return out
+
+    assert asyncio.run(run()) == ["after\n"]
