@@ -243,9 +243,6 @@ def _open_regular(path: Path) -> BinaryIO:
         raise
 
 
-_open_part = _open_regular
-
-
 class _UntilRotated(io.RawIOBase):
     """A followed log's file, read as one stream of the old log's bytes across a rotation.
 
@@ -274,6 +271,10 @@ class _UntilRotated(io.RawIOBase):
 
     def newer(self, record: _Rotation | None) -> bool:
         return record is not None and (self.known is None or record.seq != self.known.seq)
+
+    def reads_on(self, record: _Rotation | None) -> bool:
+        """Whether reads go on in `<name>.1` for `record`, a newer rotation done."""
+        return self.newer(record) and record is not None and record.done and not self.drained
 
     @property
     def drained(self) -> bool:
@@ -308,7 +309,7 @@ class _UntilRotated(io.RawIOBase):
             if self.seen is None or record.seq == self.seen.seq:
                 self.seen = record
             self.tried = True
-            self._open_part()
+            self._open_regular()
         if self.part is None:
             return 0
         data = os.read(self.part, len(buffer))
@@ -319,7 +320,7 @@ class _UntilRotated(io.RawIOBase):
         self.at += len(data)
         return len(data)
 
-    def _open_part(self) -> None:
+    def _open_regular(self) -> None:
         """Go on in `<name>.1` if it holds where this was."""
         record = self.seen
         assert record is not None
@@ -327,7 +328,7 @@ class _UntilRotated(io.RawIOBase):
         if not once or not record.start <= self.at < record.end:
             return
         try:
-            part = _open_part(self.older)
+            part = _open_regular(self.older)
         except OSError:
             return
         with part:
@@ -382,7 +383,7 @@ def _missed(
     data = b""
     if begin < want:
         try:
-            with _open_part(older) as f:
+            with _open_regular(older) as f:
                 if _file_id(os.fstat(f.fileno())) != rotation.part:
                     raise OSError(errno.ESTALE, "rotated again")
                 if want - begin > MISSED_BYTES:
@@ -474,7 +475,7 @@ async def _follow(
         if not follow:
             return
     else:
-        with contextlib.suppress(OSError), _open_part(older) as raw:
+        with contextlib.suppress(OSError), _open_regular(older) as raw:
             now = await _settled(guard)
             st = os.fstat(raw.fileno())
             if st.st_nlink == 0:
@@ -510,8 +511,7 @@ async def _follow(
                 if count % YIELD_EVERY == 0:
                     await asyncio.sleep(0)
                 continue
-            now = _ROTATIONS.get(guard.log_id)
-            if guard.newer(now) and now is not None and now.done and not guard.drained:
+            if guard.reads_on(_ROTATIONS.get(guard.log_id)):
                 continue  # (reads go on in `.1` first)
             if follow:
                 await asyncio.sleep(0.2)
@@ -529,7 +529,7 @@ async def _follow(
                     yield "[... this log is being rotated: the rest of it was not read]\n"
                     return
                 continue
-            if guard.newer(now) and now is not None and now.done and not guard.drained:
+            if guard.reads_on(now):
                 continue
             rotated = truncated or guard.newer(now)
             held = ""

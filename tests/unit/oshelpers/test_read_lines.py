@@ -8,7 +8,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -114,19 +114,32 @@ def test_a_rotated_part_does_not_start_with_a_piece_of_a_line(tmp_path: Path) ->
         assert got[-1].startswith("record 099 ")
 
 
-def follow_while(log: Path, act: object, settle: float = 0.6) -> list[str]:
-    """What a follower of `log` read while `act()` ran, and `settle` seconds after."""
+def follow_while(
+    log: Path,
+    act: Callable[[], Awaitable[object]],
+    settle: float = 0.6,
+    *,
+    tail: int | None = None,
+    start: float = 0.4,
+    stall_after: int = 0,
+    stall: float = 0.0,
+) -> list[str]:
+    """What a follower of `log` read while `act()` ran (`start` seconds after it began), and
+    `settle` seconds after; its client stalls `stall` seconds after its `stall_after`th line
+    (a slow client: the follower waits at a yield)."""
 
     async def run() -> list[str]:
         out: list[str] = []
 
         async def follow() -> None:
-            async for line in read_lines(log, follow=True):
+            async for line in read_lines(log, follow=True, tail=tail):
                 out.append(line)
+                if len(out) == stall_after:
+                    await asyncio.sleep(stall)
 
         task = asyncio.create_task(follow())
-        await asyncio.sleep(0.4)
-        await act()  # type: ignore[operator]
+        await asyncio.sleep(start)
+        await act()
         await asyncio.sleep(settle)
         task.cancel()
         return out
@@ -387,13 +400,44 @@ def test_a_long_line_at_a_rotation_is_not_shown_twice_and_the_lines_after_it_com
     assert out[2:] == ["after C\n", "next\n"]
 
 
-def follow_around(log: Path, act: object, settle: float = 0.8) -> list[str]:
-    """As follow_while, with `act` run in a thread, as the controller runs rotate_log."""
+def in_thread(act: Callable[[], object]) -> Callable[[], Awaitable[object]]:
+    """`act` run in a thread, as the controller runs rotate_log."""
+    return lambda: asyncio.to_thread(act)
 
-    async def in_thread() -> None:
-        await asyncio.to_thread(act)  # type: ignore[arg-type]
 
-    return follow_while(log, in_thread, settle)
+def follow_around(log: Path, act: Callable[[], object], settle: float = 0.8) -> list[str]:
+    """As follow_while, with `act` run in a thread."""
+    return follow_while(log, in_thread(act), settle)
+
+
+def on_write_tail(
+    monkeypatch: pytest.MonkeyPatch,
+    before: Callable[[bytes | None], None] | None = None,
+    after: Callable[[Path], None] | None = None,
+) -> None:
+    """rotate_log's copy (files._write_tail) with `before(data)` run first and `after(src)`
+    run once it is written: a full disk, a slow disk, a writer between copy and truncation."""
+    real = files._write_tail
+
+    def write_tail(
+        src: Path,
+        dst: Path,
+        start: int,
+        data: bytes | None = None,
+        before_replace: Callable[[], object] | None = None,
+    ) -> tuple[int, int, tuple[int, int]]:
+        if before is not None:
+            before(data)
+        done = real(src, dst, start, data, before_replace)
+        if after is not None:
+            after(src)
+        return done
+
+    monkeypatch.setattr(files, "_write_tail", write_tail)
+
+
+def no_room(data: bytes | None = None) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def test_on_a_full_disk_a_late_record_of_the_rotation_is_waited_for(
@@ -405,21 +449,13 @@ def test_on_a_full_disk_a_late_record_of_the_rotation_is_waited_for(
     note and the end of the log twice)."""
     log = tmp_path / "replica-1.log"
     log.write_text("".join(f"old {i}\n" for i in range(50)))
-    real = files._write_tail
 
-    def write_tail(
-        src: Path,
-        dst: Path,
-        start: int,
-        data: bytes | None = None,
-        before_replace: Callable[[], object] | None = None,
-    ) -> tuple[int, int, tuple[int, int]]:
+    def full_then_slow(data: bytes | None) -> None:
         if data is None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        time.sleep(0.4)
-        return real(src, dst, start, data, before_replace)
+            no_room()  # (the copy)
+        time.sleep(0.4)  # (the end, written back)
 
-    monkeypatch.setattr(files, "_write_tail", write_tail)
+    on_write_tail(monkeypatch, before=full_then_slow)
 
     def act() -> None:
         with open(log, "a") as f:
@@ -439,21 +475,12 @@ def test_what_no_part_holds_is_said_where_it_was(
     for the end: lost to everyone, and the follower says so, in their place."""
     log = tmp_path / "replica-1.log"
     log.write_text("".join(f"old {i}\n" for i in range(50)))
-    real = files._write_tail
 
-    def copy_then_more(
-        src: Path,
-        dst: Path,
-        start: int,
-        data: bytes | None = None,
-        before_replace: Callable[[], object] | None = None,
-    ) -> tuple[int, int, tuple[int, int]]:
-        done = real(src, dst, start, data, before_replace)
+    def more(src: Path) -> None:
         with open(src, "a") as f:  # the writer, between the copy and the truncation
             f.write("ERROR: between the copy and the truncation\n")
-        return done
 
-    monkeypatch.setattr(files, "_write_tail", copy_then_more)
+    on_write_tail(monkeypatch, after=more)
 
     def act() -> None:
         with open(log, "a") as f:
@@ -470,16 +497,7 @@ def test_what_no_part_holds_is_said_where_it_was(
         "after\n",
     ]
 
-    def no_room(
-        src: Path,
-        dst: Path,
-        start: int,
-        data: bytes | None = None,
-        before_replace: Callable[[], object] | None = None,
-    ) -> tuple[int, int, tuple[int, int]]:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(files, "_write_tail", no_room)
+    on_write_tail(monkeypatch, before=no_room)
     log = tmp_path / "replica-2.log"
     log.write_text("".join(f"old {i}\n" for i in range(50)))
     out = follow_around(log, act)
@@ -502,48 +520,18 @@ def test_a_follower_with_a_slow_client_inside_the_log_reads_none_of_the_new_one_
     log.write_text("".join(old))
     new = [f"new {i:05d}\n" for i in range(1000)]  # 10,000 bytes: past the follower's place
 
-    async def run() -> list[str]:
-        out: list[str] = []
-
-        async def follow() -> None:
-            async for line in read_lines(log, follow=True):
-                out.append(line)
-                if len(out) == 10:
-                    await asyncio.sleep(0.6)  # the client is slow for a moment
-
-        task = asyncio.create_task(follow())
-        await asyncio.sleep(0.2)
-        await asyncio.to_thread(rotate_log, log, 50_000)  # `.1`: the last 25,000 bytes
+    def act() -> None:
+        rotate_log(log, 50_000)  # `.1`: the last 25,000 bytes
         with open(log, "a") as f:
             f.write("".join(new))
-        await asyncio.sleep(1.5)
-        task.cancel()
-        return out
 
-    assert asyncio.run(run()) == old + new
+    out = follow_while(log, in_thread(act), 1.5, start=0.2, stall_after=10, stall=0.6)
+    assert out == old + new
 
 
-def follow_stalled(log: Path, tail: int | None, act: object) -> list[str]:
-    """A follower whose client stalls after its first line, while `act()` runs in a thread
-    (as the controller rotates logs)."""
-
-    async def go() -> list[str]:
-        out: list[str] = []
-
-        async def follow() -> None:
-            async for line in read_lines(log, follow=True, tail=tail):
-                out.append(line)
-                if len(out) == 1:
-                    await asyncio.sleep(0.5)
-
-        task = asyncio.create_task(follow())
-        await asyncio.sleep(0.1)
-        await asyncio.to_thread(act)  # type: ignore[arg-type]
-        await asyncio.sleep(1.0)
-        task.cancel()
-        return out
-
-    return asyncio.run(go())
+def follow_stalled(log: Path, tail: int | None, act: Callable[[], object]) -> list[str]:
+    """A follower whose client stalls after its first line, while `act()` runs in a thread."""
+    return follow_while(log, in_thread(act), 1.0, tail=tail, start=0.1, stall_after=1, stall=0.5)
 
 
 def test_a_rotation_while_the_tail_or_the_older_part_is_sent_is_followed(tmp_path: Path) -> None:
@@ -698,24 +686,9 @@ def test_a_rotation_that_began_is_waited_for_before_anything_more_is_read(
             f.write("".join(new))
 
     monkeypatch.setattr(os, "truncate", slow_truncate)
-
-    async def run() -> list[str]:
-        out: list[str] = []
-
-        async def follow() -> None:
-            async for line in read_lines(log, follow=True):
-                out.append(line)
-                if len(out) == 10:
-                    await asyncio.sleep(0.1)
-
-        task = asyncio.create_task(follow())
-        await asyncio.sleep(0.05)
-        await asyncio.to_thread(rotate_log, log, 50_000)
-        await asyncio.sleep(1.0)
-        task.cancel()
-        return out
-
-    assert asyncio.run(run()) == old + new
+    rotate = in_thread(lambda: rotate_log(log, 50_000))
+    out = follow_while(log, rotate, 1.0, start=0.05, stall_after=10, stall=0.1)
+    assert out == old + new
 
 
 def test_controller_lines_naming_a_service_come_whole(tmp_path: Path) -> None:
@@ -782,28 +755,16 @@ def test_a_rotation_that_could_not_empty_the_log_leaves_its_readers_reading(
         time.sleep(0.4)  # (the follower reads meanwhile and meets the begun rotation)
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
-    async def run() -> list[str]:
-        out: list[str] = []
-
-        async def follow() -> None:
-            async for line in read_lines(log, follow=True):
-                out.append(line)
-                if len(out) == 10:
-                    await asyncio.sleep(0.15)
-
-        task = asyncio.create_task(follow())
-        await asyncio.sleep(0.05)
+    def act() -> None:
         monkeypatch.setattr(os, "truncate", refused)
         with pytest.raises(PermissionError):
-            await asyncio.to_thread(rotate_log, log, 50_000)
+            rotate_log(log, 50_000)
         monkeypatch.setattr(os, "truncate", truncate)
         with open(log, "a") as f:
             f.write("next\n")
-        await asyncio.sleep(0.6)
-        task.cancel()
-        return out
 
-    assert asyncio.run(run()) == [*old, "next\n"]
+    out = follow_while(log, in_thread(act), 0.6, start=0.05, stall_after=10, stall=0.15)
+    assert out == [*old, "next\n"]
     assert not rotated_part(log).exists()
 
 
@@ -821,22 +782,11 @@ def test_a_rotation_slower_than_the_wait_is_not_taken_for_done(
         time.sleep(1.2)
         truncate(path, length)  # type: ignore[arg-type]
 
-    async def run() -> list[str]:
-        out: list[str] = []
-
-        async def follow() -> None:
-            async for line in read_lines(log, follow=True, tail=0):
-                out.append(line)
-
-        task = asyncio.create_task(follow())
-        await asyncio.sleep(0.3)
+    def act() -> None:
         monkeypatch.setattr(os, "truncate", slow)
-        await asyncio.to_thread(rotate_log, log, 2000)
+        rotate_log(log, 2000)
         monkeypatch.setattr(os, "truncate", truncate)
         with open(log, "a") as f:
             f.write("after\n")
-        await asyncio.sleep(0.6)
-        task.cancel()
-        return out
 
-    assert asyncio.run(run()) == ["after\n"]
+    assert follow_while(log, in_thread(act), 0.6, tail=0, start=0.3) == ["after\n"]
