@@ -441,6 +441,17 @@ class Exchange:
         if self._listed is not None:
             self._release_head()
         self._release_charge()
+        tell = self.ctx.replicas.caps.first_byte
+        if tell is not None:
+            self._tell_first_byte(tell)
+
+    def _tell_first_byte(self, tell: Callable[[int, float], None]) -> None:
+        """TimesFirstByte: a streamed request with a prompt that a replica answered (200)."""
+        key, conn, rid, seconds = self.body.key, self.conn, self._counted, self.first_byte
+        if key is None or not key.streams or not key.blocks or rid is None or seconds is None:
+            return
+        if conn is not None and conn.status == 200:
+            tell(rid, seconds)
 
     def _release_head(self) -> None:
         """The request stays at its replica: the head held so far goes to the client."""

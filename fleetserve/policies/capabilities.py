@@ -19,6 +19,8 @@ fleetserve.lb.
 - `ReadsReportedLoad`: polls the replicas' own load metrics into `reported`.
 - `WeighsPrefill`: counts, per replica, the prompt blocks it still has to prefill (what the
   selector said of each request sent there, until that request's first byte).
+- `TimesFirstByte`: tells it, per replica, how long each streamed request with a prompt
+  waited for its first byte.
 
 A key reader that fails on some input (a bug) never fails the request: the load balancer
 routes it without a key, and logs and counts the failure.
@@ -142,6 +144,14 @@ class WeighsPrefill(Protocol):
     prefilling: dict[int, int]
 
 
+@runtime_checkable
+class TimesFirstByte(Protocol):
+    def first_byte(self, replica: int, seconds: float) -> None:
+        """A streamed request with a prompt, sent to `replica`, had its answer's first body
+        byte `seconds` after it was sent (a retry's: after that attempt was sent)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a selector can do besides choosing, found once (`capabilities`)."""
@@ -156,6 +166,7 @@ class Capabilities:
     shares_index: SharesIndex | None = None
     reported: dict[int, int] | None = None
     weighs_prefill: WeighsPrefill | None = None
+    first_byte: Callable[[int, float], None] | None = None
 
 
 def capabilities(selector: Selector) -> Capabilities:
@@ -173,4 +184,5 @@ def capabilities(selector: Selector) -> Capabilities:
         shares_index=selector if isinstance(selector, SharesIndex) else None,
         reported=selector.reported if isinstance(selector, ReadsReportedLoad) else None,
         weighs_prefill=selector if isinstance(selector, WeighsPrefill) else None,
+        first_byte=selector.first_byte if isinstance(selector, TimesFirstByte) else None,
     )

@@ -553,3 +553,55 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
                 assert r.status == 200 and await r.read() == b"data: token\n\n"
     finally:
         server.close()
+
+
+async def test_the_policy_hears_each_streamed_prompts_time_to_first_byte(start: Start) -> None:
+    """TimesFirstByte: the load balancer tells a policy that asks how long each streamed
+    request with a prompt waited for its first body byte (not its head), per replica; not a
+    whole answer's (its first byte comes after its decoding), not a request without a
+    prompt, not an error."""
+    from fleetserve.policies.cache_aware import CacheAware
+
+    class Timed(CacheAware):
+        def __init__(self) -> None:
+            super().__init__()
+            self.told: list[tuple[int, float]] = []
+
+        def first_byte(self, replica: int, seconds: float) -> None:
+            self.told.append((replica, seconds))
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        doc = await request.json()
+        status = 500 if doc.get("fail") else 200
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)  # the head at once
+        await asyncio.sleep(0.3)  # the prefill
+        await resp.write(b"data: token\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stream)
+    app.router.add_get("/v1/models", models)
+    replica = await start(app)
+    lb, replicas, _ = await make_lb_proxy(
+        start, "cache_aware", [Upstream(7, f"http://127.0.0.1:{replica}", 1)], workers=1
+    )
+    timed = replicas.selector = Timed()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hello there " * 100}]}
+    async with aiohttp.ClientSession() as s:
+        for body in ({**chat, "stream": True}, {**chat, "stream": False}):
+            async with s.post(f"{lb}/v1/chat/completions", json=body) as r:
+                assert r.status == 200 and await r.read() == b"data: token\n\n"
+        async with s.post(
+            f"{lb}/v1/chat/completions", json={**chat, "stream": True, "fail": True}
+        ) as r:
+            assert r.status == 500
+        async with s.get(f"{lb}/v1/models") as r:
+            assert r.status == 200
+    assert len(timed.told) == 1, timed.told
+    replica_id, seconds = timed.told[0]
+    assert replica_id == 7 and 0.25 <= seconds < 5
