@@ -178,6 +178,7 @@ class Exchange:
         "_counted",
         "_listed",
         "_reported",
+        "_sending",
         "_settled",
         "_timer",
         "_waiter",
@@ -259,6 +260,7 @@ class Exchange:
         self.priority: int | None = None  # engine_priority: the prompt blocks not cached there
         self.priority_since = 0  # ... and when it was first sent (ms since the epoch)
         self._charged: tuple[int, int] | None = None
+        self._sending: int | None = None  # TracksSends: the replica told of this attempt
         self._settled = True
         self._waiter: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -432,6 +434,12 @@ class Exchange:
             prefilling = self.ctx.replicas.prefilling
             prefilling[rid] = prefilling.get(rid, 0) + charge
             self._charged = (rid, charge)
+        tracks = self.ctx.replicas.caps.tracks_sends
+        if tracks is not None:
+            key = self.body.key
+            if key is not None and key.blocks:
+                tracks.sending(rid, key)
+                self._sending = rid
         self.ctx.replicas.on_count()
 
     def prefilled(self) -> None:
@@ -441,17 +449,15 @@ class Exchange:
         if self._listed is not None:
             self._release_head()
         self._release_charge()
-        tell = self.ctx.replicas.caps.first_byte
-        if tell is not None:
-            self._tell_first_byte(tell)
+        if self._sending is not None:
+            self._answered()
 
-    def _tell_first_byte(self, tell: Callable[[int, float], None]) -> None:
-        """TimesFirstByte: a streamed request with a prompt that a replica answered (200)."""
-        key, conn, rid, seconds = self.body.key, self.conn, self._counted, self.first_byte
-        if key is None or not key.streams or not key.blocks or rid is None or seconds is None:
-            return
-        if conn is not None and conn.status == 200:
-            tell(rid, seconds)
+    def _answered(self) -> None:
+        """TracksSends: this attempt got its first byte, or ended without one."""
+        rid, self._sending = self._sending, None
+        tracks, key = self.ctx.replicas.caps.tracks_sends, self.body.key
+        if rid is not None and tracks is not None and key is not None:
+            tracks.answered(rid, key)
 
     def _release_head(self) -> None:
         """The request stays at its replica: the head held so far goes to the client."""
@@ -499,6 +505,8 @@ class Exchange:
     def _end_attempt(self) -> None:
         if self._charged is not None:
             self._release_charge()
+        if self._sending is not None:
+            self._answered()
         if self._listed is not None:
             self._unlist()
         self.held_head = None  # an attempt that ends unanswered: its head is not sent

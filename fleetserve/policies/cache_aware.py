@@ -48,7 +48,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -154,16 +153,12 @@ def keyed_block_keys(text: str, block_chars: int, keyed: hashlib.blake2b) -> tup
 
 
 class PrefixIndex:
-    """Which replica recently held which prompt blocks: an LRU of block keys per replica (each
-    with when it was last recorded, on `clock`) and, for lookups, each key's holders as a bit
-    mask over replica slots."""
+    """Which replica recently held which prompt blocks: an LRU of block keys per replica and,
+    for lookups, each key's holders as a bit mask over replica slots."""
 
-    def __init__(
-        self, blocks: int = DEFAULT_BLOCKS, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, blocks: int = DEFAULT_BLOCKS) -> None:
         self.capacity = blocks
-        self.clock = clock
-        self._lru: dict[int, OrderedDict[int, float]] = {}
+        self._lru: dict[int, OrderedDict[int, None]] = {}
         self._holders: dict[int, int] = {}  # key -> bit mask of replica slots
         self._slot: dict[int, int] = {}  # replica id -> bit
         self._free_slots: list[int] = []
@@ -187,7 +182,6 @@ class PrefixIndex:
         bit = self._bit(replica)
         lru = self._lru[replica]
         holders = self._holders
-        now = self.clock()
         # Last block first: a prompt's first blocks end up the most recent, so its tail is
         # evicted before its prefix (as vLLM frees a sequence's blocks), and what stays of
         # it still matches.
@@ -195,8 +189,8 @@ class PrefixIndex:
             if key in lru:
                 lru.move_to_end(key)
             else:
+                lru[key] = None
                 holders[key] = holders.get(key, 0) | bit
-            lru[key] = now
         while len(lru) > self.capacity:
             old, _ = lru.popitem(last=False)
             self._drop(old, bit)
@@ -263,20 +257,6 @@ class PrefixIndex:
                 if alive & bit:
                     out[rid] = depth
         return out
-
-    def recent_depth(self, keys: Sequence[int], replica: int, since: float) -> int:
-        """How many leading blocks of `keys` were recorded for `replica` at `since` or
-        later (on `clock`)."""
-        lru = self._lru.get(replica)
-        if lru is None:
-            return 0
-        depth = 0
-        for key in keys:
-            at = lru.get(key)
-            if at is None or at < since:
-                break
-            depth += 1
-        return depth
 
     def replicas(self) -> list[int]:
         return list(self._lru)

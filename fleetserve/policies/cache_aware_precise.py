@@ -7,19 +7,16 @@ blocks); a match is compared in tokens, the approximate one converted with the r
 characters per token. The approximate index is kept up to date either way (every choice is
 recorded), so a replica whose events stop falls back to a warm index, not an empty one.
 
-What an engine holds does not yet show what was sent to it and still waits there: its blocks
-are stored when it is prefilled, seconds later behind a queue. So a live replica that still
-has prompt blocks to prefill (the load balancer's count, all its processes') is also credited
-with what the approximate index recorded for it lately: within `PENDING_FACTOR` times its
-recent time to a first byte (a running mean of this process's streamed requests there), at
-most `MAX_PENDING_SECONDS`. Its match is the larger of the two. Short queues make that window
-short, and a replica with nothing left to prefill is matched on its engine alone, so where
-engines answer at once the precise mode is what the events say.
+What an engine holds does not show what was sent to it and still waits there: it stores a
+prompt's blocks when it prefills it, behind a queue seconds later. So a live replica is also
+credited with the prompts of the streamed requests this process sent it that have not had
+their first byte yet (TracksSends: from each attempt's send to its first byte, or to its end
+without one); its match is the larger of the two. The other LB processes' sends are not
+known here (their choices reach the approximate index, not this credit).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -33,12 +30,6 @@ from fleetserve.policies.cache_aware import (
 )
 from fleetserve.policies.kv_index import KvIndex
 from fleetserve.policies.lb import NO_KEY, RequestKey
-
-# A prompt sent to a replica counts as soon to be held there for this many times the replica's
-# recent time to a first byte (about the longest a request waits there for its prefill)...
-PENDING_FACTOR = 2.0
-MAX_PENDING_SECONDS = 30.0  # ... and never longer
-FIRST_BYTE_WEIGHT = 0.2  # of each new first-byte time in the replica's running mean
 
 
 class PromptTokens(Protocol):
@@ -59,43 +50,52 @@ class BlendedIndex(PrefixIndex):
     """The approximate index whose `match` consults the precise one for live replicas while a
     request with token ids is being placed (`PreciseCacheAware.select` sets `request`)."""
 
-    def __init__(
-        self,
-        blocks: int,
-        block_chars: int,
-        precise: KvIndex,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(blocks, clock)
+    def __init__(self, blocks: int, block_chars: int, precise: KvIndex) -> None:
+        super().__init__(blocks)
         self.block_chars = block_chars
         self.precise = precise
         self.request: RequestKey | None = None
         self.on_precise: Callable[[int, int], None] | None = None  # (tokens matched, of)
-        # Per replica, the running mean of its first-byte seconds (`first_byte`), and the
-        # prompt blocks it still has to prefill (the policy's count): the pending window.
-        self.wait: dict[int, float] = {}
-        self.backlog: Callable[[int], int] = lambda replica: 0
+        # Per replica, the prompt blocks of the requests sent there that wait for their
+        # first byte: block key -> how many of them hold it (a prefix tree, as the keys chain).
+        self._sent: dict[int, dict[int, int]] = {}
 
-    def first_byte(self, replica: int, seconds: float) -> None:
-        """A streamed request sent to `replica` had its first byte after `seconds`."""
-        mean = self.wait.get(replica)
-        self.wait[replica] = (
-            seconds if mean is None else mean + FIRST_BYTE_WEIGHT * (seconds - mean)
-        )
+    def sending(self, replica: int, keys: Sequence[int]) -> None:
+        sent = self._sent.get(replica)
+        if sent is None:
+            sent = self._sent[replica] = {}
+        for k in keys:
+            sent[k] = sent.get(k, 0) + 1
+
+    def answered(self, replica: int, keys: Sequence[int]) -> None:
+        sent = self._sent.get(replica)
+        if sent is None:
+            return  # (forgotten meanwhile: nothing to take back)
+        for k in keys:
+            left = sent.get(k, 0) - 1
+            if left > 0:
+                sent[k] = left
+            else:
+                sent.pop(k, None)
+        if not sent:
+            del self._sent[replica]
 
     def pending(self, keys: Sequence[int], replica: int) -> int:
-        """The leading blocks of `keys` sent to a replica lately enough that they may still
-        wait there for their prefill (see the module's docstring); 0 when it has nothing left
-        to prefill."""
-        mean = self.wait.get(replica)
-        if mean is None or self.backlog(replica) <= 0:
+        """The leading blocks of `keys` that a request sent to `replica` and not yet answered
+        holds: they will be in its engine once that request is prefilled."""
+        sent = self._sent.get(replica)
+        if not sent:
             return 0
-        window = min(MAX_PENDING_SECONDS, PENDING_FACTOR * mean)
-        return self.recent_depth(keys, replica, self.clock() - window)
+        depth = 0
+        for k in keys:
+            if k not in sent:
+                break
+            depth += 1
+        return depth
 
     def forget(self, replica: int) -> None:
         super().forget(replica)
-        self.wait.pop(replica, None)
+        self._sent.pop(replica, None)
 
     def _live(self, among: Sequence[int]) -> tuple[RequestKey, dict[int, int], float] | None:
         """For the request being placed: the live replicas' matches in engine tokens and the
@@ -117,13 +117,15 @@ class BlendedIndex(PrefixIndex):
         depth: dict[int, float] = {}
         for rid in among:
             if rid in live:
-                depth[rid] = max(float(live[rid]), self.pending(keys, rid) * tokens_per_block)
+                depth[rid] = float(live[rid])
             else:
                 blocks, _ = super().match(keys, [rid])
                 depth[rid] = blocks * tokens_per_block
+        if self.on_precise is not None:  # (what the engines hold: before the pending credit)
+            self.on_precise(int(max(depth.values(), default=0.0)), len(req.tokens))
+        for rid in live:
+            depth[rid] = max(depth[rid], self.pending(keys, rid) * tokens_per_block)
         best = max(depth.values(), default=0.0)
-        if self.on_precise is not None:
-            self.on_precise(self._held(live, depth, among), len(req.tokens))
         if best <= 0:
             return 0, list(among)
         # The policy's metrics count in the approximate index's blocks: convert back (never
@@ -142,20 +144,16 @@ class BlendedIndex(PrefixIndex):
         out = super().depths(keys, [rid for rid in among if rid not in live])
         # (the engine's tokens include the chat template's: never more than the prompt's keys)
         most = len(keys)
-        tokens = {rid: out[rid] * tokens_per_block for rid in out}
+        if self.on_precise is not None:  # in the engine's tokens, as `match` reports
+            best = max(
+                (live[rid] if rid in live else out[rid] * tokens_per_block for rid in among),
+                default=0.0,
+            )
+            self.on_precise(int(min(best, len(req.tokens))), len(req.tokens))
         for rid in among:
             if rid in live:
                 out[rid] = min(most, max(live[rid] / tokens_per_block, self.pending(keys, rid)))
-                tokens[rid] = float(live[rid])
-        if self.on_precise is not None:  # in the engine's tokens, as `match` reports
-            self.on_precise(min(self._held(live, tokens, among), len(req.tokens)), len(req.tokens))
         return out
-
-    @staticmethod
-    def _held(live: Mapping[int, int], depth: Mapping[int, float], among: Sequence[int]) -> int:
-        """For the LB's metrics (what the events promised): the most tokens one replica holds,
-        a live one's as its engine holds them (what is only pending there not counted)."""
-        return int(max((live[r] if r in live else depth[r] for r in among), default=0.0))
 
 
 class PreciseCacheAware(CacheAware):
@@ -174,15 +172,13 @@ class PreciseCacheAware(CacheAware):
         choice: str = CacheAware.DEFAULT_CHOICE,
         decode_weight: float = CacheAware.DEFAULT_DECODE_WEIGHT,
         load_weight: float = CacheAware.DEFAULT_LOAD_WEIGHT,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(
             max_extra_load, block_chars, blocks, max_body_bytes, choice, decode_weight, load_weight
         )
         self.precise = precise
         self.tokenizer = tokenizer
-        self.index = self.blended = BlendedIndex(blocks, block_chars, precise, clock)
-        self.blended.backlog = self._backlog
+        self.index = self.blended = BlendedIndex(blocks, block_chars, precise)
 
     def body_key(self, body: bytes, complete: bool) -> RequestKey:
         key = super().body_key(body, complete)
@@ -201,10 +197,15 @@ class PreciseCacheAware(CacheAware):
         super().forget(replica)
         self.precise.forget(replica)
 
-    def first_byte(self, replica: int, seconds: float) -> None:
-        """TimesFirstByte: a streamed request with a prompt, sent to `replica`, had its first
-        byte after `seconds` (the pending window: see the module's docstring)."""
-        self.blended.first_byte(replica, seconds)
+    def sending(self, replica: int, key: RequestKey) -> None:
+        """TracksSends: a streamed request with a prompt is sent to `replica`."""
+        if key.streams:
+            self.blended.sending(replica, key.blocks)
+
+    def answered(self, replica: int, key: RequestKey) -> None:
+        """TracksSends: ... and had its first byte there, or went no further."""
+        if key.streams:
+            self.blended.answered(replica, key.blocks)
 
     def select(
         self,

@@ -19,8 +19,8 @@ fleetserve.lb.
 - `ReadsReportedLoad`: polls the replicas' own load metrics into `reported`.
 - `WeighsPrefill`: counts, per replica, the prompt blocks it still has to prefill (what the
   selector said of each request sent there, until that request's first byte).
-- `TimesFirstByte`: tells it, per replica, how long each streamed request with a prompt
-  waited for its first byte.
+- `TracksSends`: tells it of each attempt of a request with a prompt sent to a replica, and
+  of its end (its first byte, or the attempt ending without one).
 
 A key reader that fails on some input (a bug) never fails the request: the load balancer
 routes it without a key, and logs and counts the failure.
@@ -145,11 +145,15 @@ class WeighsPrefill(Protocol):
 
 
 @runtime_checkable
-class TimesFirstByte(Protocol):
-    def first_byte(self, replica: int, seconds: float) -> None:
-        """A streamed request with a prompt, sent to `replica`, had its answer's first body
-        byte `seconds` after it was sent (a retry's: after that attempt was sent)."""
-        ...
+class TracksSends(Protocol):
+    """Each attempt of a request whose key has prompt blocks: `sending` when it is sent to a
+    replica, `answered` (with the same key) once, at its answer's first body byte or when
+    the attempt ends without one (a retry elsewhere, a move, the client gone). A retry or a
+    move is a new attempt: `sending` again, with the replica it went to."""
+
+    def sending(self, replica: int, key: RequestKey) -> None: ...
+
+    def answered(self, replica: int, key: RequestKey) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +170,7 @@ class Capabilities:
     shares_index: SharesIndex | None = None
     reported: dict[int, int] | None = None
     weighs_prefill: WeighsPrefill | None = None
-    first_byte: Callable[[int, float], None] | None = None
+    tracks_sends: TracksSends | None = None
 
 
 def capabilities(selector: Selector) -> Capabilities:
@@ -184,5 +188,5 @@ def capabilities(selector: Selector) -> Capabilities:
         shares_index=selector if isinstance(selector, SharesIndex) else None,
         reported=selector.reported if isinstance(selector, ReadsReportedLoad) else None,
         weighs_prefill=selector if isinstance(selector, WeighsPrefill) else None,
-        first_byte=selector.first_byte if isinstance(selector, TimesFirstByte) else None,
+        tracks_sends=selector if isinstance(selector, TracksSends) else None,
     )

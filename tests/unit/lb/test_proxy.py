@@ -555,27 +555,33 @@ async def test_cache_aware_counts_prompt_blocks_until_their_first_byte(start: St
         server.close()
 
 
-async def test_the_policy_hears_each_streamed_prompts_time_to_first_byte(start: Start) -> None:
-    """TimesFirstByte: the load balancer tells a policy that asks how long each streamed
-    request with a prompt waited for its first body byte (not its head), per replica; not a
-    whole answer's (its first byte comes after its decoding), not a request without a
-    prompt, not an error."""
+async def test_a_policy_hears_of_each_attempt_from_its_send_to_its_first_byte(
+    start: Start,
+) -> None:
+    """TracksSends: the load balancer tells a policy that asks of each attempt of a request
+    with a prompt, to the replica it went to: `sending` at its send, `answered` once, at its
+    answer's first body byte (not its head), or when the attempt ends without one (dropped
+    and retried elsewhere, the client gone). Nothing for a request without a prompt."""
     from fleetserve.policies.cache_aware import CacheAware
+    from fleetserve.policies.lb import RequestKey
 
-    class Timed(CacheAware):
-        def __init__(self) -> None:
-            super().__init__()
-            self.told: list[tuple[int, float]] = []
+    events: list[tuple[str, int, bool]] = []
 
-        def first_byte(self, replica: int, seconds: float) -> None:
-            self.told.append((replica, seconds))
+    class Tracker(CacheAware):
+        def sending(self, replica: int, key: RequestKey) -> None:
+            events.append(("sending", replica, key.streams))
+
+        def answered(self, replica: int, key: RequestKey) -> None:
+            events.append(("answered", replica, key.streams))
+
+    prefill = asyncio.Event()
 
     async def stream(request: web.Request) -> web.StreamResponse:
-        doc = await request.json()
-        status = 500 if doc.get("fail") else 200
-        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)  # the head at once
-        await asyncio.sleep(0.3)  # the prefill
+        events.append(("head", 0, True))
+        await prefill.wait()
         await resp.write(b"data: token\n\n")
         await resp.write_eof()
         return resp
@@ -587,21 +593,73 @@ async def test_the_policy_hears_each_streamed_prompts_time_to_first_byte(start: 
     app.router.add_post("/v1/chat/completions", stream)
     app.router.add_get("/v1/models", models)
     replica = await start(app)
+    server, dropped = await start_dropper()
+    bad = server.sockets[0].getsockname()[1]
     lb, replicas, _ = await make_lb_proxy(
         start, "cache_aware", [Upstream(7, f"http://127.0.0.1:{replica}", 1)], workers=1
     )
-    timed = replicas.selector = Timed()
+    replicas.selector = Tracker()
     chat = {"model": "m", "messages": [{"role": "user", "content": "hello there " * 100}]}
-    async with aiohttp.ClientSession() as s:
-        for body in ({**chat, "stream": True}, {**chat, "stream": False}):
-            async with s.post(f"{lb}/v1/chat/completions", json=body) as r:
+
+    async def until(n: int) -> None:
+        for _ in range(300):
+            if len(events) >= n:
+                return
+            await asyncio.sleep(0.01)
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(
+                s.post(f"{lb}/v1/chat/completions", json={**chat, "stream": True})
+            )
+            await until(2)
+            await asyncio.sleep(0.1)
+            assert events == [("sending", 7, True), ("head", 0, True)]  # head: not answered
+            prefill.set()
+            async with await task as r:
                 assert r.status == 200 and await r.read() == b"data: token\n\n"
-        async with s.post(
-            f"{lb}/v1/chat/completions", json={**chat, "stream": True, "fail": True}
-        ) as r:
-            assert r.status == 500
-        async with s.get(f"{lb}/v1/models") as r:
-            assert r.status == 200
-    assert len(timed.told) == 1, timed.told
-    replica_id, seconds = timed.told[0]
-    assert replica_id == 7 and 0.25 <= seconds < 5
+            assert events[2:] == [("answered", 7, True)]
+            # A whole answer: the policy hears of it too (it decides what to credit).
+            events.clear()
+            async with s.post(f"{lb}/v1/chat/completions", json=chat) as r:
+                assert r.status == 200
+            assert events == [("sending", 7, False), ("head", 0, True), ("answered", 7, False)]
+            # Dropped unanswered by 8, retried at 7: each attempt is told and ended.
+            events.clear()
+            replicas.replace(
+                [
+                    Upstream(8, f"http://127.0.0.1:{bad}", 1),
+                    Upstream(7, f"http://127.0.0.1:{replica}", 1),
+                ]
+            )
+            replicas.selector = Tracker()
+            replicas.selector.prefilling[7] = 10_000  # (so that 8 is tried first)
+            async with s.post(f"{lb}/v1/chat/completions", json={**chat, "stream": True}) as r:
+                assert r.status == 200
+            assert len(dropped) == 1
+            assert events == [
+                ("sending", 8, True),
+                ("answered", 8, True),
+                ("sending", 7, True),
+                ("head", 0, True),
+                ("answered", 7, True),
+            ]
+            # The client goes away before the first token: the attempt ends, answered.
+            events.clear()
+            replicas.replace([Upstream(7, f"http://127.0.0.1:{replica}", 1)])
+            prefill.clear()
+            r = await s.post(f"{lb}/v1/chat/completions", json={**chat, "stream": True})
+            assert r.status == 200  # (its head)
+            r.close()  # the connection with it
+            await until(3)
+            assert events == [("sending", 7, True), ("head", 0, True), ("answered", 7, True)]
+            prefill.set()
+            # No prompt to place by: nothing told.
+            events.clear()
+            async with s.get(f"{lb}/v1/models") as r:
+                assert r.status == 200
+            async with s.post(f"{lb}/v1/chat/completions", json={"stream": True}) as r:
+                assert r.status == 200
+            assert [e for e in events if e[0] != "head"] == []
+    finally:
+        server.close()

@@ -4,6 +4,7 @@ matched on what their engines hold, the others on the approximate index."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from fleetserve.policies.cache_aware import block_keys
 from fleetserve.policies.cache_aware_precise import PreciseCacheAware
@@ -130,97 +131,92 @@ def test_the_owner_choices_place_a_shared_prefix_by_its_keeper_in_the_precise_mo
         assert len(picks) == 1 and picks <= {3, 4}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def timed_policy() -> tuple[PreciseCacheAware, KvIndex, Clock]:
-    clock = Clock()
-    kv = KvIndex()
-    p = PreciseCacheAware(kv, NoTokens(), clock=clock)
+def live_policy() -> tuple[PreciseCacheAware, KvIndex]:
+    p, kv = policy()
     kv.set_trust(1, Trust.LIVE)
     kv.set_trust(2, Trust.LIVE)
-    return p, kv, clock
+    return p, kv
 
 
-def test_a_prompt_still_queued_at_a_replica_counts_as_soon_held_there() -> None:
-    """What an engine holds does not show a prompt sent to it and not yet prefilled: while the
-    replica still has prompt blocks to prefill, what was sent to it within twice its recent
-    time to a first byte counts as held there, so the next request sharing that prefix
-    follows it (the engine alone would say nobody holds it and send it to the emptier
-    replica, to prefill it a second time)."""
-    p, kv, clock = timed_policy()
-    p.first_byte(1, 2.0)  # replica 1 answers its first byte after ~2 s: a 4 s window
-    p.first_byte(2, 2.0)
-    p.index.record(1, key().blocks)  # sent to 1; neither engine has stored any of it yet
-    p.prefilling[1] = 4  # ... and 1 still has its 4 blocks to prefill
+def streamed() -> RequestKey:
+    return replace(key(), streams=True)
+
+
+def depth_at(p: PreciseCacheAware, replica: int) -> float:
+    p.blended.request = streamed()
+    try:
+        return p.blended.depths(streamed().blocks, [1, 2])[replica]
+    finally:
+        p.blended.request = None
+
+
+def test_a_prompt_sent_and_not_yet_answered_counts_as_held_by_its_replica() -> None:
+    """An engine stores a prompt's blocks when it prefills it, behind its queue: until the
+    request's first byte the events cannot show it. A live replica is credited with what was
+    sent to it and not yet answered, so the next request sharing that prefix follows it
+    (the engines alone say nobody holds it: the emptier replica would prefill it again)."""
+    p, kv = live_policy()
     inflight = {1: 1, 2: 0}
-    # cost: 1 holds all 4 blocks soon, its queue 0.25 x (4 + 1); 2 would prefill all 4
-    assert p.select([1, 2], inflight, frozenset(), key()) == 1
-    # Past the window the send no longer counts (it would have been prefilled by now, and
-    # the engine's events say what stayed of it): the engines hold nothing, 2 costs less.
-    clock.now += 4.5
-    p.index.record(1, ())  # (nothing new recorded)
-    assert p.select([1, 2], inflight, frozenset(), key()) == 2
-    # Within the window, but nothing left to prefill at 1: the engine's events are the truth.
-    clock.now += 10
-    p.index.record(1, key().blocks)
-    p.prefilling.clear()
-    p.peer_prefilling[2] = 1  # (2's backlog is not 1's)
-    p.blended.request = key()
-    try:
-        assert p.blended.depths(key().blocks, [1, 2])[1] == 0
-        p.peer_prefilling[1] = 3  # another LB process's request still prefills there
-        assert p.blended.depths(key().blocks, [1, 2])[1] == 4
-        # A replica whose first bytes were never timed has no window.
-        p.blended.wait.pop(1)
-        assert p.blended.depths(key().blocks, [1, 2])[1] == 0
-    finally:
-        p.blended.request = None
-    store(kv, 1, 8)  # the engine holds 128 of the 256 tokens: 2 blocks, whatever was sent
-    p.blended.request = key()
-    try:
-        assert p.blended.depths(key().blocks, [1, 2])[1] == 2
-    finally:
-        p.blended.request = None
+    assert p.select([1, 2], inflight, frozenset(), streamed()) == 2  # nobody holds it: 2
+    p.sending(1, streamed())  # (the load balancer's TracksSends) sent to 1, no token yet
+    p.prefilling[1] = 4  # ... so 1 still has its 4 blocks to prefill
+    # cost: 1 soon holds all 4 blocks, its queue 0.25 x (4 + 1) = 1.25; 2 would prefill 4
+    assert p.select([1, 2], inflight, frozenset(), streamed()) == 1
+    assert depth_at(p, 1) == 4
+    # Two requests sharing the prompt were sent: the credit lasts until both are answered.
+    p.sending(1, streamed())
+    p.answered(1, streamed())
+    assert depth_at(p, 1) == 4
+    p.answered(1, streamed())  # the first byte: the engine's events say what it holds now
+    assert depth_at(p, 1) == 0
+    assert p.select([1, 2], inflight, frozenset(), streamed()) == 2
+    # The larger of the two: the engine holds 8 of the 16 engine blocks (2 of 4), a shorter
+    # prompt with the same start is pending.
+    store(kv, 1, 8)
+    assert depth_at(p, 1) == 2
+    short = "x" * 256
+    p.blended.sending(1, block_keys(short, 256))  # 1 block of the prefix
+    assert depth_at(p, 1) == 2
+    p.blended.sending(1, key().blocks)
+    assert depth_at(p, 1) == 4
 
 
-def test_the_pending_window_follows_the_replicas_first_byte_times() -> None:
-    p, _, clock = timed_policy()
-    p.first_byte(1, 10.0)
-    p.first_byte(1, 0.0)  # a running mean: 8 s after these two, a 16 s window
-    assert p.blended.wait[1] == 8.0
-    p.index.record(1, key().blocks)
-    p.prefilling[1] = 1
-    p.blended.request = key()
-    try:
-        clock.now += 15
-        assert p.blended.depths(key().blocks, [1, 2])[1] == 4
-        clock.now += 2
-        assert p.blended.depths(key().blocks, [1, 2])[1] == 0
-        p.first_byte(1, 1000.0)  # never more than 30 s
-        p.index.record(1, key().blocks)
-        clock.now += 31
-        assert p.blended.depths(key().blocks, [1, 2])[1] == 0
-    finally:
-        p.blended.request = None
+def test_only_streamed_requests_are_credited_and_a_forgotten_replica_keeps_nothing() -> None:
+    """A whole (not streamed) answer's first byte comes after its decoding, long after its
+    prefill: not credited. A replica that left keeps no credit, and an answer that comes after
+    it left (its request still running) puts none back."""
+    p, _ = live_policy()
+    whole = key()
+    assert not whole.streams
+    p.sending(1, whole)
+    assert depth_at(p, 1) == 0
+    p.sending(1, streamed())
+    assert depth_at(p, 1) == 4
     p.forget(1)
-    assert 1 not in p.blended.wait
+    p.answered(1, streamed())
+    p.precise.set_trust(1, Trust.LIVE)  # (back as a new replica would be)
+    assert depth_at(p, 1) == 0 and p.blended._sent == {}
 
 
 def test_the_precise_metric_counts_what_the_engines_hold_not_what_is_pending() -> None:
-    """fleetserve_lb_precise_prompt_tokens_total{kind="matched"} is what the events promised:
-    a match that is only pending at a replica is not in it."""
-    p, kv, _ = timed_policy()
+    """fleetserve_lb_precise_prompt_tokens_total{kind="matched"} is what the engines' events
+    promised: a prompt only sent to a replica is not in it."""
+    p, kv = live_policy()
     told: list[tuple[int, int]] = []
     p.blended.on_precise = lambda matched, of: told.append((matched, of))
-    p.first_byte(1, 2.0)
-    p.index.record(1, key().blocks)
+    p.sending(1, streamed())
     p.prefilling[1] = 4
     store(kv, 2, 2)  # 2's engine holds 32 tokens
-    assert p.select([1, 2], {1: 0, 2: 0}, frozenset(), key()) == 1  # all 4 blocks pending at 1
+    assert p.select([1, 2], {1: 0, 2: 0}, frozenset(), streamed()) == 1  # all 4 pending at 1
     assert told == [(32, 256)]
+    for choice in ("match", "owner"):  # (the choices that read `match`, not `depths`)
+        kv = KvIndex()
+        kv.set_trust(1, Trust.LIVE)
+        kv.set_trust(2, Trust.LIVE)
+        q = PreciseCacheAware(kv, NoTokens(), choice=choice)
+        seen: list[tuple[int, int]] = []
+        q.blended.on_precise = lambda matched, of, seen=seen: seen.append((matched, of))
+        q.sending(1, streamed())
+        store(kv, 2, 2)
+        assert q.select([1, 2], {1: 3, 2: 0}, frozenset(), streamed()) == 1, choice
+        assert seen == [(32, 256)]
