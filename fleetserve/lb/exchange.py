@@ -458,6 +458,7 @@ class Exchange:
         tracks, key = self.ctx.replicas.caps.tracks_sends, self.body.key
         if rid is not None and tracks is not None and key is not None:
             tracks.answered(rid, key)
+            self.ctx.replicas.on_count()  # (the LB's other processes hear of it)
 
     def _release_head(self) -> None:
         """The request stays at its replica: the head held so far goes to the client."""

@@ -21,6 +21,11 @@ fit waits for no one: the other processes miss it), and nothing is written to a 
 unsent bytes pass `MAX_BUFFERED`. A process applies others' records at a fraction of what the
 same prompts cost the process that parsed and hashed them.
 
+A policy that also shares what it sent and still waits to have answered (SharesSends:
+cache_aware's precise mode) sends, when that changed, its whole pending set per replica (at
+most `MAX_SENT_KEYS` keys: a whole set each time, so a lost batch is mended by the next one,
+never left standing), and each process credits the others' as its own.
+
 A worker that starts (or restarts) gets the primary's index and the in-flight counts it knows
 (`snapshot_lines`). Only such a policy with several processes pays for any of this: the other
 policies never queue, send or apply anything.
@@ -36,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from fleetserve.lb.replica_set import ReplicaSet
-from fleetserve.policies.capabilities import SharesIndex
+from fleetserve.policies.capabilities import SharesIndex, SharesSends
 
 log = logging.getLogger("fleetserve.lb")
 
@@ -48,6 +53,7 @@ MAX_BUFFERED = 1 << 20  # unsent bytes on a channel past which batches are dropp
 SNAPSHOT_KEYS = 1 << 18  # of the index, in all, sent to a new worker
 CHANNEL_LIMIT = 1 << 24  # the longest line a control channel reads
 MAX_COUNT = 1 << 31  # the largest count (requests, prompt blocks) of one replica a peer may say
+MAX_SENT_KEYS = 4096  # of one process's pending prompt blocks, in one batch
 Send = Callable[[bytes], None]
 _UNSENT = {-1: -1}  # differs from any table of counts: the next batch sends them
 
@@ -78,6 +84,10 @@ class IndexShare:
         self._sent_prefilling: dict[int, int] = {}
         self._peers: dict[int, dict[int, int]] = {}  # other process -> its in-flight counts
         self._peer_prefilling: dict[int, dict[int, int]] = {}  # -> its blocks to prefill
+        # SharesSends: the version of our pending set last sent, and the others' sets
+        self.sends = selector if isinstance(selector, SharesSends) else None
+        self._sent_version = 0
+        self._peer_sent: dict[int, dict[int, set[int]]] = {}  # other process -> its sets
         self._wake = asyncio.Event()
         self.dropped_keys = 0  # over MAX_BATCH_KEYS
         self.dropped_batches = 0  # not written: a full channel
@@ -114,6 +124,10 @@ class IndexShare:
         if prefilling != self._sent_prefilling:
             self._sent_prefilling = dict(prefilling)
             msg["prefilling"] = list(self._sent_prefilling.items())
+        sends = self.sends
+        if sends is not None and sends.sent_version != self._sent_version:
+            self._sent_version = sends.sent_version
+            msg["sent"] = sends.sent_keys(MAX_SENT_KEYS)
         if len(msg) == 2:
             return None
         return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
@@ -136,6 +150,7 @@ class IndexShare:
                     # Not written (a full channel): the counts go again in the next batch,
                     # or the others would keep this line's predecessor's for good.
                     self._sent_inflight = self._sent_prefilling = _UNSENT
+                    self._sent_version = -1
                     self._wake.set()  # (and not only at the next change)
                     continue
             dropped = self.dropped_keys or self.dropped_batches
@@ -165,6 +180,14 @@ class IndexShare:
                 self._add_up()
             if _take(self._peer_prefilling, source, msg.get("prefilling")):
                 self.selector.peer_prefilling = _sum(self._peer_prefilling.values())
+            sent = msg.get("sent")
+            if sent is not None and self.sends is not None:
+                table = _sent_sets(sent, routable)
+                if table:
+                    self._peer_sent[source] = table
+                else:
+                    self._peer_sent.pop(source, None)
+                self._unite_sent()
         except (KeyError, TypeError, ValueError, ArithmeticError) as e:
             log.warning("cache_aware: a malformed share message: %s", e)
 
@@ -174,9 +197,20 @@ class IndexShare:
             self._add_up()
         if self._peer_prefilling.pop(source, None) is not None:
             self.selector.peer_prefilling = _sum(self._peer_prefilling.values())
+        if self._peer_sent.pop(source, None) is not None:
+            self._unite_sent()
 
     def _add_up(self) -> None:
         self.selector.peer_inflight = _sum(self._peers.values())
+
+    def _unite_sent(self) -> None:
+        if self.sends is None:
+            return
+        union: dict[int, set[int]] = {}
+        for table in self._peer_sent.values():
+            for rid, keys in table.items():
+                union[rid] = union[rid] | keys if rid in union else keys
+        self.sends.take_peer_sent(union)
 
     def snapshot_lines(self) -> Iterable[bytes]:
         """What a new process needs: this one's index and in-flight counts, and those it
@@ -185,16 +219,19 @@ class IndexShare:
         most = SNAPSHOT_KEYS // max(1, len(index.replicas()))
         records = list(index.snapshot(most).items())
         replicas = self.replicas
+        sends = self.sends
         yield _line(
             self.source,
             records,
             list(replicas.inflight.items()),
             list(replicas.prefilling.items()),
+            sends.sent_keys(MAX_SENT_KEYS) if sends is not None else [],
         )
-        for source in self._peers.keys() | self._peer_prefilling.keys():
+        for source in self._peers.keys() | self._peer_prefilling.keys() | self._peer_sent.keys():
             counts = self._peers.get(source, {})
             blocks = self._peer_prefilling.get(source, {})
-            yield _line(source, [], list(counts.items()), list(blocks.items()))
+            sent = [(rid, list(keys)) for rid, keys in self._peer_sent.get(source, {}).items()]
+            yield _line(source, [], list(counts.items()), list(blocks.items()), sent)
 
 
 def _counts(table: Any) -> dict[int, int]:
@@ -235,14 +272,38 @@ def _sum(tables: Iterable[Mapping[int, int]]) -> dict[int, int]:
     return {rid: n for rid, n in total.items() if n}
 
 
+def _sent_sets(table: Any, routable: Mapping[int, Any]) -> dict[int, set[int]]:
+    """A process's pending prompt blocks as sent: a list of [replica id, [key, ...]] pairs of
+    integers, at most MAX_SENT_KEYS keys in all; replicas no longer routable are left out.
+    Anything else raises ValueError (the whole set is dropped)."""
+    if not isinstance(table, list):
+        raise ValueError(f"pending prompt blocks must be a list, not {type(table).__name__}")
+    out: dict[int, set[int]] = {}
+    total = 0
+    for pair in table:
+        if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[1], list):
+            raise ValueError(f"pending blocks must be a [replica, [keys]] pair, not {pair!r:.60}")
+        rid, keys = pair
+        total += len(keys)
+        if type(rid) is not int or total > MAX_SENT_KEYS:
+            raise ValueError(f"pending blocks out of bounds: {pair!r:.60}")
+        if any(type(k) is not int for k in keys):
+            raise ValueError(f"a pending block key is not an integer: {pair!r:.60}")
+        if rid in routable and keys:
+            out[rid] = set(keys)
+    return out
+
+
 def _line(
     source: int,
     records: list[Any],
     inflight: list[tuple[int, int]],
     prefilling: list[tuple[int, int]] | None = None,
+    sent: list[tuple[int, list[int]]] | None = None,
 ) -> bytes:
     msg = {"op": "share", "from": source, "records": records, "inflight": inflight}
     msg["prefilling"] = prefilling or []
+    msg["sent"] = sent or []
     return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
 
 

@@ -11,8 +11,8 @@ What an engine holds does not show what was sent to it and still waits there: it
 prompt's blocks when it prefills it, behind a queue seconds later. So a live replica is also
 credited with the prompts of the streamed requests this process sent it that have not had
 their first byte yet (TracksSends: from each attempt's send to its first byte, or to its end
-without one); its match is the larger of the two. The other LB processes' sends are not
-known here (their choices reach the approximate index, not this credit).
+without one), and with those the LB's other processes sent it (SharesSends: they tell theirs,
+fleetserve.lb.index_share); its match is the larger of the two.
 """
 
 from __future__ import annotations
@@ -56,9 +56,13 @@ class BlendedIndex(PrefixIndex):
         self.precise = precise
         self.request: RequestKey | None = None
         self.on_precise: Callable[[int, int], None] | None = None  # (tokens matched, of)
-        # Per replica, the prompt blocks of the requests sent there that wait for their
-        # first byte: block key -> how many of them hold it (a prefix tree, as the keys chain).
+        # Per replica, the prompt blocks of the requests this process sent there that wait
+        # for their first byte: block key -> how many of them hold it (a prefix tree, as the
+        # keys chain); bumped at each change, for the LB's other processes (`sent_keys`).
         self._sent: dict[int, dict[int, int]] = {}
+        self.sent_version = 0
+        # ... and those of the LB's other processes (fleetserve.lb.index_share), per replica.
+        self.peer_sent: dict[int, set[int]] = {}
 
     def sending(self, replica: int, keys: Sequence[int]) -> None:
         sent = self._sent.get(replica)
@@ -66,6 +70,7 @@ class BlendedIndex(PrefixIndex):
             sent = self._sent[replica] = {}
         for k in keys:
             sent[k] = sent.get(k, 0) + 1
+        self.sent_version += 1
 
     def answered(self, replica: int, keys: Sequence[int]) -> None:
         sent = self._sent.get(replica)
@@ -79,23 +84,43 @@ class BlendedIndex(PrefixIndex):
                 sent.pop(k, None)
         if not sent:
             del self._sent[replica]
+        self.sent_version += 1
+
+    def sent_keys(self, most: int) -> list[tuple[int, list[int]]]:
+        """This process's pending blocks per replica, at most `most` keys in all (each
+        prompt's first blocks first, as they were sent: a cut one still matches its start)."""
+        out = []
+        left = most
+        for rid, sent in self._sent.items():
+            if left <= 0:
+                break
+            keys = list(sent)[:left]
+            left -= len(keys)
+            out.append((rid, keys))
+        return out
 
     def pending(self, keys: Sequence[int], replica: int) -> int:
         """The leading blocks of `keys` that a request sent to `replica` and not yet answered
-        holds: they will be in its engine once that request is prefilled."""
+        holds (this process's or another's): they will be in its engine once that request is
+        prefilled."""
         sent = self._sent.get(replica)
-        if not sent:
+        peers = self.peer_sent.get(replica)
+        if not sent and not peers:
             return 0
+        sent = sent or {}
+        peers = peers or set()
         depth = 0
         for k in keys:
-            if k not in sent:
+            if k not in sent and k not in peers:
                 break
             depth += 1
         return depth
 
     def forget(self, replica: int) -> None:
         super().forget(replica)
-        self._sent.pop(replica, None)
+        if self._sent.pop(replica, None) is not None:
+            self.sent_version += 1
+        self.peer_sent.pop(replica, None)
 
     def _live(self, among: Sequence[int]) -> tuple[RequestKey, dict[int, int], float] | None:
         """For the request being placed: the live replicas' matches in engine tokens and the
@@ -206,6 +231,19 @@ class PreciseCacheAware(CacheAware):
         """TracksSends: ... and had its first byte there, or went no further."""
         if key.streams:
             self.blended.answered(replica, key.blocks)
+
+    @property
+    def sent_version(self) -> int:
+        """SharesSends: changes whenever this process's pending prompts do."""
+        return self.blended.sent_version
+
+    def sent_keys(self, most: int) -> list[tuple[int, list[int]]]:
+        """SharesSends: this process's pending prompt blocks per replica (for the others)."""
+        return self.blended.sent_keys(most)
+
+    def take_peer_sent(self, sent: dict[int, set[int]]) -> None:
+        """SharesSends: the other processes' pending prompt blocks per replica."""
+        self.blended.peer_sent = sent
 
     def select(
         self,

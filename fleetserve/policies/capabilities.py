@@ -21,6 +21,8 @@ fleetserve.lb.
   selector said of each request sent there, until that request's first byte).
 - `TracksSends`: tells it of each attempt of a request with a prompt sent to a replica, and
   of its end (its first byte, or the attempt ending without one).
+- `SharesSends`: with `SharesIndex`, the LB's processes also tell each other which prompt
+  blocks each still waits to have answered, per replica.
 
 A key reader that fails on some input (a bug) never fails the request: the load balancer
 routes it without a key, and logs and counts the failure.
@@ -154,6 +156,20 @@ class TracksSends(Protocol):
     def sending(self, replica: int, key: RequestKey) -> None: ...
 
     def answered(self, replica: int, key: RequestKey) -> None: ...
+
+
+@runtime_checkable
+class SharesSends(Protocol):
+    """What a TracksSends selector still waits for, shared among the LB's processes
+    (fleetserve.lb.index_share): its own pending prompt blocks per replica when they changed
+    (`sent_version`), and the others' as they say."""
+
+    @property
+    def sent_version(self) -> int: ...
+
+    def sent_keys(self, most: int) -> list[tuple[int, list[int]]]: ...
+
+    def take_peer_sent(self, sent: dict[int, set[int]]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

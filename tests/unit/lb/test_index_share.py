@@ -17,6 +17,7 @@ import psutil
 import pytest
 from aiohttp import web
 
+from fleetserve.lb import index_share as share_module
 from fleetserve.lb.config import LbConfig
 from fleetserve.lb.index_share import (
     KEY_ENV,
@@ -146,6 +147,7 @@ async def test_applying_others_batches() -> None:
         "records": [],
         "inflight": [[1, 7]],
         "prefilling": [],
+        "sent": [],
     }
 
 
@@ -167,6 +169,65 @@ async def test_blocks_to_prefill_are_shared_added_up_and_forgotten() -> None:
     assert {x["from"]: x["prefilling"] for x in lines[1:]} == {2: [[1, 5], [2, 3]]}
     share.forget_peer(2)
     assert sel.peer_prefilling == {}
+
+
+async def test_prompts_sent_and_not_yet_answered_are_shared_whole_and_mended() -> None:
+    """cache_aware's precise mode credits a replica with the prompts sent to it and not yet
+    answered by any process of the LB: each process sends its whole pending set per replica
+    when it changed (a lost batch is mended by the next, none stands for good), bounded and
+    checked; the others' sets are united, leave with their process and skip replicas that
+    left."""
+    from fleetserve.policies.cache_aware_precise import PreciseCacheAware
+    from fleetserve.policies.kv_index import KvIndex
+    from fleetserve.policies.lb import RequestKey
+    from tests.unit.policies.test_cache_aware_precise import NoTokens
+
+    sel = PreciseCacheAware(KvIndex(), NoTokens(), block_chars=8)
+    replicas = ReplicaSet(sel)
+    replicas.replace([Upstream(r, f"http://127.0.0.1:{r}", 1) for r in (1, 2)])
+    sent: list[bytes] = []
+    share = IndexShare(sel, replicas, 0, sent.append)
+    assert "sent" not in json.loads(share.batch() or b"{}")  # nothing pending: nothing said
+    streamed = RequestKey(prefix="p", blocks=(11, 12, 13), streams=True)
+    sel.sending(1, streamed)
+    sel.sending(1, RequestKey(prefix="p", blocks=(11, 12), streams=True))
+    sel.sending(2, RequestKey(prefix="q", blocks=(21,), streams=False))  # not streamed: none
+    assert json.loads(share.batch() or b"{}")["sent"] == [[1, [11, 12, 13]]]
+    assert share.batch() is None  # unchanged: not sent again
+    sel.answered(1, streamed)
+    assert json.loads(share.batch() or b"{}")["sent"] == [[1, [11, 12]]]
+    sel.answered(1, RequestKey(prefix="p", blocks=(11, 12), streams=True))
+    assert json.loads(share.batch() or b"{}")["sent"] == []
+    # The others' sets: united per replica; a later set replaces a process's earlier one.
+    share.apply({"op": "share", "from": 1, "sent": [[1, [5, 6]], [9, [7]]]})  # 9: not routable
+    share.apply({"op": "share", "from": 2, "sent": [[1, [5, 8]]]})
+    assert sel.blended.peer_sent == {1: {5, 6, 8}}
+    assert sel.blended.pending((5, 6, 7), 1) == 2 and sel.blended.pending((5, 8), 1) == 2
+    share.apply({"op": "share", "from": 1, "sent": []})
+    assert sel.blended.peer_sent == {1: {5, 8}}
+    # Bad sets are dropped whole (and logged), the process's earlier one stands.
+    for bad in (
+        5,
+        [[1, 5]],
+        [[1, [5, "x"]]],
+        [["1", [5]]],
+        [[1, list(range(share_module.MAX_SENT_KEYS + 1))]],
+    ):
+        share.apply({"op": "share", "from": 2, "sent": bad})
+        assert sel.blended.peer_sent == {1: {5, 8}}, bad
+    # A new process gets the pending sets too; a process that is gone takes its set along.
+    sel.sending(2, RequestKey(prefix="r", blocks=(31, 32), streams=True))
+    lines = [json.loads(x) for x in share.snapshot_lines()]
+    assert lines[0]["sent"] == [[2, [31, 32]]]
+    assert [(x["from"], x["sent"][0][0], set(x["sent"][0][1])) for x in lines[1:]] == [
+        (2, 1, {5, 8})
+    ]
+    share.forget_peer(2)
+    assert sel.blended.peer_sent == {}
+    # A replica that leaves takes its credit along, ours and the others'.
+    share.apply({"op": "share", "from": 1, "sent": [[2, [40]]]})
+    sel.forget(2)
+    assert sel.blended.pending((31, 32), 2) == 0 and sel.blended.pending((40,), 2) == 0
 
 
 # -- real load-balancer processes ---------------------------------------------------------------
