@@ -54,6 +54,9 @@ SNAPSHOT_KEYS = 1 << 18  # of the index, in all, sent to a new worker
 CHANNEL_LIMIT = 1 << 24  # the longest line a control channel reads
 MAX_COUNT = 1 << 31  # the largest count (requests, prompt blocks) of one replica a peer may say
 MAX_SENT_KEYS = 4096  # of one process's pending prompt blocks, in one batch
+# ... sent at most this often (a whole set each time: under a high request rate it changes
+# every request; the credit weighs queues seconds long)
+SENT_INTERVAL_SECONDS = 0.05
 Send = Callable[[bytes], None]
 _UNSENT = {-1: -1}  # differs from any table of counts: the next batch sends them
 
@@ -87,6 +90,8 @@ class IndexShare:
         # SharesSends: the version of our pending set last sent, and the others' sets
         self.sends = selector if isinstance(selector, SharesSends) else None
         self._sent_version = 0
+        self._sent_at = -SENT_INTERVAL_SECONDS
+        self._sent_due: asyncio.TimerHandle | None = None  # a deferred set's wake
         self._peer_sent: dict[int, dict[int, set[int]]] = {}  # other process -> its sets
         self._wake = asyncio.Event()
         self.dropped_keys = 0  # over MAX_BATCH_KEYS
@@ -126,11 +131,22 @@ class IndexShare:
             msg["prefilling"] = list(self._sent_prefilling.items())
         sends = self.sends
         if sends is not None and sends.sent_version != self._sent_version:
-            self._sent_version = sends.sent_version
-            msg["sent"] = sends.sent_keys(MAX_SENT_KEYS)
+            now = time.monotonic()
+            wait = self._sent_at + SENT_INTERVAL_SECONDS - now
+            if wait <= 0:
+                self._sent_version = sends.sent_version
+                self._sent_at = now
+                msg["sent"] = sends.sent_keys(MAX_SENT_KEYS)
+            elif self._sent_due is None:
+                # (too soon after the last one: a batch when its interval is over)
+                self._sent_due = asyncio.get_running_loop().call_later(wait, self._send_due)
         if len(msg) == 2:
             return None
         return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+
+    def _send_due(self) -> None:
+        self._sent_due = None
+        self._wake.set()
 
     async def run(self) -> None:
         """Send a batch `interval` after a choice or a change of this process's counts (the

@@ -171,12 +171,15 @@ async def test_blocks_to_prefill_are_shared_added_up_and_forgotten() -> None:
     assert sel.peer_prefilling == {}
 
 
-async def test_prompts_sent_and_not_yet_answered_are_shared_whole_and_mended() -> None:
+async def test_prompts_sent_and_not_yet_answered_are_shared_whole_and_mended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """cache_aware's precise mode credits a replica with the prompts sent to it and not yet
     answered by any process of the LB: each process sends its whole pending set per replica
     when it changed (a lost batch is mended by the next, none stands for good), bounded and
     checked; the others' sets are united, leave with their process and skip replicas that
     left."""
+    monkeypatch.setattr(share_module, "SENT_INTERVAL_SECONDS", 0.0)  # (see the next test)
     from fleetserve.policies.cache_aware_precise import PreciseCacheAware
     from fleetserve.policies.kv_index import KvIndex
     from fleetserve.policies.lb import RequestKey
@@ -228,6 +231,43 @@ async def test_prompts_sent_and_not_yet_answered_are_shared_whole_and_mended() -
     share.apply({"op": "share", "from": 1, "sent": [[2, [40]]]})
     sel.forget(2)
     assert sel.blended.pending((31, 32), 2) == 0 and sel.blended.pending((40,), 2) == 0
+
+
+async def test_pending_sets_go_at_most_once_an_interval_and_the_last_one_always_goes() -> None:
+    """A whole set each time, so not on every change under a high request rate: a change
+    within SENT_INTERVAL_SECONDS of the last set sent waits for the interval's end, and then
+    goes by itself (no later change needed)."""
+    from fleetserve.policies.cache_aware_precise import PreciseCacheAware
+    from fleetserve.policies.kv_index import KvIndex
+    from fleetserve.policies.lb import RequestKey
+    from tests.unit.policies.test_cache_aware_precise import NoTokens
+
+    sel = PreciseCacheAware(KvIndex(), NoTokens(), block_chars=8)
+    replicas = ReplicaSet(sel)
+    replicas.replace([Upstream(1, "http://127.0.0.1:1", 1)])
+    lines: list[bytes] = []
+    share = IndexShare(sel, replicas, 0, lines.append, interval=0.001)
+    task = asyncio.ensure_future(share.run())
+    try:
+        key = RequestKey(prefix="p", blocks=(11, 12), streams=True)
+        sel.sending(1, key)
+        replicas.on_count()
+        for _ in range(100):
+            if lines:
+                break
+            await asyncio.sleep(0.005)
+        sel.answered(1, key)
+        replicas.on_count()
+        await asyncio.sleep(0.01)
+        sets = [json.loads(x).get("sent") for x in lines]
+        assert sets == [[[1, [11, 12]]]]  # the change came too soon: not yet sent
+        for _ in range(100):
+            if len(lines) > 1:
+                break
+            await asyncio.sleep(0.005)
+        assert [json.loads(x).get("sent") for x in lines] == [[[1, [11, 12]]], []]
+    finally:
+        task.cancel()
 
 
 # -- real load-balancer processes ---------------------------------------------------------------
