@@ -19,6 +19,7 @@ from fleetserve.lb.metrics import LoadTracker, Metrics
 from fleetserve.lb.priority import PriorityHints
 from fleetserve.lb.replica_set import ReplicaSet, Upstream
 from fleetserve.lb.upstream import Pool, UpstreamConn
+from fleetserve.policies.capabilities import TracksSends
 from fleetserve.policies.lb import NO_KEY, RequestKey
 
 SMALL_PIECE = 4096  # body pieces below this are gathered into one buffer while held
@@ -260,7 +261,8 @@ class Exchange:
         self.priority: int | None = None  # engine_priority: the prompt blocks not cached there
         self.priority_since = 0  # ... and when it was first sent (ms since the epoch)
         self._charged: tuple[int, int] | None = None
-        self._sending: int | None = None  # TracksSends: the replica told of this attempt
+        # TracksSends: whom this attempt was told to, and what to answer with
+        self._sending: tuple[TracksSends, int, RequestKey, object] | None = None
         self._settled = True
         self._waiter: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -438,8 +440,9 @@ class Exchange:
         if tracks is not None:
             key = self.body.key
             if key is not None and key.blocks:
-                tracks.sending(rid, key)
-                self._sending = rid
+                token = tracks.sending(rid, key)
+                if token is not None:
+                    self._sending = (tracks, rid, key, token)
         self.ctx.replicas.on_count()
 
     def prefilled(self) -> None:
@@ -453,11 +456,12 @@ class Exchange:
             self._answered()
 
     def _answered(self) -> None:
-        """TracksSends: this attempt got its first byte, or ended without one."""
-        rid, self._sending = self._sending, None
-        tracks, key = self.ctx.replicas.caps.tracks_sends, self.body.key
-        if rid is not None and tracks is not None and key is not None:
-            tracks.answered(rid, key)
+        """TracksSends: this attempt got its first byte, or ended without one (told to the
+        selector that heard of its send, even if another was installed since)."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            tracks, rid, key, token = sending
+            tracks.answered(rid, key, token)
             self.ctx.replicas.on_count()  # (the LB's other processes hear of it)
 
     def _release_head(self) -> None:

@@ -23,8 +23,10 @@ same prompts cost the process that parsed and hashed them.
 
 A policy that also shares what it sent and still waits to have answered (SharesSends:
 cache_aware's precise mode) sends, when that changed, its whole pending set per replica (at
-most `MAX_SENT_KEYS` keys: a whole set each time, so a lost batch is mended by the next one,
-never left standing), and each process credits the others' as its own.
+most `MAX_SENT_KEYS` keys, at most once per `SENT_INTERVAL_SECONDS`), and each process
+credits the others' as its own. A whole set each time: a set lost on the way (a full
+channel: the primary relays without retrying) is mended by that process's next change; until
+then the others keep the one before.
 
 A worker that starts (or restarts) gets the primary's index and the in-flight counts it knows
 (`snapshot_lines`). Only such a policy with several processes pays for any of this: the other
@@ -203,7 +205,7 @@ class IndexShare:
                     self._peer_sent[source] = table
                 else:
                     self._peer_sent.pop(source, None)
-                self._unite_sent()
+                self.sends.take_peer_sent(source, table)
         except (KeyError, TypeError, ValueError, ArithmeticError) as e:
             log.warning("cache_aware: a malformed share message: %s", e)
 
@@ -213,20 +215,11 @@ class IndexShare:
             self._add_up()
         if self._peer_prefilling.pop(source, None) is not None:
             self.selector.peer_prefilling = _sum(self._peer_prefilling.values())
-        if self._peer_sent.pop(source, None) is not None:
-            self._unite_sent()
+        if self._peer_sent.pop(source, None) is not None and self.sends is not None:
+            self.sends.take_peer_sent(source, {})
 
     def _add_up(self) -> None:
         self.selector.peer_inflight = _sum(self._peers.values())
-
-    def _unite_sent(self) -> None:
-        if self.sends is None:
-            return
-        union: dict[int, set[int]] = {}
-        for table in self._peer_sent.values():
-            for rid, keys in table.items():
-                union[rid] = union[rid] | keys if rid in union else keys
-        self.sends.take_peer_sent(union)
 
     def snapshot_lines(self) -> Iterable[bytes]:
         """What a new process needs: this one's index and in-flight counts, and those it

@@ -17,7 +17,7 @@ fleetserve.lb.index_share); its match is the larger of the two.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -61,57 +61,87 @@ class BlendedIndex(PrefixIndex):
         # keys chain); bumped at each change, for the LB's other processes (`sent_keys`).
         self._sent: dict[int, dict[int, int]] = {}
         self.sent_version = 0
-        # ... and those of the LB's other processes (fleetserve.lb.index_share), per replica.
-        self.peer_sent: dict[int, set[int]] = {}
+        # ... and those of each of the LB's other processes (fleetserve.lb.index_share).
+        self._peer_sent: dict[int, dict[int, set[int]]] = {}  # process -> replica -> keys
 
-    def sending(self, replica: int, keys: Sequence[int]) -> None:
+    def sending(self, replica: int, keys: Sequence[int]) -> dict[int, int]:
+        """Credit `replica` with these blocks until `answered` is given what this returns
+        (the replica's table: one made after a `forget` is another, so an answer from before
+        takes nothing of the new one's credit)."""
         sent = self._sent.get(replica)
         if sent is None:
             sent = self._sent[replica] = {}
         for k in keys:
             sent[k] = sent.get(k, 0) + 1
         self.sent_version += 1
+        return sent
 
-    def answered(self, replica: int, keys: Sequence[int]) -> None:
-        sent = self._sent.get(replica)
-        if sent is None:
-            return  # (forgotten meanwhile: nothing to take back)
+    def answered(self, replica: int, keys: Sequence[int], table: dict[int, int]) -> None:
+        if self._sent.get(replica) is not table:
+            return  # (forgotten meanwhile: nothing of the credit it has now is this one's)
         for k in keys:
-            left = sent.get(k, 0) - 1
+            left = table.get(k, 0) - 1
             if left > 0:
-                sent[k] = left
+                table[k] = left
             else:
-                sent.pop(k, None)
-        if not sent:
+                table.pop(k, None)
+        if not table:
             del self._sent[replica]
         self.sent_version += 1
 
     def sent_keys(self, most: int) -> list[tuple[int, list[int]]]:
-        """This process's pending blocks per replica, at most `most` keys in all (each
-        prompt's first blocks first, as they were sent: a cut one still matches its start)."""
-        out = []
+        """This process's pending blocks per replica, at most `most` keys in all, shared
+        evenly among the replicas (what one leaves goes to the others). Within a replica's
+        table every key comes after the keys of its prefix (a key is held by no more requests
+        than its prefix, so it never leaves it before them): a cut list still matches its
+        prompts' starts."""
+        tables = list(self._sent.items())
+        share = {rid: 0 for rid, _ in tables}
         left = most
-        for rid, sent in self._sent.items():
-            if left <= 0:
-                break
-            keys = list(sent)[:left]
-            left -= len(keys)
-            out.append((rid, keys))
+        waiting = [(rid, len(t)) for rid, t in tables]
+        while left > 0 and waiting:
+            each = max(1, left // len(waiting))
+            still = []
+            for rid, size in waiting:
+                take = min(each, size - share[rid], left)
+                share[rid] += take
+                left -= take
+                if share[rid] < size:
+                    still.append((rid, size))
+                if left <= 0:
+                    break
+            waiting = still
+        out = []
+        for rid, table in tables:
+            n = share[rid]
+            if n:
+                out.append((rid, list(table)[:n] if n < len(table) else list(table)))
         return out
+
+    def take_peer_sent(self, source: int, sent: dict[int, set[int]]) -> None:
+        """Another LB process's pending blocks per replica (its whole set: empty, none)."""
+        if sent:
+            self._peer_sent[source] = sent
+        else:
+            self._peer_sent.pop(source, None)
 
     def pending(self, keys: Sequence[int], replica: int) -> int:
         """The leading blocks of `keys` that a request sent to `replica` and not yet answered
         holds (this process's or another's): they will be in its engine once that request is
         prefilled."""
-        sent = self._sent.get(replica)
-        peers = self.peer_sent.get(replica)
-        if not sent and not peers:
+        tables: list[Container[int]] = []
+        own = self._sent.get(replica)
+        if own:
+            tables.append(own)
+        for peer in self._peer_sent.values():
+            theirs = peer.get(replica)
+            if theirs:
+                tables.append(theirs)
+        if not tables:
             return 0
-        sent = sent or {}
-        peers = peers or set()
         depth = 0
         for k in keys:
-            if k not in sent and k not in peers:
+            if not any(k in t for t in tables):
                 break
             depth += 1
         return depth
@@ -120,7 +150,8 @@ class BlendedIndex(PrefixIndex):
         super().forget(replica)
         if self._sent.pop(replica, None) is not None:
             self.sent_version += 1
-        self.peer_sent.pop(replica, None)
+        for peer in self._peer_sent.values():
+            peer.pop(replica, None)
 
     def _live(self, among: Sequence[int]) -> tuple[RequestKey, dict[int, int], float] | None:
         """For the request being placed: the live replicas' matches in engine tokens and the
@@ -222,15 +253,18 @@ class PreciseCacheAware(CacheAware):
         super().forget(replica)
         self.precise.forget(replica)
 
-    def sending(self, replica: int, key: RequestKey) -> None:
-        """TracksSends: a streamed request with a prompt is sent to `replica`."""
-        if key.streams:
-            self.blended.sending(replica, key.blocks)
+    def sending(self, replica: int, key: RequestKey) -> object | None:
+        """TracksSends: a request with a prompt is sent to `replica`. A streamed one is
+        credited there until its answer (`answered`, given what this returns); a whole one
+        is not (its first byte comes after its decoding): None, nothing to answer."""
+        if not key.streams:
+            return None
+        return self.blended.sending(replica, key.blocks)
 
-    def answered(self, replica: int, key: RequestKey) -> None:
+    def answered(self, replica: int, key: RequestKey, token: object) -> None:
         """TracksSends: ... and had its first byte there, or went no further."""
-        if key.streams:
-            self.blended.answered(replica, key.blocks)
+        if isinstance(token, dict):
+            self.blended.answered(replica, key.blocks, token)
 
     @property
     def sent_version(self) -> int:
@@ -241,9 +275,9 @@ class PreciseCacheAware(CacheAware):
         """SharesSends: this process's pending prompt blocks per replica (for the others)."""
         return self.blended.sent_keys(most)
 
-    def take_peer_sent(self, sent: dict[int, set[int]]) -> None:
-        """SharesSends: the other processes' pending prompt blocks per replica."""
-        self.blended.peer_sent = sent
+    def take_peer_sent(self, source: int, sent: dict[int, set[int]]) -> None:
+        """SharesSends: another process's pending prompt blocks per replica."""
+        self.blended.take_peer_sent(source, sent)
 
     def select(
         self,

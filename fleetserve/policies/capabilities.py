@@ -149,27 +149,27 @@ class WeighsPrefill(Protocol):
 @runtime_checkable
 class TracksSends(Protocol):
     """Each attempt of a request whose key has prompt blocks: `sending` when it is sent to a
-    replica, `answered` (with the same key) once, at its answer's first body byte or when
-    the attempt ends without one (a retry elsewhere, a move, the client gone). A retry or a
-    move is a new attempt: `sending` again, with the replica it went to."""
+    replica; when that returns something other than None, `answered` with it (and the same
+    replica and key) once, at the answer's first body byte or when the attempt ends without
+    one (a retry elsewhere, a move, the client gone). A retry or a move is a new attempt."""
 
-    def sending(self, replica: int, key: RequestKey) -> None: ...
+    def sending(self, replica: int, key: RequestKey) -> object | None: ...
 
-    def answered(self, replica: int, key: RequestKey) -> None: ...
+    def answered(self, replica: int, key: RequestKey, token: object) -> None: ...
 
 
 @runtime_checkable
 class SharesSends(Protocol):
     """What a TracksSends selector still waits for, shared among the LB's processes
     (fleetserve.lb.index_share): its own pending prompt blocks per replica when they changed
-    (`sent_version`), and the others' as they say."""
+    (`sent_version`), and each other process's as it says (its whole set each time)."""
 
     @property
     def sent_version(self) -> int: ...
 
     def sent_keys(self, most: int) -> list[tuple[int, list[int]]]: ...
 
-    def take_peer_sent(self, sent: dict[int, set[int]]) -> None: ...
+    def take_peer_sent(self, source: int, sent: dict[int, set[int]]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,22 +192,24 @@ async def test_prompts_sent_and_not_yet_answered_are_shared_whole_and_mended(
     share = IndexShare(sel, replicas, 0, sent.append)
     assert "sent" not in json.loads(share.batch() or b"{}")  # nothing pending: nothing said
     streamed = RequestKey(prefix="p", blocks=(11, 12, 13), streams=True)
-    sel.sending(1, streamed)
-    sel.sending(1, RequestKey(prefix="p", blocks=(11, 12), streams=True))
-    sel.sending(2, RequestKey(prefix="q", blocks=(21,), streams=False))  # not streamed: none
+    shorter = RequestKey(prefix="p", blocks=(11, 12), streams=True)
+    first = sel.sending(1, streamed)
+    second = sel.sending(1, shorter)
+    assert sel.sending(2, RequestKey(prefix="q", blocks=(21,), streams=False)) is None
     assert json.loads(share.batch() or b"{}")["sent"] == [[1, [11, 12, 13]]]
     assert share.batch() is None  # unchanged: not sent again
-    sel.answered(1, streamed)
+    sel.answered(1, streamed, first)
     assert json.loads(share.batch() or b"{}")["sent"] == [[1, [11, 12]]]
-    sel.answered(1, RequestKey(prefix="p", blocks=(11, 12), streams=True))
+    sel.answered(1, shorter, second)
     assert json.loads(share.batch() or b"{}")["sent"] == []
-    # The others' sets: united per replica; a later set replaces a process's earlier one.
+    # The others' sets: each process's apart; a later set replaces its earlier one.
+    blended = sel.blended
     share.apply({"op": "share", "from": 1, "sent": [[1, [5, 6]], [9, [7]]]})  # 9: not routable
     share.apply({"op": "share", "from": 2, "sent": [[1, [5, 8]]]})
-    assert sel.blended.peer_sent == {1: {5, 6, 8}}
-    assert sel.blended.pending((5, 6, 7), 1) == 2 and sel.blended.pending((5, 8), 1) == 2
+    assert blended.pending((5, 6, 7), 1) == 2 and blended.pending((5, 8), 1) == 2
+    assert blended.pending((7,), 9) == 0
     share.apply({"op": "share", "from": 1, "sent": []})
-    assert sel.blended.peer_sent == {1: {5, 8}}
+    assert blended.pending((5, 6), 1) == 1 and blended.pending((5, 8), 1) == 2
     # Bad sets are dropped whole (and logged), the process's earlier one stands.
     for bad in (
         5,
@@ -217,7 +219,7 @@ async def test_prompts_sent_and_not_yet_answered_are_shared_whole_and_mended(
         [[1, list(range(share_module.MAX_SENT_KEYS + 1))]],
     ):
         share.apply({"op": "share", "from": 2, "sent": bad})
-        assert sel.blended.peer_sent == {1: {5, 8}}, bad
+        assert blended.pending((5, 8), 1) == 2, bad
     # A new process gets the pending sets too; a process that is gone takes its set along.
     sel.sending(2, RequestKey(prefix="r", blocks=(31, 32), streams=True))
     lines = [json.loads(x) for x in share.snapshot_lines()]
@@ -226,14 +228,21 @@ async def test_prompts_sent_and_not_yet_answered_are_shared_whole_and_mended(
         (2, 1, {5, 8})
     ]
     share.forget_peer(2)
-    assert sel.blended.peer_sent == {}
-    # A replica that leaves takes its credit along, ours and the others'.
+    assert blended.pending((5, 8), 1) == 0
+    # A replica that leaves takes its credit along, ours and the others', and a set that a
+    # process sends later does not bring it back while it is not routable.
     share.apply({"op": "share", "from": 1, "sent": [[2, [40]]]})
-    sel.forget(2)
-    assert sel.blended.pending((31, 32), 2) == 0 and sel.blended.pending((40,), 2) == 0
+    assert blended.pending((40,), 2) == 1
+    replicas.replace([Upstream(1, "http://127.0.0.1:1", 1)])
+    assert blended.pending((31, 32), 2) == 0 and blended.pending((40,), 2) == 0
+    share.apply({"op": "share", "from": 3, "sent": [[1, [50]]]})
+    share.apply({"op": "share", "from": 1, "sent": [[2, [40]], [1, [60]]]})
+    assert blended.pending((40,), 2) == 0 and blended.pending((60,), 1) == 1
 
 
-async def test_pending_sets_go_at_most_once_an_interval_and_the_last_one_always_goes() -> None:
+async def test_pending_sets_go_at_most_once_an_interval_and_the_last_one_always_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A whole set each time, so not on every change under a high request rate: a change
     within SENT_INTERVAL_SECONDS of the last set sent waits for the interval's end, and then
     goes by itself (no later change needed)."""
@@ -245,26 +254,27 @@ async def test_pending_sets_go_at_most_once_an_interval_and_the_last_one_always_
     sel = PreciseCacheAware(KvIndex(), NoTokens(), block_chars=8)
     replicas = ReplicaSet(sel)
     replicas.replace([Upstream(1, "http://127.0.0.1:1", 1)])
+    monkeypatch.setattr(share_module, "SENT_INTERVAL_SECONDS", 0.5)
     lines: list[bytes] = []
     share = IndexShare(sel, replicas, 0, lines.append, interval=0.001)
     task = asyncio.ensure_future(share.run())
     try:
         key = RequestKey(prefix="p", blocks=(11, 12), streams=True)
-        sel.sending(1, key)
+        token = sel.sending(1, key)
         replicas.on_count()
         for _ in range(100):
             if lines:
                 break
             await asyncio.sleep(0.005)
-        sel.answered(1, key)
+        sel.answered(1, key, token)
         replicas.on_count()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
         sets = [json.loads(x).get("sent") for x in lines]
         assert sets == [[[1, [11, 12]]]]  # the change came too soon: not yet sent
-        for _ in range(100):
+        for _ in range(300):
             if len(lines) > 1:
                 break
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.01)
         assert [json.loads(x).get("sent") for x in lines] == [[[1, [11, 12]]], []]
     finally:
         task.cancel()

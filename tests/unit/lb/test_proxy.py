@@ -568,10 +568,12 @@ async def test_a_policy_hears_of_each_attempt_from_its_send_to_its_first_byte(
     events: list[tuple[str, int, bool]] = []
 
     class Tracker(CacheAware):
-        def sending(self, replica: int, key: RequestKey) -> None:
+        def sending(self, replica: int, key: RequestKey) -> object | None:
             events.append(("sending", replica, key.streams))
+            return (replica, key.streams)  # (None: not answered)
 
-        def answered(self, replica: int, key: RequestKey) -> None:
+        def answered(self, replica: int, key: RequestKey, token: object) -> None:
+            assert token == (replica, key.streams)
             events.append(("answered", replica, key.streams))
 
     prefill = asyncio.Event()

@@ -158,16 +158,16 @@ def test_a_prompt_sent_and_not_yet_answered_counts_as_held_by_its_replica() -> N
     p, kv = live_policy()
     inflight = {1: 1, 2: 0}
     assert p.select([1, 2], inflight, frozenset(), streamed()) == 2  # nobody holds it: 2
-    p.sending(1, streamed())  # (the load balancer's TracksSends) sent to 1, no token yet
+    first = p.sending(1, streamed())  # (the load balancer's TracksSends) sent to 1, no token
     p.prefilling[1] = 4  # ... so 1 still has its 4 blocks to prefill
     # cost: 1 soon holds all 4 blocks, its queue 0.25 x (4 + 1) = 1.25; 2 would prefill 4
     assert p.select([1, 2], inflight, frozenset(), streamed()) == 1
     assert depth_at(p, 1) == 4
     # Two requests sharing the prompt were sent: the credit lasts until both are answered.
-    p.sending(1, streamed())
-    p.answered(1, streamed())
+    second = p.sending(1, streamed())
+    p.answered(1, streamed(), second)
     assert depth_at(p, 1) == 4
-    p.answered(1, streamed())  # the first byte: the engine's events say what it holds now
+    p.answered(1, streamed(), first)  # the first byte: the engine's events say what it holds
     assert depth_at(p, 1) == 0
     assert p.select([1, 2], inflight, frozenset(), streamed()) == 2
     # The larger of the two: the engine holds 8 of the 16 engine blocks (2 of 4), a shorter
@@ -183,19 +183,68 @@ def test_a_prompt_sent_and_not_yet_answered_counts_as_held_by_its_replica() -> N
 
 def test_only_streamed_requests_are_credited_and_a_forgotten_replica_keeps_nothing() -> None:
     """A whole (not streamed) answer's first byte comes after its decoding, long after its
-    prefill: not credited. A replica that left keeps no credit, and an answer that comes after
-    it left (its request still running) puts none back."""
+    prefill: not credited (nothing to answer). A replica that left keeps no credit, and an
+    answer that comes after it left (its request still running) takes nothing of the credit
+    of the requests sent to it once it is back."""
     p, _ = live_policy()
     whole = key()
     assert not whole.streams
-    p.sending(1, whole)
+    assert p.sending(1, whole) is None
     assert depth_at(p, 1) == 0
-    p.sending(1, streamed())
+    before = p.sending(1, streamed())
     assert depth_at(p, 1) == 4
     p.forget(1)
-    p.answered(1, streamed())
-    p.precise.set_trust(1, Trust.LIVE)  # (back as a new replica would be)
+    assert depth_at(p, 1) == 0
+    p.precise.set_trust(1, Trust.LIVE)  # back (a READY flap keeps its id)
+    after = p.sending(1, streamed())
+    p.answered(1, streamed(), before)  # the request sent before it left had its first byte
+    assert depth_at(p, 1) == 4
+    p.answered(1, streamed(), after)
     assert depth_at(p, 1) == 0 and p.blended._sent == {}
+
+
+def test_the_other_processes_pending_prompts_are_credited_too() -> None:
+    """Each LB process tells the others its pending set per replica (fleetserve.lb.
+    index_share): a prompt another process sent is credited as one of this process's own, a
+    later set replaces that process's earlier one, and a replica that leaves takes it along."""
+    p, _ = live_policy()
+    p.take_peer_sent(5, {1: set(key().blocks[:3])})
+    assert depth_at(p, 1) == 3
+    p.take_peer_sent(6, {1: set(key().blocks)})
+    assert depth_at(p, 1) == 4
+    p.take_peer_sent(6, {})
+    assert depth_at(p, 1) == 3
+    own = p.sending(1, streamed())
+    assert depth_at(p, 1) == 4
+    p.answered(1, streamed(), own)
+    p.forget(1)
+    p.precise.set_trust(1, Trust.LIVE)
+    assert depth_at(p, 1) == 0
+
+
+def test_the_pending_set_shared_with_the_others_is_cut_evenly_and_by_prefix() -> None:
+    """At most `most` keys go to the other processes: shared among the replicas (one with a
+    long queue does not leave the others out), each replica's list in an order where a key
+    follows its prefix's keys, so a cut list still matches its prompts' starts."""
+    p, _ = live_policy()
+    long_queue = [tuple(range(r * 100, r * 100 + 10)) for r in range(40)]  # 400 keys at 1
+    for keys in long_queue:
+        p.blended.sending(1, keys)
+    p.blended.sending(2, (7, 8, 9))
+    shared = dict(p.blended.sent_keys(100))
+    assert shared[2] == [7, 8, 9] and len(shared[1]) == 97
+    # A prompt sent twice and one sharing its start: the shared keys first, whatever the order
+    # they were sent in; a list cut anywhere holds only whole prefixes.
+    q, _ = live_policy()
+    q.blended.sending(1, (1, 2, 3))
+    q.blended.sending(1, (1, 2, 4))
+    q.blended.sending(1, (1, 5))
+    listed = dict(q.blended.sent_keys(100))[1]
+    for n in range(1, len(listed) + 1):
+        cut = set(dict(q.blended.sent_keys(n))[1])
+        for chain in ((1, 2, 3), (1, 2, 4), (1, 5)):
+            held = [k in cut for k in chain]
+            assert held == sorted(held, reverse=True), (n, chain, cut)
 
 
 def test_the_precise_metric_counts_what_the_engines_hold_not_what_is_pending() -> None:
@@ -204,7 +253,7 @@ def test_the_precise_metric_counts_what_the_engines_hold_not_what_is_pending() -
     p, kv = live_policy()
     told: list[tuple[int, int]] = []
     p.blended.on_precise = lambda matched, of: told.append((matched, of))
-    p.sending(1, streamed())
+    assert p.sending(1, streamed()) is not None
     p.prefilling[1] = 4
     store(kv, 2, 2)  # 2's engine holds 32 tokens
     assert p.select([1, 2], {1: 0, 2: 0}, frozenset(), streamed()) == 1  # all 4 pending at 1
