@@ -411,9 +411,9 @@ class CacheAware:
             cost = {rid: n - depths[rid] + weight * self._queue(rid, inflight) for rid in within}
             lowest = min(cost.values())
             best = [rid for rid in within if cost[rid] == lowest]
-            if len(best) > 1:  # (the least loaded of them, then the hash)
+            if len(best) > 1:  # (the least loaded of them, the roomiest, then the hash)
                 fewest = min(inflight.get(rid, 0) for rid in best)
-                best = [rid for rid in best if inflight.get(rid, 0) == fewest]
+                best = self._roomiest([rid for rid in best if inflight.get(rid, 0) == fewest])
             choice = best[0] if len(best) == 1 else self._tie(key, candidates, best)
             deepest = max(depths.values()) if self.choice == "cost_owner" else 0
             if deepest and depths[choice] == deepest:
@@ -436,7 +436,7 @@ class CacheAware:
             else:
                 # Nobody holds any of it: the least loaded, ties broken by the hash.
                 idle = [rid for rid in within if inflight.get(rid, 0) == least]
-                choice = self._tie(key, candidates, idle)
+                choice = self._tie(key, candidates, self._roomiest(idle))
         # (a prompt read in part lacks an unknown share: engine_priority counts its body)
         self.last_missing = None if key.partial else max(0, len(keys) - depth)
         if self.explain is not None:
@@ -496,6 +496,11 @@ class CacheAware:
         else:
             why = "bound"
         return {"replica": choice, "blocks": len(keys), "why": why, "replicas": replicas}
+
+    def _roomiest(self, tied: list[int]) -> list[int]:
+        """Of replicas equally good for a request, those whose caches have the most room (the
+        approximate index cannot say: all of them; the precise mode knows)."""
+        return tied
 
     def _backlog(self, rid: int) -> int:
         """The prompt blocks a replica still prefills for requests not yet answered."""

@@ -28,7 +28,7 @@ from fleetserve.policies.cache_aware import (
     CacheAware,
     PrefixIndex,
 )
-from fleetserve.policies.kv_index import KvIndex
+from fleetserve.policies.kv_index import KvIndex, Trust
 from fleetserve.policies.lb import NO_KEY, RequestKey
 
 
@@ -252,6 +252,19 @@ class PreciseCacheAware(CacheAware):
     def forget(self, replica: int) -> None:
         super().forget(replica)
         self.precise.forget(replica)
+
+    def _roomiest(self, tied: list[int]) -> list[int]:
+        """Of replicas equally good for a request (the same cost and load: a prompt nobody
+        holds, on idle replicas), those whose engines hold the fewest blocks, when every one
+        is followed: a new prompt goes where it evicts the least, as sglang-router's smallest
+        tree places one, instead of by the hash alone (which may put most of a few tenants'
+        prompts on one replica, its cache thrashing while the other's stays empty)."""
+        trust = self.precise.trust
+        if len(tied) < 2 or any(trust(rid) is not Trust.LIVE for rid in tied):
+            return tied
+        held = {rid: self.precise.blocks(rid) for rid in tied}
+        fewest = min(held.values())
+        return [rid for rid in tied if held[rid] == fewest]
 
     def sending(self, replica: int, key: RequestKey) -> object | None:
         """TracksSends: a request with a prompt is sent to `replica`. A streamed one is

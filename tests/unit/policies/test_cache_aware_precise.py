@@ -269,3 +269,33 @@ def test_the_precise_metric_counts_what_the_engines_hold_not_what_is_pending() -
         store(kv, 2, 2)
         assert q.select([1, 2], {1: 3, 2: 0}, frozenset(), streamed()) == 1, choice
         assert seen == [(32, 256)]
+
+
+def test_a_prompt_no_engine_holds_goes_where_the_engines_hold_least() -> None:
+    """Between followed replicas equally good for a request (a prompt none holds, the same
+    load), the one whose engine holds the fewest blocks gets it (it evicts the least there),
+    whatever the hash would say: a few tenants' prompts no longer pile onto one replica by
+    the hash while the other's cache stays empty. A replica not followed: the hash, as
+    before (the approximate index cannot say how full a cache is)."""
+    prompts = [
+        RequestKey(
+            prefix=f"tenant {t} " * 30,
+            blocks=block_keys(f"tenant {t} " * 100, 256),
+            tokens=tuple(range(1000 + t, 1256 + t)),
+            text_chars=len(f"tenant {t} " * 100),
+            streams=True,
+        )
+        for t in range(12)
+    ]
+    hashed = set()
+    for full in (1, 2):
+        p, kv = live_policy()
+        empty = 2 if full == 1 else 1
+        kv.apply(full, [BlockStored((9_000, 9_001), None, tuple(range(32)), 16)])  # unrelated
+        for prompt in prompts:
+            assert p.select([1, 2], {1: 0, 2: 0}, frozenset(), prompt) == empty
+        q, kv = policy()  # 1 not followed: the hash
+        kv.set_trust(2, Trust.LIVE)
+        kv.apply(2, [BlockStored((9_000, 9_001), None, tuple(range(32)), 16)])
+        hashed |= {q.select([1, 2], {1: 0, 2: 0}, frozenset(), prompt) for prompt in prompts}
+    assert hashed == {1, 2}
