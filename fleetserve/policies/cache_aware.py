@@ -498,8 +498,9 @@ class CacheAware:
         return {"replica": choice, "blocks": len(keys), "why": why, "replicas": replicas}
 
     def _roomiest(self, tied: list[int]) -> list[int]:
-        """Of replicas equally good for a request, those whose caches have the most room (the
-        approximate index cannot say: all of them; the precise mode knows)."""
+        """Of replicas equally good for a request, those whose caches have clearly more room
+        than the others (the approximate index cannot say: all of them; the precise mode
+        knows)."""
         return tied
 
     def _backlog(self, rid: int) -> int:

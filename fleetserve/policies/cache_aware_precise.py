@@ -255,16 +255,20 @@ class PreciseCacheAware(CacheAware):
 
     def _roomiest(self, tied: list[int]) -> list[int]:
         """Of replicas equally good for a request (the same cost and load: a prompt nobody
-        holds, on idle replicas), those whose engines hold the fewest blocks, when every one
-        is followed: a new prompt goes where it evicts the least, as sglang-router's smallest
-        tree places one, instead of by the hash alone (which may put most of a few tenants'
-        prompts on one replica, its cache thrashing while the other's stays empty)."""
+        holds, on idle replicas), when every one is followed: those whose engines hold at
+        most 3/4 of what the fullest of them holds, if some do (a new prompt goes where it
+        evicts less, as sglang-router's smallest tree places one, instead of by the hash
+        alone, which may put a few tenants' prompts on one replica, its cache thrashing while
+        the other's stays empty). Counts closer than that leave the choice to the hash: the
+        LB's processes each follow the engines' events and may be a batch apart, and the
+        hash is what they agree on. Counts are blocks, so caches of one size compare."""
         trust = self.precise.trust
         if len(tied) < 2 or any(trust(rid) is not Trust.LIVE for rid in tied):
             return tied
         held = {rid: self.precise.blocks(rid) for rid in tied}
-        fewest = min(held.values())
-        return [rid for rid in tied if held[rid] == fewest]
+        most = max(held.values())
+        roomy = [rid for rid in tied if 4 * held[rid] <= 3 * most]
+        return roomy or tied
 
     def sending(self, replica: int, key: RequestKey) -> object | None:
         """TracksSends: a request with a prompt is sent to `replica`. A streamed one is

@@ -271,31 +271,66 @@ def test_the_precise_metric_counts_what_the_engines_hold_not_what_is_pending() -
         assert seen == [(32, 256)]
 
 
-def test_a_prompt_no_engine_holds_goes_where_the_engines_hold_least() -> None:
+def held_blocks(kv: KvIndex, replica: int, n: int) -> None:
+    """`replica`'s engine holds n blocks of a prompt no test request shares."""
+    hashes = tuple(range(replica * 10_000, replica * 10_000 + n))
+    kv.apply(replica, [BlockStored(hashes, None, tuple(range(50_000, 50_000 + 16 * n)), 16)])
+
+
+PROMPTS = [
+    RequestKey(
+        prefix=f"tenant {t} " * 30,
+        blocks=block_keys(f"tenant {t} " * 100, 256),
+        tokens=tuple(range(1000 + t, 1256 + t)),
+        text_chars=len(f"tenant {t} " * 100),
+        streams=True,
+    )
+    for t in range(12)
+]
+
+
+def placements(held: dict[int, int], choice: str = "cost") -> list[int | None]:
+    """Where a fresh precise policy places each of PROMPTS, on idle live replicas whose
+    engines hold `held` blocks."""
+    out = []
+    for prompt in PROMPTS:
+        kv = KvIndex()
+        for rid, n in held.items():
+            kv.set_trust(rid, Trust.LIVE)
+            if n:
+                held_blocks(kv, rid, n)
+        p = PreciseCacheAware(kv, NoTokens(), choice=choice)
+        out.append(p.select(list(held), dict.fromkeys(held, 0), frozenset(), prompt))
+    return out
+
+
+def test_a_prompt_no_engine_holds_goes_where_the_engines_hold_clearly_less() -> None:
     """Between followed replicas equally good for a request (a prompt none holds, the same
-    load), the one whose engine holds the fewest blocks gets it (it evicts the least there),
-    whatever the hash would say: a few tenants' prompts no longer pile onto one replica by
-    the hash while the other's cache stays empty. A replica not followed: the hash, as
-    before (the approximate index cannot say how full a cache is)."""
-    prompts = [
-        RequestKey(
-            prefix=f"tenant {t} " * 30,
-            blocks=block_keys(f"tenant {t} " * 100, 256),
-            tokens=tuple(range(1000 + t, 1256 + t)),
-            text_chars=len(f"tenant {t} " * 100),
-            streams=True,
-        )
-        for t in range(12)
-    ]
-    hashed = set()
-    for full in (1, 2):
-        p, kv = live_policy()
-        empty = 2 if full == 1 else 1
-        kv.apply(full, [BlockStored((9_000, 9_001), None, tuple(range(32)), 16)])  # unrelated
-        for prompt in prompts:
-            assert p.select([1, 2], {1: 0, 2: 0}, frozenset(), prompt) == empty
-        q, kv = policy()  # 1 not followed: the hash
-        kv.set_trust(2, Trust.LIVE)
-        kv.apply(2, [BlockStored((9_000, 9_001), None, tuple(range(32)), 16)])
-        hashed |= {q.select([1, 2], {1: 0, 2: 0}, frozenset(), prompt) for prompt in prompts}
-    assert hashed == {1, 2}
+    load), one whose engine holds at most 3/4 of what the fullest holds gets it, whatever
+    the hash would say (it evicts less there): a few tenants' prompts no longer pile onto
+    one replica by the hash while the other's cache stays empty. Under both choice rules."""
+    for choice in ("cost", "match"):
+        assert placements({1: 8, 2: 0}, choice) == [2] * 12
+        assert placements({1: 0, 2: 8}, choice) == [1] * 12
+        assert placements({1: 12, 2: 9}, choice) == [2] * 12  # (9 <= 3/4 of 12)
+
+
+def test_counts_close_together_leave_the_new_prompt_to_the_hash() -> None:
+    """The LB's processes each follow the engines' events and may be a batch apart: where
+    the counts are close the hash decides, so processes that see 10 / 12 or 11 / 12 blocks
+    (or equal counts, or none followed) place each new prompt alike."""
+    by_hash = placements({1: 12, 2: 12})
+    assert set(by_hash) == {1, 2}  # (the hash spreads the twelve prompts)
+    assert placements({1: 10, 2: 12}) == by_hash
+    assert placements({1: 12, 2: 11}) == by_hash
+    assert placements({1: 0, 2: 0}) == by_hash
+
+
+def test_room_comes_after_the_load() -> None:
+    """Equal costs, unequal loads: the less loaded replica gets the prompt, however full its
+    engine (room only parts replicas equally good and equally loaded)."""
+    p, kv = live_policy()
+    held_blocks(kv, 2, 12)  # 2's engine full, 1's empty
+    p.prefilling[2] = 4  # cost: 1 has 4 requests in flight, 2 four blocks to prefill: equal
+    for prompt in PROMPTS:
+        assert p.select([1, 2], {1: 4, 2: 0}, frozenset(), prompt) == 2
