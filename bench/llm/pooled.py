@@ -32,14 +32,23 @@ METRICS = (
 
 def pairs(
     data: dict[str, Any], a: str, b: str, load_: float | None
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(a's run, b's run) of each round where both ran (the same workload and load)."""
-    rounds: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = defaultdict(dict)
+) -> tuple[list[tuple[dict[str, Any], dict[str, Any]]], int]:
+    """(a's run, b's run) of each round where both ran once (the same workload and load),
+    and how many rounds were left out because one of them ran more than once there."""
+    rounds: dict[tuple[Any, ...], dict[str, list[dict[str, Any]]]] = defaultdict(dict)
     for run in data.get("runs", []):
         if load_ is not None and abs(float(run.get("load", -1)) - load_) > 1e-9:
             continue
-        rounds[(run["round"], run["workload"], run["load"])][target(run["policy"])] = run
-    return [(r[a], r[b]) for r in rounds.values() if a in r and b in r]
+        key = (run["round"], run["workload"], run["load"])
+        rounds[key].setdefault(target(run["policy"]), []).append(run)
+    out, twice = [], 0
+    for r in rounds.values():
+        if a in r and b in r:
+            if len(r[a]) == 1 and len(r[b]) == 1:
+                out.append((r[a][0], r[b][0]))
+            else:
+                twice += 1
+    return out, twice
 
 
 def main() -> None:
@@ -51,14 +60,29 @@ def main() -> None:
     args = ap.parse_args()
     a, b = args.a.removeprefix("A="), args.b.removeprefix("B=")
     found: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    seen: dict[str, Path] = {}
+    twice = 0
     for path in args.results:
+        name = path.name.removesuffix(".gz").removesuffix(".json")
+        if name in seen:  # (one run's JSON, gzipped and not: counted once)
+            print(f"skipped {path}: the same run as {seen[name]}")
+            continue
         data = load(path)
         if data is not None:
-            found += [(path.name, x, y) for x, y in pairs(data, a, b, args.load)]
+            seen[name] = path
+            got, left_out = pairs(data, a, b, args.load)
+            found += [(name, x, y) for x, y in got]
+            twice += left_out
     if not found:
         raise SystemExit(f"no round where both {a} and {b} ran in the files given")
     files = sorted({name for name, _, _ in found})
-    print(f"{a} / {b}: {len(found)} paired rounds in {len(files)} files ({', '.join(files)})")
+    loads = sorted({x["load"] for _, x, _ in found})
+    print(
+        f"{a} / {b}: {len(found)} paired rounds in {len(files)} files ({', '.join(files)}),"
+        f" loads {', '.join(map(str, loads))}"
+    )
+    if twice:
+        print(f"({twice} rounds left out: {a} or {b} ran more than once in them)")
     for label, field, lower_is_better in METRICS:
         logs = []
         better = 0
