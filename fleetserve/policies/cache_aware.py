@@ -28,7 +28,9 @@ keeper gets the prompt. The keeper is the one of those replicas that the consist
 the prompt's first block picks (`_tie`): every process agrees on it. Between equally good
 replicas (cost: the same cost; match: a new conversation, a prompt nobody shares) the less
 loaded wins, then a consistent hash of the prompt's first block, so that the processes of one
-load balancer and a restarted one place the same new prompt on the same replica. Requests
+load balancer and a restarted one place the same new prompt on the same replica (the precise
+mode first keeps, of those, the replicas whose engines hold clearly fewer blocks: `_roomiest`
+in fleetserve.policies.cache_aware_precise; close counts still go to the hash). Requests
 without a prompt (GET, non-JSON) or with one shorter than a block go by least load (cost: the
 least queue first).
 
