@@ -156,6 +156,14 @@ class IndexShare:
         flight. (It used to wake every `interval` while any was in flight, to see whether
         their counts had changed: 200 wake-ups a second per process for nothing while long
         streams ran, CPU taken from replicas sharing the machine's cores.)"""
+        try:
+            await self._run()
+        finally:
+            if self._sent_due is not None:  # (stopped: no deferred set's wake after it)
+                self._sent_due.cancel()
+                self._sent_due = None
+
+    async def _run(self) -> None:
         while True:
             await self._wake.wait()
             await asyncio.sleep(self.interval)

@@ -5,6 +5,7 @@ goes on past a dead worker, and a restarted one gets the index; other policies s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -276,8 +277,20 @@ async def test_pending_sets_go_at_most_once_an_interval_and_the_last_one_always_
                 break
             await asyncio.sleep(0.01)
         assert [json.loads(x).get("sent") for x in lines] == [[[1, [11, 12]]], []]
+        # A set deferred when the share stops: its wake is cancelled with it.
+        token = sel.sending(1, key)
+        replicas.on_count()
+        for _ in range(300):
+            if share._sent_due is not None:
+                break
+            await asyncio.sleep(0.005)
+        due = share._sent_due
+        assert due is not None
     finally:
         task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert due.cancelled() and share._sent_due is None
 
 
 # -- real load-balancer processes ---------------------------------------------------------------
